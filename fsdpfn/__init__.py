@@ -1,0 +1,33 @@
+"""fsdpfn: fully sharded data parallelism for PyTorch, the JAX way.
+
+Parameters live in an explicit sharded pytree (``Sharded``); ``unshard`` (all-gather), ``reshard``
+(drop the gathered copy) and ``reduce`` (reduce-scatter) are pure, differentiable functions.
+
+Example:
+    >>> import fsdpfn, torch
+    >>> mesh = fsdpfn.init_mesh()                      # world of one under plain python  # doctest: +SKIP
+    >>> params = fsdpfn.shard(torch.nn.Linear(4, 3), mesh)                               # doctest: +SKIP
+    >>> full = fsdpfn.unshard(params)                  # {'weight': ..., 'bias': ...}     # doctest: +SKIP
+"""
+
+from fsdpfn.core import init_mesh
+from fsdpfn.layout import Sharded, ShardSpec, shard_tensor, unshard_tensors
+from fsdpfn.ops import reduce, reshard, shard, unshard
+from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ShardSpec",
+    "Sharded",
+    "init_mesh",
+    "reduce",
+    "reshard",
+    "shard",
+    "shard_tensor",
+    "unshard",
+    "unshard_tensors",
+]

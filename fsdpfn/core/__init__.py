@@ -1,0 +1,7 @@
+"""The communication core: the only part of fsdpfn that talks to ``torch.distributed`` collectives,
+streams and events."""
+
+from fsdpfn.core.comm import Comm, CommStats, Handle
+from fsdpfn.core.mesh import MeshGroups, init_mesh, mesh_groups
+
+__all__ = ["Comm", "CommStats", "Handle", "MeshGroups", "init_mesh", "mesh_groups"]

@@ -1,0 +1,229 @@
+"""The communication core: bucket all-gathers, reduce-scatters and replicate all-reduces.
+
+Every collective fsdpfn issues goes through a ``Comm``. Each call launches the collective and returns a
+``Handle``; ``Handle.wait()`` makes the caller's stream (CUDA) or thread (CPU) wait for it and returns the
+result. On CPU the collective is gloo async work running on gloo's own thread, so Python can compute
+while it is in flight. On CUDA it runs on a side stream: the side stream first waits for the current
+stream (inputs ready), the result is handed back through an event, and the input buffer is kept alive by
+the handle until the waiting stream is ordered after the event — no ``record_stream``.
+
+All-gathers move raw bytes (any dtype, bool and complex included); reduce-scatters sum in the buffer's
+dtype (complex as pairs of reals) and scale afterwards, since gloo has no ``PREMUL_SUM``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdpfn.core.mesh import MeshGroups, mesh_groups
+
+__all__ = ["Comm", "CommStats", "Handle"]
+
+# torch >= 2.13 names the single-tensor collectives *_single; older releases call them *_tensor.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Counters of one ``Comm``: collectives issued and bytes of gathered buffers alive.
+
+    ``log`` records ``(kind, label, nbytes)`` for every collective while ``recording`` is true.
+
+    Example:
+        >>> stats = params.plan.comm.stats; stats.reset()     # doctest: +SKIP
+        >>> fsdpfn.unshard(params); stats.all_gathers          # doctest: +SKIP
+    """
+
+    all_gathers: int = 0
+    reduce_scatters: int = 0
+    all_reduces: int = 0
+    live_gathered_bytes: int = 0
+    peak_gathered_bytes: int = 0
+    recording: bool = False
+    log: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Zero the counters and the log (live bytes stay: they describe buffers still alive)."""
+        self.all_gathers = self.reduce_scatters = self.all_reduces = 0
+        self.peak_gathered_bytes = self.live_gathered_bytes
+        self.log.clear()
+
+    def _note(self, kind: str, label: str, nbytes: int) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        if self.recording:
+            self.log.append((kind, label, nbytes))
+
+    def _alloc(self, nbytes: int) -> None:
+        self.live_gathered_bytes += nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.live_gathered_bytes)
+
+    def _free(self, nbytes: int) -> None:
+        self.live_gathered_bytes -= nbytes
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` (idempotent) orders the caller after it and returns the result."""
+
+    __slots__ = ("_work", "_event", "_keep", "_finish", "_result", "_done")
+
+    def __init__(self, result: torch.Tensor, *, work: Any = None, event: Any = None, keep: tuple = (), finish: Any = None):
+        self._result = result
+        self._work = work
+        self._event = event
+        self._keep = keep
+        self._finish = finish
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        """Block (CPU) or make the current stream wait (CUDA) until the collective is done."""
+        if not self._done:
+            self._done = True
+            if self._work is not None:
+                self._work.wait()
+            if self._event is not None:
+                torch.cuda.current_stream().wait_event(self._event)
+            if self._finish is not None:
+                self._result = self._finish(self._result)
+            self._work = self._event = self._finish = None
+            self._keep = ()
+        return self._result
+
+    def __del__(self) -> None:
+        # A dropped handle must still order the caller after the collective before its buffers go.
+        if not self._done:
+            try:
+                self.wait()
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+
+class Comm:
+    """Collectives of one mesh, with their streams (CUDA) and counters.
+
+    Example:
+        >>> comm = Comm(fsdpfn.init_mesh())                     # doctest: +SKIP
+        >>> full = comm.all_gather(torch.ones(3)).wait()        # (world, 3)  # doctest: +SKIP
+    """
+
+    def __init__(self, mesh: Any):
+        self.mesh = mesh
+        self.groups: MeshGroups = mesh_groups(mesh)
+        self.stats = CommStats()
+        self._streams: dict[str, Any] = {}
+
+    @property
+    def world(self) -> int:
+        """Ranks in the shard group."""
+        return self.groups.world
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the shard group."""
+        return self.groups.rank
+
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel ranks: shard group size times replicas."""
+        return self.groups.world * self.groups.replicas
+
+    def _stream(self, name: str) -> Any:
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = torch.cuda.Stream(priority=-1)
+        return stream
+
+    def _launch(self, name: str, fn: Any, *, keep: tuple, result: torch.Tensor, finish: Any = None) -> Handle:
+        """Run ``fn(async_op)`` on gloo's thread (CPU) or on the side stream ``name`` (CUDA)."""
+        if result.device.type == "cuda":
+            current = torch.cuda.current_stream()
+            stream = self._stream(name)
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                fn(False)
+                if finish is not None:
+                    result = finish(result)
+                event = stream.record_event()
+            return Handle(result, event=event, keep=keep)
+        work = fn(True)
+        return Handle(result, work=work, keep=keep, finish=finish)
+
+    def all_gather(self, flat: torch.Tensor, *, label: str = "") -> Handle:
+        """All-gather ``flat`` (``(*batch, n)``, any dtype) over the shard group into ``(world, *batch, n)``."""
+        world = self.groups.world
+        if world == 1:
+            return Handle(flat.unsqueeze(0))
+        flat = flat.contiguous()
+        out = flat.new_empty((world, *flat.shape))
+        nbytes = out.numel() * out.element_size()
+        self.stats._alloc(nbytes)
+        weakref.finalize(out, self.stats._free, nbytes)
+        self.stats._note("all_gathers", label, nbytes)
+        if flat.numel() == 0:
+            return Handle(out)
+        group = self.groups.shard_group
+        send, recv = _as_bytes(flat), _as_bytes(out)
+        return self._launch("gather", lambda a: _all_gather(recv, send, group=group, async_op=a), keep=(flat,), result=out)
+
+    def reduce_scatter(self, full: torch.Tensor, *, scale: float = 1.0, label: str = "") -> Handle:
+        """Sum ``full`` (``(world, *batch, n)``) over the shard group, keep this rank's ``(*batch, n)``,
+        all-reduce it over the replicate group (HSDP), then multiply by ``scale``."""
+        groups = self.groups
+        if full.shape[0] != groups.world:
+            raise ValueError(f"reduce_scatter: leading dim {full.shape[0]} != shard world {groups.world}")
+        full = full.contiguous()
+        replicate = groups.replicate_group
+
+        def finish(out: torch.Tensor) -> torch.Tensor:
+            if replicate is not None and out.numel():
+                self.stats._note("all_reduces", label, out.numel() * out.element_size())
+                dist.all_reduce(_as_reals(out), group=replicate)
+            if scale != 1.0:
+                out.mul_(scale)
+            return out
+
+        if groups.world == 1:
+            out = full[0]  # our own packed buffer: finishing in place is safe
+            return Handle(finish(out))
+        out = full.new_empty(full.shape[1:])
+        self.stats._note("reduce_scatters", label, full.numel() * full.element_size())
+        if out.numel() == 0:
+            return Handle(out)
+        group = groups.shard_group
+        send, recv = _as_reals(full).reshape(-1), _as_reals(out).reshape(-1)
+        return self._launch(
+            "reduce",
+            lambda a: _reduce_scatter(recv, send, op=dist.ReduceOp.SUM, group=group, async_op=a),
+            keep=(full,),
+            result=out,
+            finish=finish,
+        )
+
+    def all_reduce_sum(self, t: torch.Tensor, *, label: str = "") -> Handle:
+        """Sum ``t`` over every rank of the mesh (shard and replicate groups); ``t`` is updated in place."""
+        t_real = _as_reals(t)
+        self.stats._note("all_reduces", label, t.numel() * t.element_size())
+        groups = self.groups
+
+        def fn(a: bool) -> Any:
+            work = dist.all_reduce(t_real, group=groups.shard_group, async_op=a)
+            if groups.replicate_group is not None:
+                if work is not None:
+                    work.wait()
+                work = dist.all_reduce(t_real, group=groups.replicate_group, async_op=a)
+            return work
+
+        return self._launch("reduce", fn, keep=(), result=t)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _as_reals(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t

@@ -1,0 +1,116 @@
+"""Process-group and device-mesh set-up: ``init_mesh`` and the groups a mesh implies."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MeshGroups", "init_mesh", "mesh_groups"]
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _backend(device_type: str) -> str:
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def init_mesh(
+    shape: Sequence[int] | int | None = None,
+    *,
+    names: Sequence[str] | None = None,
+    device: str | torch.device | None = None,
+) -> DeviceMesh:
+    """Create the device mesh fsdpfn shards over, starting the default process group if needed.
+
+    Under ``torchrun`` the group comes from the environment (``RANK``, ``WORLD_SIZE``, ...); run as
+    plain ``python`` it is a world of one. ``device`` defaults to ``cuda`` (NCCL) when a GPU is visible,
+    else ``cpu`` (gloo). ``shape=None`` is 1-D over every rank (FSDP); ``(R, S)`` is HSDP with ``R``
+    replicas of ``S``-way sharding, dims named ``("replicate", "shard")`` unless ``names`` says otherwise.
+
+    Example:
+        >>> mesh = fsdpfn.init_mesh()          # 1-D, every rank  # doctest: +SKIP
+        >>> mesh = fsdpfn.init_mesh((2, 2))    # HSDP on 4 ranks  # doctest: +SKIP
+    """
+    device_type = torch.device(device).type if device is not None else _default_device_type()
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"init_mesh: device {device!r} is not supported; use 'cpu' or 'cuda'")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("init_mesh: device='cuda' was asked for but no GPU is visible; use device='cpu'")
+    if not dist.is_initialized():
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(_backend(device_type))
+        else:
+            dist.init_process_group(_backend(device_type), store=dist.HashStore(), rank=0, world_size=1)
+    world = dist.get_world_size()
+    if shape is None:
+        shape = (world,)
+    elif isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(s) for s in shape)
+    if len(shape) not in (1, 2) or any(s < 1 for s in shape):
+        raise ValueError(f"init_mesh: shape {shape} must be (shard,) or (replicate, shard) with positive sizes")
+    if math.prod(shape) != world:
+        raise ValueError(
+            f"init_mesh: shape {shape} covers {math.prod(shape)} ranks but the world has {world}; "
+            f"pick a shape whose product is {world}"
+        )
+    if names is None:
+        names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+    names = tuple(names)
+    if len(names) != len(shape):
+        raise ValueError(f"init_mesh: {len(names)} names {names} for a {len(shape)}-D shape {shape}")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    """The groups fsdpfn communicates over for a mesh: shard group (last dim) and replicate group."""
+
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    replicas: int
+    device_type: str
+
+    @property
+    def device(self) -> torch.device:
+        """The device shards and gathered buffers live on."""
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type)
+
+
+def mesh_groups(mesh: DeviceMesh) -> MeshGroups:
+    """The shard and replicate groups of a 1-D (FSDP) or 2-D (HSDP, ``(replicate, shard)``) mesh.
+
+    Example:
+        >>> groups = mesh_groups(fsdpfn.init_mesh())   # doctest: +SKIP
+        >>> groups.rank, groups.world                   # doctest: +SKIP
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"expected a torch.distributed.device_mesh.DeviceMesh (from fsdpfn.init_mesh), got {type(mesh).__name__}"
+        )
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"a {mesh.ndim}-D mesh is not supported; use 1-D (FSDP) or 2-D (replicate, shard)")
+    shard_group = mesh.get_group(mesh.ndim - 1)
+    replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+    return MeshGroups(
+        shard_group=shard_group,
+        replicate_group=replicate_group,
+        rank=dist.get_rank(shard_group),
+        world=dist.get_world_size(shard_group),
+        replicas=dist.get_world_size(replicate_group) if replicate_group is not None else 1,
+        device_type=mesh.device_type,
+    )

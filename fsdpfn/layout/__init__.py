@@ -1,0 +1,21 @@
+"""Pure layout arithmetic: shard specs, bucket layouts, shard plans and the ``Sharded`` pytree.
+
+Nothing in this package communicates or imports ``torch.distributed``; it imports nothing else of fsdpfn.
+"""
+
+from fsdpfn.layout.bucket import BucketLayout
+from fsdpfn.layout.plan import ParamInfo, ShardPlan, UnitPlan, build_plan
+from fsdpfn.layout.sharded import Sharded
+from fsdpfn.layout.spec import ShardSpec, shard_tensor, unshard_tensors
+
+__all__ = [
+    "BucketLayout",
+    "ParamInfo",
+    "ShardPlan",
+    "ShardSpec",
+    "Sharded",
+    "UnitPlan",
+    "build_plan",
+    "shard_tensor",
+    "unshard_tensors",
+]

@@ -1,0 +1,188 @@
+"""The bucket layout: how many parameters' shards travel in one flat collective buffer.
+
+A bucket holds the parameters of one unit that share a collective dtype. Each rank contributes one flat
+segment of ``numel`` elements: its padded shards one after another, each stored *dim-major* (the sharded
+dimension first, shape ``(chunk, *other_dims)``). The all-gather output is ``(world, numel)``; a parameter
+sharded on any dim is then a view ``(world * chunk, *other_dims)[:rows].movedim(0, dim)`` of its own
+contiguous segment, so a one-parameter bucket yields its full parameter as a pure view of the gathered
+buffer and a many-parameter bucket needs a single copy-out (``torch.split_with_sizes_copy``).
+
+Every function here also takes leading *batch* dimensions (used by ``vmap`` rules): shards of shape
+``(*batch, *local_shape)`` pack to ``(*batch, numel)`` and a gathered ``(world, *batch, numel)`` unpacks
+to full tensors ``(*batch, *shape)``. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fsdpfn.layout.spec import ShardSpec
+
+__all__ = ["BucketLayout"]
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """Offsets of several parameters' padded shards inside one flat per-rank segment.
+
+    Example:
+        >>> specs = (ShardSpec((5, 2), 2), ShardSpec((3,), 2))
+        >>> layout = BucketLayout.build(("w", "b"), specs, torch.float32)
+        >>> layout.offsets, layout.numel   # w: 3 rows x 2, b: 2 rows
+        ((0, 6), 8)
+        >>> flat = layout.pack_shards([torch.ones(3, 2), torch.ones(2)], rank=0)
+        >>> flat.shape
+        torch.Size([8])
+    """
+
+    fqns: tuple[str, ...]
+    specs: tuple[ShardSpec, ...]
+    dtype: torch.dtype
+    offsets: tuple[int, ...]
+    numel: int
+
+    @classmethod
+    def build(cls, fqns: Sequence[str], specs: Sequence[ShardSpec], dtype: torch.dtype) -> BucketLayout:
+        """Lay ``specs`` out back to back (no gaps) in the order given."""
+        if len(fqns) != len(specs):
+            raise ValueError(f"BucketLayout: {len(fqns)} names for {len(specs)} specs")
+        worlds = {s.world for s in specs}
+        if len(worlds) > 1:
+            raise ValueError(f"BucketLayout: specs disagree on the world size: {sorted(worlds)}")
+        offsets, total = [], 0
+        for spec in specs:
+            offsets.append(total)
+            total += spec.padded_numel
+        return cls(tuple(fqns), tuple(specs), dtype, tuple(offsets), total)
+
+    @property
+    def world(self) -> int:
+        """Number of ranks the bucket is split over."""
+        return self.specs[0].world if self.specs else 1
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Padded per-rank elements of each member."""
+        return tuple(s.padded_numel for s in self.specs)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one rank's segment."""
+        return self.numel * self.dtype.itemsize
+
+    # --- all-gather side --------------------------------------------------------------------
+    def pack_shards(
+        self,
+        shards: Sequence[torch.Tensor | None],
+        rank: int,
+        *,
+        batch: tuple[int, ...] = (),
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """Copy unpadded local shards (cast to ``dtype``) into a new zero-padded ``(*batch, numel)`` buffer.
+
+        A ``None`` shard counts as zeros."""
+        self._check_count(shards)
+        nb = len(batch)
+        if device is None:
+            device = next((s.device for s in shards if s is not None), torch.device("cpu"))
+        out = torch.zeros(*batch, self.numel, dtype=self.dtype, device=device)
+        dsts, srcs = [], []
+        for fqn, spec, off, shard in zip(self.fqns, self.specs, self.offsets, shards):
+            if shard is None:
+                continue
+            expected = batch + spec.local_shape(rank)
+            if tuple(shard.shape) != expected:
+                raise ValueError(
+                    f"shard of {fqn!r} has shape {tuple(shard.shape)} but rank {rank} of this plan "
+                    f"holds {expected}; was it built by another plan or world size?"
+                )
+            rows = spec.local_rows(rank)
+            n = rows * spec.row_numel
+            if n == 0:
+                continue
+            dsts.append(out[..., off : off + n].view(*batch, rows, *spec.other_dims))
+            srcs.append(shard.movedim(nb + spec.dim, nb))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        return out
+
+    def unpack_full(self, gathered: torch.Tensor, *, batch_ndim: int = 0) -> list[torch.Tensor]:
+        """Full tensors from the all-gather output ``(world, *batch, numel)``.
+
+        A one-member unbatched bucket gives a view of ``gathered``; otherwise one copy-out per call.
+        """
+        nb = batch_ndim
+        world = self.world
+        if nb == 0:
+            g = gathered.view(world, self.numel)
+            if len(self.specs) == 1:
+                return [_full_view(g, self.specs[0], 0)]
+            bufs = [g.new_empty(world, size) for size in self.sizes]
+            torch.split_with_sizes_copy(g, list(self.sizes), dim=1, out=bufs)
+            return [_full_view(b, spec, 0) for b, spec in zip(bufs, self.specs)]
+        out = []
+        for spec, off, size in zip(self.specs, self.offsets, self.sizes):
+            seg = gathered[..., off : off + size].movedim(0, nb)  # (*batch, world, size)
+            out.append(_full_view(seg.reshape(*seg.shape[:nb], world * size), spec, nb))
+        return out
+
+    # --- reduce-scatter side ----------------------------------------------------------------
+    def pack_full(
+        self,
+        fulls: Sequence[torch.Tensor | None],
+        *,
+        batch: tuple[int, ...] = (),
+        device: torch.device | None = None,
+    ) -> torch.Tensor:
+        """Lay full tensors out as the reduce-scatter input ``(world, *batch, numel)``; ``None`` is zero."""
+        self._check_count(fulls)
+        nb = len(batch)
+        if device is None:
+            device = next((f.device for f in fulls if f is not None), torch.device("cpu"))
+        out = torch.zeros(self.world, *batch, self.numel, dtype=self.dtype, device=device)
+        for fqn, spec, off, full in zip(self.fqns, self.specs, self.offsets, fulls):
+            if full is None:
+                continue
+            if tuple(full.shape) != batch + spec.shape:
+                raise ValueError(
+                    f"gradient of {fqn!r} has shape {tuple(full.shape)}, expected {batch + spec.shape}"
+                )
+            chunk, rows = spec.chunk, spec.rows
+            if chunk == 0 or spec.row_numel == 0:
+                continue
+            src = full.reshape(*batch, 1) if not spec.shape else full.movedim(nb + spec.dim, nb)
+            dst = out[..., off : off + spec.padded_numel].view(self.world, *batch, chunk, *spec.other_dims)
+            q, rem = divmod(rows, chunk)
+            if q:
+                body = src.narrow(nb, 0, q * chunk).reshape(*batch, q, chunk, *spec.other_dims)
+                dst[:q].copy_(body.movedim(nb, 0))
+            if rem:
+                dst[q].narrow(nb, 0, rem).copy_(src.narrow(nb, q * chunk, rem))
+        return out
+
+    def unpack_shards(self, flat: torch.Tensor, rank: int, *, batch_ndim: int = 0) -> list[torch.Tensor]:
+        """Unpadded local shards as views of a ``(*batch, numel)`` segment (reduce-scatter output)."""
+        batch = tuple(flat.shape[:batch_ndim])
+        out = []
+        for spec, off in zip(self.specs, self.offsets):
+            rows = spec.local_rows(rank)
+            seg = flat[..., off : off + rows * spec.row_numel].view(*batch, rows, *spec.other_dims)
+            out.append(seg.movedim(batch_ndim, batch_ndim + spec.dim))
+        return out
+
+    def _check_count(self, tensors: Sequence[object]) -> None:
+        if len(tensors) != len(self.fqns):
+            raise ValueError(f"bucket of {list(self.fqns)} got {len(tensors)} tensors")
+
+
+def _full_view(buf: torch.Tensor, spec: ShardSpec, nb: int) -> torch.Tensor:
+    """``buf`` is ``(*batch, world * padded_numel)`` in dim-major order; return the full tensor view."""
+    batch = tuple(buf.shape[:nb])
+    rows_major = buf.view(*batch, spec.world * spec.chunk, *spec.other_dims).narrow(nb, 0, spec.rows)
+    if not spec.shape:
+        return rows_major.view(batch)
+    return rows_major.movedim(nb, nb + spec.dim)

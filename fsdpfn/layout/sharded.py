@@ -1,0 +1,170 @@
+"""``Sharded``: the sharded parameter pytree.
+
+Its children are this rank's unpadded local shards, keyed by parameter FQN, followed by the module's
+buffers (replicated, never sharded, never reduced). Its static metadata is the ``ShardPlan``. It is a
+pytree node for ``torch.utils._pytree`` (hence ``torch.func``) and for optree's ``"torch"`` namespace, so
+``tree_map(f, params)`` returns a ``Sharded`` with the same plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.utils._pytree as torch_pytree
+
+from fsdpfn.layout.plan import ShardPlan
+from fsdpfn.layout.spec import ShardSpec
+
+__all__ = ["Sharded"]
+
+T = TypeVar("T")
+
+
+class Sharded(Generic[T]):
+    """A mapping from leaf name to this rank's local shard, carrying the plan that made it.
+
+    Leaves are usually tensors; derived trees (gradients, optimizer state, ``tree_map`` results) may
+    hold anything, ``None`` included (frozen parameters have ``None`` gradients).
+
+    Example:
+        >>> params = fsdpfn.shard(model, mesh)                       # doctest: +SKIP
+        >>> params["0.weight"].shape, params.specs["0.weight"]       # doctest: +SKIP
+        >>> zeros = torch.utils._pytree.tree_map(torch.zeros_like, params)  # still a Sharded
+    """
+
+    __slots__ = ("_leaves", "_plan")
+
+    def __init__(self, leaves: Mapping[str, T], plan: ShardPlan) -> None:
+        if not isinstance(plan, ShardPlan):
+            raise TypeError(f"Sharded: plan must be a ShardPlan, got {type(plan).__name__}")
+        keys = plan.keys
+        missing = [k for k in keys if k not in leaves]
+        extra = [k for k in leaves if k not in plan.specs and k not in plan.buffers]
+        if missing or extra:
+            raise KeyError(
+                "Sharded: leaves do not match the plan"
+                + (f"; missing {missing}" if missing else "")
+                + (f"; not in the plan {extra}" if extra else "")
+            )
+        self._leaves = {k: leaves[k] for k in keys}
+        self._plan = plan
+
+    @classmethod
+    def _from_children(cls, children: list[Any], plan: ShardPlan) -> Sharded[Any]:
+        obj = cls.__new__(cls)
+        obj._leaves = dict(zip(plan.keys, children))
+        obj._plan = plan
+        return obj
+
+    # --- mapping protocol ---------------------------------------------------------------------
+    def __getitem__(self, key: str) -> T:
+        try:
+            return self._leaves[key]
+        except KeyError:
+            owner = self._plan.aliases.get(key)
+            if owner is not None:
+                return self._leaves[owner]
+            raise KeyError(f"{key!r} is not a leaf of this Sharded ({self._plan.describe()})") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._leaves)
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._leaves
+
+    def keys(self) -> Any:
+        """Leaf names: parameters in plan order, then buffers (the same on every rank)."""
+        return self._leaves.keys()
+
+    def values(self) -> Any:
+        """Leaves in ``keys()`` order."""
+        return self._leaves.values()
+
+    def items(self) -> Any:
+        """``(name, leaf)`` pairs in ``keys()`` order."""
+        return self._leaves.items()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``self[key]`` or ``default``."""
+        return self._leaves.get(key, default)
+
+    # --- metadata -----------------------------------------------------------------------------
+    @property
+    def plan(self) -> ShardPlan:
+        """The static plan shared by every tree derived from the same ``shard`` call."""
+        return self._plan
+
+    @property
+    def specs(self) -> Mapping[str, ShardSpec]:
+        """``ShardSpec`` of every parameter (buffers have none)."""
+        return self._plan.specs
+
+    @property
+    def mesh(self) -> Any:
+        """The device mesh the tree is sharded over."""
+        return self._plan.mesh
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        """Unit names (module FQNs, ``""`` for the root), in collective order."""
+        return tuple(u.name for u in self._plan.units)
+
+    def params(self) -> dict[str, T]:
+        """Parameter leaves only (no buffers), in plan order."""
+        return {k: self._leaves[k] for k in self._plan.params}
+
+    def buffers(self) -> dict[str, T]:
+        """Buffer leaves only, in plan order."""
+        return {k: self._leaves[k] for k in self._plan.buffers}
+
+    def replace(self, updates: Mapping[str, Any]) -> Sharded[Any]:
+        """A new tree with some leaves replaced (names must belong to the plan).
+
+        Example:
+            >>> params = params.replace({"0.bias": torch.zeros_like(params["0.bias"])})  # doctest: +SKIP
+        """
+        unknown = [k for k in updates if k not in self._leaves]
+        if unknown:
+            raise KeyError(f"Sharded.replace: {unknown} are not leaves of this tree")
+        return Sharded._from_children([updates.get(k, v) for k, v in self._leaves.items()], self._plan)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k!r}: {_short(v)}" for k, v in list(self._leaves.items())[:4])
+        more = ", ..." if len(self._leaves) > 4 else ""
+        return f"Sharded({{{shown}{more}}}; {self._plan.describe()})"
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"Tensor{tuple(v.shape)}:{str(v.dtype).removeprefix('torch.')}"
+    return type(v).__name__ if v is not None else "None"
+
+
+Mapping.register(Sharded)
+
+
+def _flatten(tree: Sharded[Any]) -> tuple[list[Any], ShardPlan]:
+    return list(tree._leaves.values()), tree._plan
+
+
+def _flatten_with_keys(tree: Sharded[Any]) -> tuple[list[tuple[Any, Any]], ShardPlan]:
+    return [(torch_pytree.MappingKey(k), v) for k, v in tree._leaves.items()], tree._plan
+
+
+torch_pytree.register_pytree_node(
+    Sharded,
+    _flatten,
+    Sharded._from_children,
+    serialized_type_name="fsdpfn.Sharded",
+    flatten_with_keys_fn=_flatten_with_keys,
+)
+
+try:  # importing torch's optree bridge flushes the registration into optree's "torch" namespace
+    import torch.utils._cxx_pytree  # noqa: F401
+except ImportError:  # pragma: no cover - optree is a hard dependency, but stay importable without it
+    pass

@@ -1,0 +1,206 @@
+"""The pure, differentiable primitives: ``unshard``, ``reshard`` and ``reduce``.
+
+``unshard`` all-gathers (one collective per unit bucket) and its backward is ``reduce``; ``reduce``
+reduce-scatters and its backward is ``unshard``; ``reshard`` takes this rank's slice locally. The
+reduction semantics are always explicit: ``op="sum"`` sums over the data-parallel ranks, ``op="avg"``
+divides that sum by their number, and ``divide_by=F`` divides the sum by ``F`` instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fsdpfn.layout import Sharded, ShardPlan, UnitPlan
+from fsdpfn.layout.plan import ParamInfo, bucket_by_dtype
+from fsdpfn.ops.functions import Buckets, apply_buckets, collective_pair, reduce_collective
+
+__all__ = ["reduce", "reduce_scale", "reshard", "unshard"]
+
+
+def reduce_scale(plan: ShardPlan, op: str = "avg", divide_by: float | None = None) -> float:
+    """The factor a summed gradient is multiplied by for ``op``/``divide_by`` on ``plan``'s mesh.
+
+    Example:
+        >>> reduce_scale(params.plan, "avg")   # 1 / data-parallel ranks   # doctest: +SKIP
+    """
+    if op not in ("avg", "sum"):
+        raise ValueError(f"op={op!r} is not a reduction fsdpfn knows; use op='avg' or op='sum'")
+    if divide_by is not None:
+        if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not divide_by > 0:
+            raise ValueError(f"divide_by={divide_by!r} must be a positive number")
+        return 1.0 / float(divide_by)
+    return 1.0 / (plan.world * plan.replicas) if op == "avg" else 1.0
+
+
+def _check_tree(params: Any, what: str) -> ShardPlan:
+    if not isinstance(params, Sharded):
+        raise TypeError(f"{what}: expected a fsdpfn.Sharded (from fsdpfn.shard), got {type(params).__name__}")
+    return params.plan
+
+
+def _select_units(plan: ShardPlan, units: Sequence[str] | None) -> tuple[UnitPlan, ...]:
+    if units is None:
+        return plan.units
+    if isinstance(units, str):
+        units = [units]
+    return tuple(plan.unit(u) for u in units)
+
+
+def _check_shards(params: Sharded[Any], fqns: Sequence[str]) -> list[torch.Tensor]:
+    plan = params.plan
+    out = []
+    for fqn in fqns:
+        leaf = params[fqn]
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"leaf {fqn!r} is {type(leaf).__name__}, expected this rank's shard (a Tensor)")
+        want_shape = plan.specs[fqn].local_shape(plan.rank)
+        if tuple(leaf.shape) != want_shape or leaf.dtype != plan.dtypes[fqn]:
+            raise ValueError(
+                f"leaf {fqn!r} is {tuple(leaf.shape)} {leaf.dtype} but rank {plan.rank} of this plan holds "
+                f"{want_shape} {plan.dtypes[fqn]}; it does not belong to this plan (another model, world "
+                f"size or dtype?)"
+            )
+        out.append(leaf)
+    return out
+
+
+def _gather_collective(plan: ShardPlan, units: tuple[UnitPlan, ...], scale: float) -> Buckets:
+    key = ("gather", tuple(u.name for u in units), scale)
+    b = plan.memo.get(key)
+    if b is None:
+        b = plan.memo[key] = collective_pair(
+            plan.comm,
+            plan.rank,
+            fqns=[f for u in units for f in u.fqns],
+            gather=[lay for u in units for lay in u.gather],
+            reduce_fqns=[f for u in units for lay in u.reduce for f in lay.fqns],
+            reduce=[lay for u in units for lay in u.reduce],
+            dtypes=dict(plan.dtypes),
+            scale=scale,
+            label=",".join(u.label for u in units),
+        )
+    return b
+
+
+def unshard(
+    params: Sharded[torch.Tensor],
+    *,
+    units: Sequence[str] | None = None,
+    op: str = "sum",
+    divide_by: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """All-gather ``params`` into full tensors, keyed like ``module.named_parameters()`` (plus buffers).
+
+    One all-gather per unit bucket (all launched before any is waited for); full tensors are views of
+    the gathered buffers. Differentiable: the backward is ``reduce`` with ``op``/``divide_by``
+    (``op="sum"``, the exact adjoint, by default). ``units`` restricts the gather to some units.
+
+    Example:
+        >>> full = fsdpfn.unshard(params)                               # doctest: +SKIP
+        >>> out = torch.func.functional_call(model, full, (x,))         # doctest: +SKIP
+    """
+    plan = _check_tree(params, "unshard")
+    chosen = _select_units(plan, units)
+    b = _gather_collective(plan, chosen, reduce_scale(plan, op, divide_by))
+    shards = _check_shards(params, b.fqns)
+    full = dict(zip(b.fqns, apply_buckets(b, shards)))
+    if units is None:
+        full.update(params.buffers())
+    return full
+
+
+def reshard(full: Mapping[str, torch.Tensor], like: Sharded[Any]) -> Sharded[torch.Tensor]:
+    """This rank's slice of every full tensor, as a ``Sharded`` like ``like`` (no communication).
+
+    Buffers missing from ``full`` are taken from ``like``. Differentiable (the backward pads with zeros).
+
+    Example:
+        >>> params = fsdpfn.reshard(fsdpfn.unshard(params), params)    # a round trip  # doctest: +SKIP
+    """
+    plan = _check_tree(like, "reshard")
+    leaves: dict[str, Any] = {}
+    for fqn in plan.params:
+        t = _lookup(full, fqn, plan)
+        if t is None:
+            raise KeyError(f"reshard: no full tensor for parameter {fqn!r}")
+        spec = plan.specs[fqn]
+        if tuple(t.shape) != spec.shape:
+            raise ValueError(f"reshard: {fqn!r} has shape {tuple(t.shape)}, the plan says {spec.shape}")
+        start, stop = spec.bounds(plan.rank)
+        rows = t.reshape(1) if not spec.shape else t
+        leaves[fqn] = rows.narrow(spec.dim, start, stop - start).clone(memory_format=torch.contiguous_format)
+    for fqn in plan.buffers:
+        leaves[fqn] = full.get(fqn, like[fqn])
+    return Sharded._from_children([leaves[k] for k in plan.keys], plan)
+
+
+def reduce(
+    grads: Mapping[str, torch.Tensor | None],
+    like: Sharded[Any],
+    *,
+    op: str = "avg",
+    divide_by: float | None = None,
+    dtype: torch.dtype | None = None,
+) -> Sharded[torch.Tensor | None]:
+    """Reduce-scatter full per-rank gradients into this rank's shard gradients.
+
+    ``op="avg"`` divides the sum over data-parallel ranks by their number, ``op="sum"`` does not,
+    ``divide_by=F`` divides the sum by ``F``. ``dtype`` is the dtype the collective moves (the result is
+    in each parameter's own dtype). One reduce-scatter per unit bucket; HSDP adds one all-reduce over
+    the replicate group. A missing or ``None`` gradient counts as zero (another rank may have one);
+    frozen parameters and buffers come back as ``None``. Differentiable: the backward is ``unshard``.
+
+    Example:
+        >>> g = fsdpfn.reduce({"0.weight": full_grad}, params, op="sum")   # doctest: +SKIP
+    """
+    plan = _check_tree(like, "reduce")
+    if not isinstance(grads, Mapping):
+        raise TypeError(f"reduce: grads must be a mapping of parameter name to full gradient, got {type(grads).__name__}")
+    by_name: dict[str, torch.Tensor | None] = {}
+    for key, g in grads.items():
+        if key in plan.buffers:
+            continue
+        fqn = plan.aliases.get(key, key)
+        if fqn not in plan.specs:
+            raise KeyError(f"reduce: {key!r} is not a parameter of this plan ({plan.describe()})")
+        if g is None:
+            continue
+        if not plan.requires_grad[fqn]:
+            raise ValueError(f"reduce: parameter {fqn!r} is frozen (requires_grad=False) and takes no gradient")
+        prev = by_name.get(fqn)
+        by_name[fqn] = g if prev is None else prev + g  # tied names share one gradient
+    r = _reduce_collective(plan, reduce_scale(plan, op, divide_by), dtype)
+    out = dict(zip(r.fqns, apply_buckets(r, [by_name.get(f) for f in r.fqns])))
+    return Sharded._from_children([out.get(k) for k in plan.keys], plan)
+
+
+def _reduce_collective(plan: ShardPlan, scale: float, dtype: torch.dtype | None) -> Buckets:
+    key = ("reduce", scale, dtype)
+    r = plan.memo.get(key)
+    if r is None:
+        fqns, layouts = [], []
+        for u in plan.units:
+            if dtype is None:
+                chosen = u.reduce
+            else:
+                infos = [ParamInfo(f, plan.specs[f].shape, plan.dtypes[f], True, u.name) for lay in u.reduce for f in lay.fqns]
+                chosen = bucket_by_dtype(infos, plan.specs, lambda d: d if d.is_complex else dtype)
+            layouts.extend(chosen)
+            fqns.extend(f for lay in chosen for f in lay.fqns)
+        grad_dtypes = {f: lay.dtype for u in plan.units for lay in u.gather for f in lay.fqns}
+        r = plan.memo[key] = reduce_collective(
+            plan.comm, plan.rank, fqns, layouts, dict(plan.dtypes), scale, "reduce", grad_dtypes=grad_dtypes
+        )
+    return r
+
+
+def _lookup(full: Mapping[str, Any], fqn: str, plan: ShardPlan) -> Any:
+    if fqn in full:
+        return full[fqn]
+    for alias, owner in plan.aliases.items():
+        if owner == fqn and alias in full:
+            return full[alias]
+    return None

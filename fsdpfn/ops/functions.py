@@ -1,0 +1,195 @@
+"""Differentiable bucket collectives: ``UnshardFunction`` (all-gather) and ``ReduceFunction``
+(reduce-scatter), each the other's adjoint.
+
+Both are ``torch.autograd.Function``s in the ``setup_context`` style with ``jvp`` and ``vmap`` rules, so
+``torch.func`` can transform through them: the collectives run inside ``forward`` on plain tensors, never
+on ``torch.func``'s wrapped ones. One call moves a whole set of buckets: every collective is launched
+before the first is waited for, so the buckets overlap each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from fsdpfn.core import Comm
+from fsdpfn.layout import BucketLayout
+
+__all__ = ["Buckets", "ReduceFunction", "UnshardFunction", "collective_pair"]
+
+
+@dataclass(frozen=True, eq=False)
+class Buckets:
+    """One direction of a bucket collective over a fixed list of tensors.
+
+    ``kind`` is ``"gather"`` (local shards in, full tensors out) or ``"reduce"`` (full tensors in,
+    reduced local shards out). ``layouts`` partition ``fqns`` by collective dtype; results come out in
+    ``out_dtypes`` multiplied by ``scale``. ``adjoint`` is the collective that computes this one's
+    vector-Jacobian product (set once by ``collective_pair``).
+    """
+
+    kind: str
+    comm: Comm
+    rank: int
+    fqns: tuple[str, ...]
+    layouts: tuple[BucketLayout, ...]
+    out_dtypes: tuple[torch.dtype, ...]
+    scale: float = 1.0
+    batch_ndim: int = 0
+    label: str = ""
+    adjoint: Buckets | None = field(default=None, repr=False)
+    _batched: dict[int, Buckets] = field(default_factory=dict, repr=False)
+
+    def batched(self) -> Buckets:
+        """The same collective over tensors with one more leading batch dimension (for ``vmap``)."""
+        nb = self.batch_ndim + 1
+        got = self._batched.get(nb)
+        if got is None:
+            got = self._batched[nb] = replace(self, batch_ndim=nb, adjoint=None, _batched={})
+            if self.adjoint is not None:
+                adj = replace(self.adjoint, batch_ndim=nb, adjoint=got, _batched={})
+                object.__setattr__(got, "adjoint", adj)
+        return got
+
+    def run(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Launch every bucket's collective, then wait for each and unpack (no autograd)."""
+        by_name = dict(zip(self.fqns, tensors))
+        batch = _batch_shape(tensors, self.batch_ndim)
+        device = self.comm.groups.device
+        pending = []
+        for layout in self.layouts:
+            members = [by_name[f] for f in layout.fqns]
+            if self.kind == "gather":
+                flat = layout.pack_shards(members, self.rank, batch=batch, device=device)
+                pending.append(self.comm.all_gather(flat, label=self.label))
+            else:
+                flat = layout.pack_full(members, batch=batch, device=device)
+                pending.append(self.comm.reduce_scatter(flat, scale=self.scale, label=self.label))
+        results: dict[str, torch.Tensor] = {}
+        for layout, handle in zip(self.layouts, pending):
+            buf = handle.wait()
+            if self.kind == "gather":
+                outs = layout.unpack_full(buf, batch_ndim=self.batch_ndim)
+                if self.scale != 1.0:
+                    outs = [o * self.scale for o in outs]
+            else:
+                outs = layout.unpack_shards(buf, self.rank, batch_ndim=self.batch_ndim)
+            results.update(zip(layout.fqns, outs))
+        return [_cast(results[f], d) for f, d in zip(self.fqns, self.out_dtypes)]
+
+
+def collective_pair(
+    comm: Comm,
+    rank: int,
+    *,
+    fqns: Sequence[str],
+    gather: Sequence[BucketLayout],
+    reduce_fqns: Sequence[str],
+    reduce: Sequence[BucketLayout],
+    dtypes: dict[str, torch.dtype],
+    scale: float,
+    label: str = "",
+) -> Buckets:
+    """The gather collective over ``fqns`` wired to its adjoint chain.
+
+    Its backward reduce-scatters the ``reduce_fqns`` (trainable members, ``reduce`` layouts) with
+    ``scale`` and returns them in their parameters' ``dtypes``; the reduce's own backward gathers again.
+    """
+    gather_dtype = {f: lay.dtype for lay in gather for f in lay.fqns}
+    g = Buckets("gather", comm, rank, tuple(fqns), tuple(gather), tuple(gather_dtype[f] for f in fqns), label=label)
+    r = reduce_collective(comm, rank, reduce_fqns, reduce, dtypes, scale, label, grad_dtypes=gather_dtype)
+    object.__setattr__(g, "adjoint", r)
+    return g
+
+
+def reduce_collective(
+    comm: Comm,
+    rank: int,
+    fqns: Sequence[str],
+    layouts: Sequence[BucketLayout],
+    dtypes: dict[str, torch.dtype],
+    scale: float,
+    label: str = "",
+    *,
+    grad_dtypes: dict[str, torch.dtype],
+) -> Buckets:
+    """The reduce collective over ``fqns`` (results in ``dtypes``), its adjoint gathering in ``grad_dtypes``."""
+    fqns = tuple(fqns)
+    r = Buckets("reduce", comm, rank, fqns, tuple(layouts), tuple(dtypes[f] for f in fqns), scale, label=label)
+    g = Buckets("gather", comm, rank, fqns, tuple(layouts), tuple(grad_dtypes[f] for f in fqns), scale, label=label)
+    object.__setattr__(r, "adjoint", g)
+    object.__setattr__(g, "adjoint", r)
+    return r
+
+
+class _BucketCollective(torch.autograd.Function):
+    """Shared rules: the forward runs ``Buckets``; the backward applies its adjoint."""
+
+    @staticmethod
+    def forward(b: Buckets, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(b.run(tensors))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.buckets = inputs[0]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        b: Buckets = ctx.buckets
+        adj = b.adjoint
+        assert adj is not None, "collective without an adjoint"
+        by_name = dict(zip(b.fqns, grads))
+        # Even when no gradient reached this rank the collective runs: the peers may have one.
+        picked = [by_name.get(f) for f in adj.fqns]
+        out = apply_buckets(adj, picked)
+        res = dict(zip(adj.fqns, out))
+        return (None, *(res.get(f) for f in b.fqns))
+
+    @staticmethod
+    def jvp(ctx: Any, _b_tangent: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        # Both collectives are linear: the tangent of the output is the collective of the tangents.
+        return tuple(ctx.buckets.run(tangents))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], b: Buckets, *tensors: torch.Tensor | None) -> Any:
+        moved = []
+        for t, d in zip(tensors, in_dims[1:]):
+            if t is None:
+                moved.append(None)
+            elif d is None:
+                moved.append(t.unsqueeze(0).expand(info.batch_size, *t.shape))
+            else:
+                moved.append(t.movedim(d, 0))
+        out = apply_buckets(b.batched(), moved)
+        return tuple(out), tuple(0 for _ in out)
+
+
+class UnshardFunction(_BucketCollective):
+    """All-gather of a set of buckets; its backward is ``ReduceFunction``."""
+
+
+class ReduceFunction(_BucketCollective):
+    """Reduce-scatter of a set of buckets; its backward is ``UnshardFunction``."""
+
+
+def apply_buckets(b: Buckets, tensors: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
+    """Run ``b`` as a differentiable op (``UnshardFunction`` or ``ReduceFunction`` by its kind)."""
+    fn = UnshardFunction if b.kind == "gather" else ReduceFunction
+    return fn.apply(b, *tensors)
+
+
+def _batch_shape(tensors: Sequence[torch.Tensor | None], nb: int) -> tuple[int, ...]:
+    if nb == 0:
+        return ()
+    for t in tensors:
+        if t is not None:
+            return tuple(t.shape[:nb])
+    raise ValueError("a batched collective needs at least one tensor to know the batch size")
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)

@@ -1,0 +1,62 @@
+"""Mixed-precision and offload policies, shared by the functional layer and ``fsdpfn.compat``.
+
+Same fields and meaning as ``torch.distributed.fsdp``'s classes of the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes for the all-gather/compute (``param_dtype``), the gradient reduction (``reduce_dtype``) and
+    the forward output (``output_dtype``); ``None`` keeps the parameter's own dtype.
+
+    ``reduce_dtype=None`` with a ``param_dtype`` reduces in ``param_dtype`` (as FSDP2 does).
+    ``cast_forward_inputs`` casts floating-point forward inputs to ``param_dtype``.
+
+    Example:
+        >>> MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=None, cast_forward_inputs=True)
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a parameter of ``dtype`` is all-gathered and computed in."""
+        if self.param_dtype is not None and dtype.is_floating_point:
+            return self.param_dtype
+        return dtype
+
+    def grad_reduce_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients of a parameter of ``dtype`` are reduced in."""
+        if not (dtype.is_floating_point or dtype.is_complex):
+            return dtype
+        if self.reduce_dtype is not None and not dtype.is_complex:
+            return self.reduce_dtype
+        return self.gather_dtype(dtype)
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """No offloading: shards stay on the mesh's device (the default)."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep shards and gradients in CPU memory (``pin_memory`` for faster host-device copies).
+
+    Example:
+        >>> CPUOffloadPolicy(pin_memory=False)
+        CPUOffloadPolicy(pin_memory=False)
+    """
+
+    pin_memory: bool = True

@@ -1,0 +1,166 @@
+"""Worker process of :mod:`fsdpfn.testing.pool` (not a public API).
+
+Started by the pool as ``python -m fsdpfn.testing._worker --rank R ...``.  The worker
+connects back to the parent's ``Listener``, says hello, joins a gloo process group and
+then serves calls until told to exit (or until the parent goes away).
+
+Protocol (every message is ``conn.send_bytes(pickle.dumps(obj))``; plain pickle):
+
+* worker -> parent: ``("hello", rank, pid)``, then ``("ready",)`` or
+  ``("init_error", type_name, message, traceback_text, pickled_exc_or_None)``.
+* parent -> worker: ``("call", payload)`` where ``payload = pickle.dumps((fn, args))``,
+  or ``("exit",)``.
+* worker -> parent, once per call: ``("ok", result)`` or
+  ``("error", type_name, message, traceback_text, pickled_exc_or_None)``.
+
+The worker prints nothing itself.  ``faulthandler`` writes fatal-error dumps and the
+stack dumps requested with ``SIGUSR1`` to the per-worker ``--log`` file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+AUTHKEY_ENV = "FSDPFN_SPMD_AUTHKEY"
+PG_TIMEOUT_ENV = "FSDPFN_SPMD_PG_TIMEOUT"
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def detach_result(obj: Any) -> Any:
+    """Return ``obj`` with every tensor inside tuples/lists/dicts detached.
+
+    Detaching makes tensors that require grad (or are non-leaf) picklable.
+
+    Example::
+
+        >>> import torch
+        >>> detach_result({"a": (torch.ones(1, requires_grad=True) * 2,)})["a"][0].requires_grad
+        False
+    """
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, tuple):
+        items = [detach_result(x) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return type(obj)(detach_result(x) for x in obj)
+    if isinstance(obj, dict):
+        items = {k: detach_result(v) for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except TypeError:  # e.g. defaultdict: fall back to a plain dict
+            return items
+    return obj
+
+
+def error_reply(exc: BaseException, tag: str = "error", skip: int = 0) -> tuple:
+    """Describe ``exc`` as a picklable ``(tag, type_name, message, traceback, blob)``.
+
+    ``skip`` leading traceback frames (the worker's own) are left out of the text.
+    """
+    tb_obj = exc.__traceback__
+    for _ in range(skip):
+        if tb_obj is not None and tb_obj.tb_next is not None:
+            tb_obj = tb_obj.tb_next
+    tb = "".join(traceback.format_exception(type(exc), exc, tb_obj))
+    try:
+        message = str(exc)
+    except Exception:  # pragma: no cover - pathological __str__
+        message = f"<unprintable {type(exc).__name__}>"
+    try:
+        blob: bytes | None = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(blob)  # make sure it also unpickles (custom __init__ often doesn't)
+    except Exception:
+        blob = None
+    module = type(exc).__module__
+    name = type(exc).__qualname__
+    type_name = name if module == "builtins" else f"{module}.{name}"
+    return (tag, type_name, message, tb, blob)
+
+
+def _run_call(payload: bytes, rank: int) -> bytes:
+    try:
+        fn, args = pickle.loads(payload)
+        reply: tuple = ("ok", detach_result(fn(*args)))
+    except BaseException as exc:  # noqa: BLE001 - report everything, incl. SystemExit
+        reply = error_reply(exc, skip=1)
+    try:
+        return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+    except BaseException as exc:  # noqa: BLE001
+        err = TypeError(f"the result of fn on rank {rank} is not picklable: {exc!r}")
+        return pickle.dumps(error_reply(err), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one pool worker; returns the process exit code."""
+    parser = argparse.ArgumentParser(prog="python -m fsdpfn.testing._worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--parent", required=True, help="host:port of the parent Listener")
+    parser.add_argument("--init-method", required=True)
+    parser.add_argument("--log", required=True)
+    ns = parser.parse_args(argv)
+
+    # Ctrl-C belongs to the parent; it shuts the pool down (atexit).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log = open(ns.log, "w", buffering=1)  # noqa: SIM115 - lives as long as the process
+    faulthandler.enable(file=log, all_threads=True)
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+
+    host, port = ns.parent.rsplit(":", 1)
+    authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
+    conn = Client((host, int(port)), authkey=authkey)
+    _send(conn, ("hello", ns.rank, os.getpid()))
+
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        timeout = datetime.timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV) or 60))
+        dist.init_process_group(
+            "gloo",
+            rank=ns.rank,
+            world_size=ns.world_size,
+            init_method=ns.init_method,
+            timeout=timeout,
+        )
+    except BaseException as exc:  # noqa: BLE001
+        _send(conn, error_reply(exc, tag="init_error"))
+        return 2
+    _send(conn, ("ready",))
+
+    while True:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the parent went away
+            break
+        if msg[0] == "exit":
+            break
+        if msg[0] == "call":
+            conn.send_bytes(_run_call(msg[1], ns.rank))
+
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

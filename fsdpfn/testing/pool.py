@@ -1,0 +1,427 @@
+"""Run a function on every rank of a CPU/gloo process group, on persistent worker pools.
+
+:func:`spmd` is the entry point for multi-rank tests.  For each world size ``W`` a pool of
+``W`` worker processes (``python -m fsdpfn.testing._worker``) is started on first use;
+each worker joins a gloo process group once and then serves calls, so later calls with
+the same ``W`` cost only the call itself.  Pools are stopped at interpreter exit (or by
+:func:`shutdown_pools`).  A call in which a rank raised, hung or died discards its pool;
+the next call starts a fresh one.
+
+``fn`` and ``args`` are sent with plain :mod:`pickle`, so ``fn`` must be a module-level
+function (pickled by reference, imported by the workers) and ``args`` picklable.
+
+Environment variables:
+
+* ``FSDPFN_SPMD_TIMEOUT``: default per-call deadline in seconds (120).
+* ``FSDPFN_SPMD_PG_TIMEOUT``: the process-group timeout inside workers in seconds (60).
+* ``FSDPFN_SPMD_START_TIMEOUT``: deadline for starting a pool in seconds (60).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection, Listener, wait
+from typing import Any, Callable
+
+__all__ = ["SpmdError", "SpmdTimeout", "spmd", "shutdown_pools", "MAX_WORLD_SIZE"]
+
+MAX_WORLD_SIZE = 8
+"""Largest supported world size."""
+
+_GRACE_S = 2.0  # after a rank failed, how long to wait for the others
+_DUMP_WAIT_S = 1.0  # how long to wait for SIGUSR1 stack dumps to appear
+_EXIT_WAIT_S = 3.0  # clean shutdown: how long to wait for workers to exit
+_AUTHKEY_ENV = "FSDPFN_SPMD_AUTHKEY"  # same name in _worker.py (not imported: runpy warns)
+_POOLS: dict[int, _Pool] = {}
+
+
+class SpmdError(RuntimeError):
+    """A :func:`spmd` call failed on one or more ranks (raised, died, or did not start).
+
+    ``rank_errors`` maps each failing rank to a text report (traceback, exit code or stack
+    dump); ``original`` is the first failing rank's exception when it could be unpickled.
+
+    Example::
+
+        try:
+            spmd(2, my_fn)
+        except SpmdError as e:
+            print(sorted(e.rank_errors))
+    """
+
+    def __init__(
+        self,
+        message: str,
+        rank_errors: dict[int, str] | None = None,
+        original: BaseException | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.rank_errors: dict[int, str] = dict(rank_errors or {})
+        self.original: BaseException | None = original
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.rank_errors, self.original))
+
+
+class SpmdTimeout(SpmdError, TimeoutError):
+    """Some rank(s) did not answer a :func:`spmd` call in time; the message has their stacks.
+
+    Example::
+
+        with pytest.raises(SpmdTimeout, match="rank 0"):
+            spmd(2, waits_forever, timeout=3)
+    """
+
+
+class _Pool:
+    """The ``world_size`` workers of one process group, and their connections."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.owner_pid = os.getpid()
+        self.tmpdir = tempfile.mkdtemp(prefix=f"fsdpfn-spmd-w{world_size}-")
+        self.logs = [os.path.join(self.tmpdir, f"rank{r}.log") for r in range(world_size)]
+        self.conns: list[Connection | None] = [None] * world_size
+        self.procs: list[subprocess.Popen] = []
+        authkey = secrets.token_bytes(32)
+        self.listener = Listener(("127.0.0.1", 0), backlog=2 * MAX_WORLD_SIZE, authkey=authkey)
+        host, port = self.listener.address
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["OMP_NUM_THREADS"] = "1"
+        env["MKL_NUM_THREADS"] = "1"
+        env[_AUTHKEY_ENV] = authkey.hex()
+        if sys.platform.startswith("linux"):
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        for r in range(world_size):
+            cmd = [sys.executable, "-m", "fsdpfn.testing._worker", "--rank", str(r),
+                   "--world-size", str(world_size), "--parent", f"{host}:{port}",
+                   "--init-method", init_method, "--log", self.logs[r]]  # fmt: skip
+            self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
+
+    def start(self, deadline: float) -> str | None:
+        """Wait for all hellos and readies; return None, or why start-up failed."""
+        sock = self.listener._listener._socket  # type: ignore[union-attr]  # no public fileno
+        accepted = 0
+        ready: set[int] = set()
+        while len(ready) < self.world_size:
+            if time.monotonic() > deadline:
+                return "start-up timed out"
+            dead = [r for r, p in enumerate(self.procs) if p.poll() is not None]
+            if dead and accepted < self.world_size:
+                return f"rank(s) {dead} exited during start-up"
+            waitables: list[Any] = [c for c in self.conns if c is not None]
+            if accepted < self.world_size:
+                waitables.append(sock)
+            for obj in wait(waitables, timeout=0.1):
+                if obj is sock:
+                    conn = self.listener.accept()
+                    _tag, rank, _pid = _recv(conn)
+                    self.conns[rank] = conn
+                    accepted += 1
+                    continue
+                rank = self.conns.index(obj)
+                try:
+                    msg = _recv(obj)
+                except (EOFError, OSError):
+                    return f"rank {rank} exited during start-up"
+                if msg[0] != "ready":
+                    return f"rank {rank} failed to init the process group:\n{msg[3]}"
+                ready.add(rank)
+                self.conns[rank] = obj
+        return None
+
+    def ask_exit(self) -> None:
+        """Ask the workers to leave their serving loop and exit."""
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                if conn is not None:
+                    _send(conn, ("exit",))
+
+    def close(self, graceful: bool) -> None:
+        """Stop the workers (asking them first if ``graceful``) and free resources."""
+        if graceful:
+            self.ask_exit()
+            end = time.monotonic() + _EXIT_WAIT_S
+            for p in self.procs:
+                try:
+                    p.wait(timeout=max(0.0, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable process
+                pass
+        for conn in self.conns:
+            if conn is not None:
+                conn.close()
+        self.listener.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def stack_dumps(self, ranks: list[int]) -> dict[int, str]:
+        """Ask ``ranks`` to dump their Python stacks (SIGUSR1) and return the dumps."""
+        if not hasattr(signal, "SIGUSR1"):
+            return {r: "(no stack dump: SIGUSR1 unavailable)" for r in ranks}
+        for r in ranks:
+            if self.procs[r].poll() is None:
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        end = time.monotonic() + _DUMP_WAIT_S
+        while time.monotonic() < end and not all(_read(self.logs[r]) for r in ranks):
+            time.sleep(0.05)
+        time.sleep(0.1)  # let a dump that is being written finish
+        return {r: _read(self.logs[r]) or "(no stack dump was written)" for r in ranks}
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name) or default)
+
+
+def _get_pool(world_size: int) -> _Pool:
+    pool = _POOLS.get(world_size)
+    if pool is not None and all(p.poll() is None for p in pool.procs):
+        return pool
+    if pool is not None:  # a worker died between calls
+        _discard(world_size)
+    why = ""
+    codes: dict[int, int | None] = {}
+    for _attempt in range(2):  # retry once: the free port may have been taken meanwhile
+        deadline = time.monotonic() + _env_float("FSDPFN_SPMD_START_TIMEOUT", 60.0)
+        pool = _Pool(world_size)
+        try:
+            why = pool.start(deadline) or ""
+        except BaseException:
+            pool.close(graceful=False)
+            raise
+        if not why:
+            _POOLS[world_size] = pool
+            return pool
+        codes = {r: p.poll() for r, p in enumerate(pool.procs)}
+        pool.close(graceful=False)
+        if why == "start-up timed out":
+            break
+    raise SpmdError(f"spmd: start-up of a pool of {world_size} workers failed: {why}\n"
+                    f"worker exit codes (None = was still running): {codes}")  # fmt: skip
+
+
+def _discard(world_size: int) -> None:
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.close(graceful=False)
+
+
+def shutdown_pools() -> None:
+    """Stop all worker pools now (also registered with :mod:`atexit`).
+
+    Example::
+
+        spmd(2, my_fn)
+        shutdown_pools()  # the next spmd(2, ...) starts a fresh pool
+    """
+    pools = [p for p in _POOLS.values() if p.owner_pid == os.getpid()]  # not a forked child's
+    _POOLS.clear()
+    for pool in pools:
+        pool.ask_exit()  # all at once, so that they exit in parallel
+    for pool in pools:
+        pool.close(graceful=True)
+
+
+atexit.register(shutdown_pools)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "its connection closed but it has not exited"
+    if code < 0:
+        try:
+            return f"exit code {code} (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return f"exit code {code}"
+    return f"exit code {code}"
+
+
+def _describe_fn(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def spmd(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float | None = None,
+    reraise: bool = True,
+) -> list[Any]:
+    """Run ``fn(*args)`` on every rank of a gloo group of ``world_size`` processes.
+
+    Returns the ranks' results, index = rank (tensors come back detached).  Inside ``fn``
+    the default process group is the pool's: ``torch.distributed.get_rank()`` is the rank.
+    ``fn`` must be a module-level function and ``args`` picklable (plain :mod:`pickle`).
+
+    Failures (the pool is then discarded and the next call starts a fresh one):
+
+    * Some ranks raised: if ``reraise`` and all of them raised the same exception type
+      (and no rank died), a new exception of that type is raised, with message
+      ``"rank R: <message>\\n<traceback of rank R>"`` plus the other failing ranks'
+      reports, ``from`` the original; otherwise :class:`SpmdError`.  Ranks that have not
+      answered ``2`` s after the first failure are reported as hung, with their stacks.
+    * A worker died: :class:`SpmdError` naming the rank and its exit code.
+    * No answer within ``timeout`` seconds (default: env ``FSDPFN_SPMD_TIMEOUT`` or 120):
+      :class:`SpmdTimeout` with the stack dumps of the ranks that did not answer.
+
+    Example::
+
+        def _rank_and_sum():
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            return dist.get_rank(), t.item()
+
+        assert spmd(2, _rank_and_sum) == [(0, 2.0), (1, 2.0)]
+    """
+    if not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"spmd: world_size must be an int in 1..{MAX_WORLD_SIZE}, got {world_size!r}")
+    if getattr(fn, "__module__", None) == "__main__":
+        raise TypeError(f"spmd: fn {_describe_fn(fn)} is defined in __main__, which the "
+                        "workers cannot import; define it in an importable module")  # fmt: skip
+    try:
+        payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise TypeError(f"spmd: fn and args must be picklable (fn must be a module-level "
+                        f"function; got fn={fn!r}): {exc}") from exc  # fmt: skip
+    if timeout is None:
+        timeout = _env_float("FSDPFN_SPMD_TIMEOUT", 120.0)
+
+    pool = _get_pool(world_size)
+    try:
+        return _call(pool, fn, payload, float(timeout), reraise)
+    except BaseException:
+        _discard(world_size)  # after any failure (incl. Ctrl-C) the group may be out of sync
+        raise
+
+
+def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, reraise: bool) -> list[Any]:
+    world = pool.world_size
+    conns: list[Connection] = [c for c in pool.conns if c is not None]
+    replies: dict[int, tuple] = {}
+    dead: dict[int, int | None] = {}
+    pending = set(range(world))
+    for r, conn in enumerate(conns):
+        try:
+            _send(conn, ("call", payload))
+        except OSError:
+            dead[r] = pool.procs[r].poll()
+            pending.discard(r)
+    start = time.monotonic()
+    deadline = start + timeout
+    first_fail = start if dead else None
+    while pending:
+        now = time.monotonic()
+        if now >= deadline or (first_fail is not None and now >= first_fail + _GRACE_S):
+            break
+        for conn in wait([conns[r] for r in pending], timeout=0.1):
+            r = conns.index(conn)  # type: ignore[arg-type]
+            pending.discard(r)
+            try:
+                data = conn.recv_bytes()  # type: ignore[union-attr]
+            except (EOFError, OSError):
+                try:
+                    dead[r] = pool.procs[r].wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    dead[r] = None
+                continue
+            try:
+                replies[r] = pickle.loads(data)
+            except Exception as exc:
+                replies[r] = ("error", type(exc).__name__, f"the parent could not unpickle "
+                              f"rank {r}'s reply: {exc}", "", None)  # fmt: skip
+        for r in list(pending):  # exited without its connection reporting EOF (yet)
+            if pool.procs[r].poll() is not None and not conns[r].poll():
+                dead[r] = pool.procs[r].returncode
+                pending.discard(r)
+        if first_fail is None and (dead or any(v[0] != "ok" for v in replies.values())):
+            first_fail = time.monotonic()
+    if not pending and not dead and all(v[0] == "ok" for v in replies.values()):
+        return [replies[r][1] for r in range(world)]
+
+    # --- failure: build the report --------------------------------------------------------
+    hung = sorted(pending)
+    waited = time.monotonic() - start
+    dumps = pool.stack_dumps(hung) if hung else {}
+    raised = {r: v for r, v in sorted(replies.items()) if v[0] != "ok"}
+    rank_errors: dict[int, str] = {}
+    for r, v in raised.items():
+        rank_errors[r] = f"rank {r} raised {v[1]}: {v[2]}\n{v[3]}".rstrip()
+    for r, code in sorted(dead.items()):
+        log = _read(pool.logs[r])
+        rank_errors[r] = f"rank {r} died ({_exit_text(code)})" + (f"\n{log}" if log else "")
+    for r in hung:
+        why = "after the first failure" if first_fail is not None else "(the call's timeout)"
+        rank_errors[r] = (f"rank {r} did not answer within {waited:.1f} s {why}; "
+                          f"its stacks (most recent call first):\n{dumps[r]}")  # fmt: skip
+    sections = "\n\n".join(f"--- {rank_errors[r]}" for r in sorted(rank_errors))
+    summary = []
+    if dead:
+        summary.append("rank(s) " + ", ".join(f"{r} ({_exit_text(c)})" for r, c in sorted(dead.items())) + " died")
+    if raised:
+        summary.append("rank(s) " + ", ".join(f"{r} ({v[1]})" for r, v in raised.items()) + " raised")
+    if hung:
+        summary.append(f"rank(s) {', '.join(map(str, hung))} did not answer within {waited:.1f} s")
+    header = f"spmd({_describe_fn(fn)}, world_size={world}): " + "; ".join(summary)
+    message = f"{header}\n\n{sections}"
+
+    original: BaseException | None = None
+    first = next(iter(raised.values()), None)
+    if first is not None and first[4] is not None:
+        with contextlib.suppress(Exception):
+            original = pickle.loads(first[4])
+    if not raised and not dead:
+        raise SpmdTimeout(message, rank_errors, None)
+    if reraise and original is not None and not dead and len({v[1] for v in raised.values()}) == 1:
+        r0 = next(iter(raised))
+        others = "\n\n".join(f"--- {rank_errors[r]}" for r in sorted(rank_errors) if r != r0)
+        text = f"rank {r0}: {first[2]}\n{first[3]}".rstrip()  # type: ignore[index]
+        text += f"\n\n({header})" + (f"\n\n{others}" if others else "")
+        new = None
+        with contextlib.suppress(Exception):
+            new = type(original)(text)
+        if isinstance(new, BaseException):
+            with contextlib.suppress(Exception):
+                new.rank_errors, new.original = rank_errors, original  # type: ignore[attr-defined]
+            raise new from original
+    raise SpmdError(message, rank_errors, original) from original

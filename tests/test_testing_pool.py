@@ -1,0 +1,210 @@
+"""Tests for fsdpfn.testing.pool: the persistent SPMD worker pools behind ``spmd``."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdpfn.testing import pool as pool_mod
+from fsdpfn.testing.pool import SpmdError, SpmdTimeout, shutdown_pools, spmd
+
+Pair = collections.namedtuple("Pair", ["a", "b"])
+
+
+# --- functions run on the workers (module level, so they pickle by reference) -------------
+
+
+def _rank_world_sum() -> tuple[int, int, float]:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _add(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x + k * dist.get_rank()
+
+
+def _tensors() -> dict:
+    w = torch.ones(3, requires_grad=True)
+    return {"leaf": w, "nonleaf": [w * 2], "pair": Pair(torch.arange(2), (w.sum(),)), "n": 7}
+
+
+def _raise_on_rank1(msg: str) -> None:
+    if dist.get_rank() == 1:
+        raise ValueError(msg)
+    dist.all_reduce(torch.ones(1))  # rank 0 is stuck here until the pool notices
+
+
+def _raise_different_types() -> None:
+    raise (KeyError if dist.get_rank() == 0 else ValueError)("boom")
+
+
+class _TwoArgError(Exception):
+    def __init__(self, a: str, b: str) -> None:
+        super().__init__(f"{a}/{b}")
+        self.a, self.b = a, b
+
+    def __reduce__(self) -> tuple:  # unpickles, but cannot be built from one message
+        return (type(self), (self.a, self.b))
+
+
+def _raise_two_arg_error() -> None:
+    raise _TwoArgError("x", "y")
+
+
+def _sleep_on_rank0() -> None:
+    if dist.get_rank() == 0:
+        time.sleep(60)
+
+
+def _lonely_all_reduce() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+
+
+def _exit3_on_rank1() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+
+
+def _sigkill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _unpicklable_result() -> threading.Lock:
+    return threading.Lock()
+
+
+# --- tests --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_results_per_rank(world: int) -> None:
+    total = world * (world + 1) / 2
+    assert spmd(world, _rank_world_sum) == [(r, world, total) for r in range(world)]
+
+
+def test_pool_is_reused_and_args_are_passed() -> None:
+    pids = spmd(2, _pid)
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    t0 = time.monotonic()
+    assert spmd(2, _pid) == pids
+    assert time.monotonic() - t0 < 5
+    out = spmd(2, _add, torch.zeros(2), 5)
+    assert [o.tolist() for o in out] == [[0.0, 0.0], [5.0, 5.0]]
+
+
+def test_tensors_come_back_detached() -> None:
+    out = spmd(2, _tensors)
+    for res in out:
+        assert torch.equal(res["leaf"], torch.ones(3)) and not res["leaf"].requires_grad
+        assert torch.equal(res["nonleaf"][0], torch.full((3,), 2.0))
+        assert not res["nonleaf"][0].requires_grad
+        assert isinstance(res["pair"], Pair)
+        assert torch.equal(res["pair"].a, torch.arange(2)) and res["pair"].b[0].item() == 3.0
+        assert res["n"] == 7
+
+
+def test_exception_type_preserved_and_rank_named() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="rank 1: bad weight shape") as info:
+        spmd(2, _raise_on_rank1, "bad weight shape")
+    assert time.monotonic() - t0 < 30
+    msg = str(info.value)
+    assert "Traceback" in msg and "_raise_on_rank1" in msg  # rank 1's traceback
+    assert "rank 0 did not answer" in msg and "all_reduce" in msg  # rank 0's stack
+    assert isinstance(info.value.__cause__, ValueError)
+    assert sorted(info.value.rank_errors) == [0, 1]  # type: ignore[attr-defined]
+
+
+def test_reraise_false_and_mixed_types_give_spmd_error() -> None:
+    with pytest.raises(SpmdError, match="rank 1") as info:
+        spmd(2, _raise_on_rank1, "nope", reraise=False)
+    assert isinstance(info.value.original, ValueError)
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(SpmdError, match="KeyError") as info2:
+        spmd(2, _raise_different_types)
+    assert sorted(info2.value.rank_errors) == [0, 1]
+    assert "ValueError" in str(info2.value)
+    # A type whose constructor does not take one message falls back to SpmdError.
+    with pytest.raises(SpmdError, match="x/y") as info3:
+        spmd(1, _raise_two_arg_error)
+    assert isinstance(info3.value.original, _TwoArgError)
+
+
+def test_unpicklable_result_is_reported() -> None:
+    with pytest.raises(TypeError, match="not picklable"):
+        spmd(1, _unpicklable_result)
+
+
+@pytest.mark.parametrize("fn", [_sleep_on_rank0, _lonely_all_reduce])
+def test_hang_raises_timeout_with_stack(fn) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(SpmdTimeout, match="rank 0 did not answer within 3") as info:
+        spmd(2, fn, timeout=3)
+    elapsed = time.monotonic() - t0
+    assert 3 <= elapsed < 20
+    assert isinstance(info.value, TimeoutError)
+    assert fn.__name__ in str(info.value)  # the stack dump says where it hangs
+    assert list(info.value.rank_errors) == [0]
+
+
+def test_fresh_pool_after_failure() -> None:
+    before = spmd(2, _pid)
+    with pytest.raises(ValueError):
+        spmd(2, _raise_on_rank1, "x")
+    after = spmd(2, _pid)
+    assert not set(before) & set(after)
+    assert spmd(2, _pid) == after  # and the fresh pool is kept
+    assert spmd(2, _rank_world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_dead_worker_reported_with_exit_code() -> None:
+    with pytest.raises(SpmdError, match="rank 1") as info:
+        spmd(2, _exit3_on_rank1)
+    assert "exit code 3" in str(info.value) and "died" in info.value.rank_errors[1]
+    with pytest.raises(SpmdError, match="SIGKILL"):
+        spmd(1, _sigkill_self)
+    assert spmd(2, _rank_world_sum)[1] == (1, 2, 3.0)
+
+
+def test_unpicklable_fn_fails_fast_in_parent() -> None:
+    pools = dict(pool_mod._POOLS)
+    t0 = time.monotonic()
+    with pytest.raises(TypeError, match="picklable"):
+        spmd(2, lambda: 1)
+    with pytest.raises(TypeError, match="picklable"):
+        spmd(2, _pid, threading.Lock())
+    assert time.monotonic() - t0 < 1
+    assert pool_mod._POOLS == pools  # nothing was started or discarded
+
+
+def test_bad_world_size() -> None:
+    for w in (0, 9, 2.0):
+        with pytest.raises(ValueError, match="world_size"):
+            spmd(w, _pid)  # type: ignore[arg-type]
+
+
+def test_shutdown_pools_then_restart() -> None:
+    pids = spmd(1, _pid)
+    shutdown_pools()
+    assert pool_mod._POOLS == {}
+    assert spmd(1, _pid) != pids
+
+
+def test_spmd_error_pickles() -> None:
+    err = SpmdTimeout("rank 0 hung", {0: "stack"}, None)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is SpmdTimeout and str(back) == "rank 0 hung" and back.rank_errors == {0: "stack"}
