@@ -47,6 +47,11 @@ def _raise_on_rank1(msg: str) -> None:
     dist.all_reduce(torch.ones(1))  # rank 0 is stuck here until the pool notices
 
 
+def _raise_alone_on_rank1() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("only rank 1")
+
+
 def _raise_different_types() -> None:
     raise (KeyError if dist.get_rank() == 0 else ValueError)("boom")
 
@@ -117,6 +122,16 @@ def test_tensors_come_back_detached() -> None:
         assert res["n"] == 7
 
 
+def test_fresh_pool_after_failure() -> None:
+    before = spmd(2, _pid)
+    with pytest.raises(ValueError, match="only rank 1"):
+        spmd(2, _raise_alone_on_rank1)
+    after = spmd(2, _pid)
+    assert not set(before) & set(after)
+    assert spmd(2, _pid) == after  # and the fresh pool is kept
+    assert spmd(2, _rank_world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
 def test_exception_type_preserved_and_rank_named() -> None:
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="rank 1: bad weight shape") as info:
@@ -131,7 +146,7 @@ def test_exception_type_preserved_and_rank_named() -> None:
 
 def test_reraise_false_and_mixed_types_give_spmd_error() -> None:
     with pytest.raises(SpmdError, match="rank 1") as info:
-        spmd(2, _raise_on_rank1, "nope", reraise=False)
+        spmd(2, _raise_alone_on_rank1, reraise=False)
     assert isinstance(info.value.original, ValueError)
     assert isinstance(info.value.__cause__, ValueError)
     with pytest.raises(SpmdError, match="KeyError") as info2:
@@ -161,23 +176,12 @@ def test_hang_raises_timeout_with_stack(fn) -> None:
     assert list(info.value.rank_errors) == [0]
 
 
-def test_fresh_pool_after_failure() -> None:
-    before = spmd(2, _pid)
-    with pytest.raises(ValueError):
-        spmd(2, _raise_on_rank1, "x")
-    after = spmd(2, _pid)
-    assert not set(before) & set(after)
-    assert spmd(2, _pid) == after  # and the fresh pool is kept
-    assert spmd(2, _rank_world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
-
-
 def test_dead_worker_reported_with_exit_code() -> None:
     with pytest.raises(SpmdError, match="rank 1") as info:
         spmd(2, _exit3_on_rank1)
     assert "exit code 3" in str(info.value) and "died" in info.value.rank_errors[1]
     with pytest.raises(SpmdError, match="SIGKILL"):
         spmd(1, _sigkill_self)
-    assert spmd(2, _rank_world_sum)[1] == (1, 2, 3.0)
 
 
 def test_unpicklable_fn_fails_fast_in_parent() -> None:

@@ -60,12 +60,7 @@ class SpmdError(RuntimeError):
             print(sorted(e.rank_errors))
     """
 
-    def __init__(
-        self,
-        message: str,
-        rank_errors: dict[int, str] | None = None,
-        original: BaseException | None = None,
-    ) -> None:
+    def __init__(self, message: str, rank_errors: dict[int, str] | None = None, original: BaseException | None = None):
         super().__init__(message)
         self.rank_errors: dict[int, str] = dict(rank_errors or {})
         self.original: BaseException | None = original
@@ -106,9 +101,8 @@ class _Pool:
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         for r in range(world_size):
-            cmd = [sys.executable, "-m", "fsdpfn.testing._worker", "--rank", str(r),
-                   "--world-size", str(world_size), "--parent", f"{host}:{port}",
-                   "--init-method", init_method, "--log", self.logs[r]]  # fmt: skip
+            cmd = [sys.executable, "-m", "fsdpfn.testing._worker", "--rank", str(r), "--world-size", str(world_size)]
+            cmd += ["--parent", f"{host}:{port}", "--init-method", init_method, "--log", self.logs[r]]
             self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
 
     def start(self, deadline: float) -> str | None:
@@ -156,18 +150,14 @@ class _Pool:
             self.ask_exit()
             end = time.monotonic() + _EXIT_WAIT_S
             for p in self.procs:
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(timeout=max(0.0, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
         for p in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable process
-                pass
         for conn in self.conns:
             if conn is not None:
                 conn.close()
@@ -237,8 +227,10 @@ def _get_pool(world_size: int) -> _Pool:
         pool.close(graceful=False)
         if why == "start-up timed out":
             break
-    raise SpmdError(f"spmd: start-up of a pool of {world_size} workers failed: {why}\n"
-                    f"worker exit codes (None = was still running): {codes}")  # fmt: skip
+    raise SpmdError(
+        f"spmd: start-up of a pool of {world_size} workers failed: {why}\n"
+        f"worker exit codes (None = was still running): {codes}"
+    )
 
 
 def _discard(world_size: int) -> None:
@@ -269,12 +261,10 @@ atexit.register(shutdown_pools)
 def _exit_text(code: int | None) -> str:
     if code is None:
         return "its connection closed but it has not exited"
-    if code < 0:
-        try:
-            return f"exit code {code} (killed by {signal.Signals(-code).name})"
-        except ValueError:
-            return f"exit code {code}"
-    return f"exit code {code}"
+    killed = ""
+    with contextlib.suppress(ValueError):
+        killed = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
+    return f"exit code {code}{killed}"
 
 
 def _describe_fn(fn: Callable[..., Any]) -> str:
@@ -317,13 +307,16 @@ def spmd(
     if not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"spmd: world_size must be an int in 1..{MAX_WORLD_SIZE}, got {world_size!r}")
     if getattr(fn, "__module__", None) == "__main__":
-        raise TypeError(f"spmd: fn {_describe_fn(fn)} is defined in __main__, which the "
-                        "workers cannot import; define it in an importable module")  # fmt: skip
+        raise TypeError(
+            f"spmd: fn {_describe_fn(fn)} is defined in __main__, which the workers cannot import; "
+            "define it in an importable module"
+        )
     try:
         payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
-        raise TypeError(f"spmd: fn and args must be picklable (fn must be a module-level "
-                        f"function; got fn={fn!r}): {exc}") from exc  # fmt: skip
+        raise TypeError(
+            f"spmd: fn and args must be picklable (fn must be a module-level function; got fn={fn!r}): {exc}"
+        ) from exc
     if timeout is None:
         timeout = _env_float("FSDPFN_SPMD_TIMEOUT", 120.0)
 
@@ -368,8 +361,8 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
             try:
                 replies[r] = pickle.loads(data)
             except Exception as exc:
-                replies[r] = ("error", type(exc).__name__, f"the parent could not unpickle "
-                              f"rank {r}'s reply: {exc}", "", None)  # fmt: skip
+                why_not = f"the parent could not unpickle rank {r}'s reply: {exc}"
+                replies[r] = ("error", type(exc).__name__, why_not, "", None)
         for r in list(pending):  # exited without its connection reporting EOF (yet)
             if pool.procs[r].poll() is not None and not conns[r].poll():
                 dead[r] = pool.procs[r].returncode
@@ -381,7 +374,7 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
 
     # --- failure: build the report --------------------------------------------------------
     hung = sorted(pending)
-    waited = time.monotonic() - start
+    waited = time.monotonic() - (start if first_fail is None else first_fail)
     dumps = pool.stack_dumps(hung) if hung else {}
     raised = {r: v for r, v in sorted(replies.items()) if v[0] != "ok"}
     rank_errors: dict[int, str] = {}
@@ -390,10 +383,9 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
     for r, code in sorted(dead.items()):
         log = _read(pool.logs[r])
         rank_errors[r] = f"rank {r} died ({_exit_text(code)})" + (f"\n{log}" if log else "")
+    why = "(the call's timeout)" if first_fail is None else "after the first failure"
     for r in hung:
-        why = "after the first failure" if first_fail is not None else "(the call's timeout)"
-        rank_errors[r] = (f"rank {r} did not answer within {waited:.1f} s {why}; "
-                          f"its stacks (most recent call first):\n{dumps[r]}")  # fmt: skip
+        rank_errors[r] = f"rank {r} did not answer within {waited:.1f} s {why}; its stacks:\n{dumps[r]}"
     sections = "\n\n".join(f"--- {rank_errors[r]}" for r in sorted(rank_errors))
     summary = []
     if dead:
@@ -401,7 +393,7 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
     if raised:
         summary.append("rank(s) " + ", ".join(f"{r} ({v[1]})" for r, v in raised.items()) + " raised")
     if hung:
-        summary.append(f"rank(s) {', '.join(map(str, hung))} did not answer within {waited:.1f} s")
+        summary.append(f"rank(s) {', '.join(map(str, hung))} did not answer within {waited:.1f} s {why}")
     header = f"spmd({_describe_fn(fn)}, world_size={world}): " + "; ".join(summary)
     message = f"{header}\n\n{sections}"
 

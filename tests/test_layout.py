@@ -1,0 +1,156 @@
+"""Layout properties (single process): ShardSpec follows torch.chunk, shard/unshard round-trips bit-exactly,
+and bucket packing/unpacking agrees with a simulated all-gather and reduce-scatter."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fsdpfn import ShardSpec, shard_tensor, unshard_tensors
+from fsdpfn.layout import BucketLayout
+from fsdpfn.testing import strategies as fst
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaN-safe, dtype and shape included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype == torch.bool:
+        return torch.equal(a, b)
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@given(spec=fst.shard_specs())
+def test_spec_follows_torch_chunk(spec):
+    x = torch.arange(spec.numel).reshape(spec.shape) if spec.shape else torch.tensor(7)
+    rows_view = x.reshape(1) if not spec.shape else x
+    chunks = rows_view.chunk(spec.world, spec.dim) if spec.rows else ()
+    assert spec.chunk == math.ceil(spec.rows / spec.world)
+    for rank in range(spec.world):
+        start, stop = spec.bounds(rank)
+        assert 0 <= start <= stop <= spec.rows
+        if rank < len(chunks):
+            assert tuple(chunks[rank].shape) == spec.local_shape(rank)
+        else:  # torch.chunk returns fewer chunks: the trailing ranks hold nothing
+            assert spec.local_rows(rank) == 0
+    assert sum(spec.local_rows(r) for r in range(spec.world)) == spec.rows
+    assert all(spec.local_rows(r) <= spec.chunk for r in range(spec.world))
+
+
+@given(spec=fst.shard_specs(), data=st.data())
+def test_shard_unshard_round_trip_is_bit_exact(spec, data):
+    x = data.draw(fst.tensors(spec.shape, data.draw(fst.dtypes())))
+    shards = [shard_tensor(x, spec, r) for r in range(spec.world)]
+    for r, s in enumerate(shards):
+        assert tuple(s.shape) == spec.local_shape(r)
+        assert s.is_contiguous()
+    assert _same(unshard_tensors(shards, spec), x)
+
+
+@st.composite
+def buckets(draw, max_members=4):
+    world = draw(st.integers(1, 16))
+    n = draw(st.integers(1, max_members))
+    specs = [draw(fst.shard_specs(shape=draw(fst.shapes(max_dims=3)))) for _ in range(n)]
+    specs = [ShardSpec(s.shape, world, s.dim) for s in specs]
+    dtype = draw(fst.dtypes())
+    return BucketLayout.build([f"p{i}" for i in range(n)], specs, dtype)
+
+
+@given(layout=buckets(), data=st.data())
+def test_bucket_gather_round_trip(layout, data):
+    fulls = [data.draw(fst.tensors(s.shape, layout.dtype)) for s in layout.specs]
+    segs = []
+    for rank in range(layout.world):
+        seg = layout.pack_shards([shard_tensor(x, s, rank) for x, s in zip(fulls, layout.specs)], rank)
+        assert seg.shape == (layout.numel,)  # every rank holds the same padded size
+        for spec, off in zip(layout.specs, layout.offsets):  # padding is zero
+            real = spec.local_numel(rank)
+            assert not seg[off + real : off + spec.padded_numel].ne(0).any()
+        segs.append(seg)
+    gathered = torch.stack(segs)  # what an all-gather delivers
+    out = layout.unpack_full(gathered)
+    for x, y in zip(fulls, out):
+        assert _same(y.contiguous(), x)
+    if len(layout.specs) == 1 and gathered.numel():  # a one-member bucket is a pure view
+        assert out[0].untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr()
+
+
+@given(layout=buckets(), data=st.data())
+def test_bucket_reduce_scatter_matches_sum_of_fulls(layout, data):
+    dtype = torch.float64
+    layout = BucketLayout.build(layout.fqns, layout.specs, dtype)
+    per_rank = [[data.draw(fst.tensors(s.shape, dtype)) for s in layout.specs] for _ in range(layout.world)]
+    summed = sum(layout.pack_full(f) for f in per_rank)  # reduce-scatter input, summed over ranks
+    for rank in range(layout.world):
+        got = layout.unpack_shards(summed[rank], rank)
+        for i, spec in enumerate(layout.specs):
+            want = shard_tensor(sum(f[i] for f in per_rank), spec, rank)
+            torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
+
+
+@given(layout=buckets(max_members=3), batch=st.integers(1, 3), data=st.data())
+def test_bucket_batched_matches_unbatched(layout, batch, data):
+    dtype = torch.float64
+    layout = BucketLayout.build(layout.fqns, layout.specs, dtype)
+    fulls = [data.draw(fst.tensors((batch, *s.shape), dtype)) for s in layout.specs]
+    segs = [
+        layout.pack_shards([torch.stack([shard_tensor(x[b], s, r) for b in range(batch)]) for x, s in zip(fulls, layout.specs)], r, batch=(batch,))
+        for r in range(layout.world)
+    ]
+    out = layout.unpack_full(torch.stack(segs), batch_ndim=1)
+    for x, y in zip(fulls, out):
+        assert torch.equal(x, y)
+    packed = layout.pack_full(fulls, batch=(batch,))
+    for rank in range(layout.world):
+        got = layout.unpack_shards(packed[rank], rank, batch_ndim=1)
+        for x, g, s in zip(fulls, got, layout.specs):
+            assert torch.equal(g, torch.stack([shard_tensor(x[b], s, rank) for b in range(batch)]))
+
+
+def test_mixed_members_keep_their_offsets():
+    specs = (ShardSpec((5, 2), 2), ShardSpec((3,), 2), ShardSpec((), 2))
+    layout = BucketLayout.build(("w", "b", "s"), specs, torch.float32)
+    assert layout.offsets == (0, 6, 8)
+    assert layout.numel == 9
+    assert layout.sizes == (6, 2, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(shape=(3, 4), world=2, dim=2), "dim=2 is out of range"),
+        (dict(shape=(3, 4), world=2, dim=-3), "dim=-3 is out of range"),
+        (dict(shape=(3,), world=0), "world must be an int >= 1"),
+        (dict(shape=(3,), world=-1), "world must be an int >= 1"),
+        (dict(shape=(3,), world=2.0), "world must be an int >= 1"),
+        (dict(shape=(-1, 2), world=2), "negative size"),
+        (dict(shape=(), world=2, dim=1), "dim=1 is out of range"),
+    ],
+)
+def test_spec_rejects_bad_input(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        ShardSpec(**kwargs)
+
+
+def test_spec_rejects_bad_rank_and_shapes():
+    spec = ShardSpec((4,), 2)
+    with pytest.raises(ValueError, match="rank 2 is not in"):
+        spec.bounds(2)
+    with pytest.raises(ValueError, match="does not match spec shape"):
+        shard_tensor(torch.zeros(5), spec, 0)
+    with pytest.raises(ValueError, match="got 1 shards"):
+        unshard_tensors([torch.zeros(2)], spec)
+    with pytest.raises(ValueError, match="shard of rank 1 has shape"):
+        unshard_tensors([torch.zeros(2), torch.zeros(3)], spec)
+
+
+def test_zero_dim_tensor_shards_to_rank_zero():
+    spec = ShardSpec((), 3)
+    x = torch.tensor(2.5)
+    shards = [shard_tensor(x, spec, r) for r in range(3)]
+    assert [tuple(s.shape) for s in shards] == [(1,), (0,), (0,)]
+    assert unshard_tensors(shards, spec).shape == ()
+    assert unshard_tensors(shards, spec).item() == 2.5
