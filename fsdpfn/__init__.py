@@ -14,6 +14,7 @@ from fsdpfn.core import init_mesh
 from fsdpfn.layout import Sharded, ShardSpec, shard_tensor, unshard_tensors
 from fsdpfn.ops import reduce, reshard, shard, unshard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdpfn.transform import fsdp, grad, value_and_grad
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,8 @@ __all__ = [
     "OffloadPolicy",
     "ShardSpec",
     "Sharded",
+    "fsdp",
+    "grad",
     "init_mesh",
     "reduce",
     "reshard",
@@ -30,4 +33,5 @@ __all__ = [
     "shard_tensor",
     "unshard",
     "unshard_tensors",
+    "value_and_grad",
 ]

@@ -66,6 +66,12 @@ class CommStats:
     def _free(self, nbytes: int) -> None:
         self.live_gathered_bytes -= nbytes
 
+    def track(self, t: torch.Tensor) -> None:
+        """Count ``t`` (a buffer holding gathered parameters, e.g. a copy-out) as live until it is freed."""
+        nbytes = t.numel() * t.element_size()
+        self._alloc(nbytes)
+        weakref.finalize(t, self._free, nbytes)
+
 
 class Handle:
     """An in-flight collective. ``wait()`` (idempotent) orders the caller after it and returns the result."""
@@ -160,10 +166,8 @@ class Comm:
             return Handle(flat.unsqueeze(0))
         flat = flat.contiguous()
         out = flat.new_empty((world, *flat.shape))
-        nbytes = out.numel() * out.element_size()
-        self.stats._alloc(nbytes)
-        weakref.finalize(out, self.stats._free, nbytes)
-        self.stats._note("all_gathers", label, nbytes)
+        self.stats.track(out)
+        self.stats._note("all_gathers", label, out.numel() * out.element_size())
         if flat.numel() == 0:
             return Handle(out)
         group = self.groups.shard_group

@@ -74,6 +74,7 @@ class ShardPlan:
     mp_policy: Any = None
     offload_policy: Any = None
     module_type: str = ""
+    ignored: tuple[str, ...] = ()
     _by_name: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # derived objects, built once per plan
 

@@ -17,7 +17,7 @@ from fsdpfn.layout import Sharded, ShardPlan, UnitPlan
 from fsdpfn.layout.plan import ParamInfo, bucket_by_dtype
 from fsdpfn.ops.functions import Buckets, apply_buckets, collective_pair, reduce_collective
 
-__all__ = ["reduce", "reduce_scale", "reshard", "unshard"]
+__all__ = ["gather_collective", "reduce", "reduce_scale", "reshard", "unshard"]
 
 
 def reduce_scale(plan: ShardPlan, op: str = "avg", divide_by: float | None = None) -> float:
@@ -67,7 +67,8 @@ def _check_shards(params: Sharded[Any], fqns: Sequence[str]) -> list[torch.Tenso
     return out
 
 
-def _gather_collective(plan: ShardPlan, units: tuple[UnitPlan, ...], scale: float) -> Buckets:
+def gather_collective(plan: ShardPlan, units: tuple[UnitPlan, ...], scale: float) -> Buckets:
+    """The (cached) differentiable gather of ``units``, whose backward reduces with ``scale``."""
     key = ("gather", tuple(u.name for u in units), scale)
     b = plan.memo.get(key)
     if b is None:
@@ -104,7 +105,7 @@ def unshard(
     """
     plan = _check_tree(params, "unshard")
     chosen = _select_units(plan, units)
-    b = _gather_collective(plan, chosen, reduce_scale(plan, op, divide_by))
+    b = gather_collective(plan, chosen, reduce_scale(plan, op, divide_by))
     shards = _check_shards(params, b.fqns)
     full = dict(zip(b.fqns, apply_buckets(b, shards)))
     if units is None:

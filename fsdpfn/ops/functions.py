@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from fsdpfn.core import Comm
+from fsdpfn.core import Comm, Handle
 from fsdpfn.layout import BucketLayout
 
-__all__ = ["Buckets", "ReduceFunction", "UnshardFunction", "collective_pair"]
+__all__ = ["Buckets", "ReduceFunction", "UnshardFunction", "apply_buckets", "collective_pair", "reduce_collective"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,8 +54,8 @@ class Buckets:
                 object.__setattr__(got, "adjoint", adj)
         return got
 
-    def run(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        """Launch every bucket's collective, then wait for each and unpack (no autograd)."""
+    def launch(self, tensors: Sequence[torch.Tensor | None]) -> list[Handle]:
+        """Pack and launch every bucket's collective; returns one handle per layout (no autograd)."""
         by_name = dict(zip(self.fqns, tensors))
         batch = _batch_shape(tensors, self.batch_ndim)
         device = self.comm.groups.device
@@ -68,17 +68,28 @@ class Buckets:
             else:
                 flat = layout.pack_full(members, batch=batch, device=device)
                 pending.append(self.comm.reduce_scatter(flat, scale=self.scale, label=self.label))
+        return pending
+
+    def finish(self, pending: Sequence[Handle]) -> list[torch.Tensor]:
+        """Wait for launched collectives and unpack them into results in ``fqns`` order."""
         results: dict[str, torch.Tensor] = {}
         for layout, handle in zip(self.layouts, pending):
             buf = handle.wait()
             if self.kind == "gather":
                 outs = layout.unpack_full(buf, batch_ndim=self.batch_ndim)
+                if len(outs) > 1 or self.batch_ndim:  # copied out of the gathered buffer
+                    for o in outs:
+                        self.comm.stats.track(o if o._base is None else o._base)
                 if self.scale != 1.0:
                     outs = [o * self.scale for o in outs]
             else:
                 outs = layout.unpack_shards(buf, self.rank, batch_ndim=self.batch_ndim)
             results.update(zip(layout.fqns, outs))
         return [_cast(results[f], d) for f, d in zip(self.fqns, self.out_dtypes)]
+
+    def run(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Launch every bucket's collective, then wait for each and unpack (no autograd)."""
+        return self.finish(self.launch(tensors))
 
 
 def collective_pair(
@@ -129,8 +140,9 @@ class _BucketCollective(torch.autograd.Function):
     """Shared rules: the forward runs ``Buckets``; the backward applies its adjoint."""
 
     @staticmethod
-    def forward(b: Buckets, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(b.run(tensors))
+    def forward(b: Buckets, pending: Any, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        # ``pending``: handles of the same collective launched earlier (prefetch), or None.
+        return tuple(b.finish(pending) if pending is not None else b.run(tensors))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -147,17 +159,17 @@ class _BucketCollective(torch.autograd.Function):
         picked = [by_name.get(f) for f in adj.fqns]
         out = apply_buckets(adj, picked)
         res = dict(zip(adj.fqns, out))
-        return (None, *(res.get(f) for f in b.fqns))
+        return (None, None, *(res.get(f) for f in b.fqns))
 
     @staticmethod
-    def jvp(ctx: Any, _b_tangent: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def jvp(ctx: Any, _b: Any, _pending: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         # Both collectives are linear: the tangent of the output is the collective of the tangents.
         return tuple(ctx.buckets.run(tangents))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], b: Buckets, *tensors: torch.Tensor | None) -> Any:
+    def vmap(info: Any, in_dims: tuple[Any, ...], b: Buckets, _pending: Any, *tensors: torch.Tensor | None) -> Any:
         moved = []
-        for t, d in zip(tensors, in_dims[1:]):
+        for t, d in zip(tensors, in_dims[2:]):
             if t is None:
                 moved.append(None)
             elif d is None:
@@ -176,10 +188,15 @@ class ReduceFunction(_BucketCollective):
     """Reduce-scatter of a set of buckets; its backward is ``UnshardFunction``."""
 
 
-def apply_buckets(b: Buckets, tensors: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, ...]:
-    """Run ``b`` as a differentiable op (``UnshardFunction`` or ``ReduceFunction`` by its kind)."""
+def apply_buckets(
+    b: Buckets, tensors: Sequence[torch.Tensor | None], pending: Sequence[Handle] | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Run ``b`` as a differentiable op (``UnshardFunction`` or ``ReduceFunction`` by its kind).
+
+    ``pending`` are the handles of this very collective, launched earlier by ``b.launch`` on the same
+    tensors (prefetch); the forward then only waits for them."""
     fn = UnshardFunction if b.kind == "gather" else ReduceFunction
-    return fn.apply(b, *tensors)
+    return fn.apply(b, pending, *tensors)
 
 
 def _batch_shape(tensors: Sequence[torch.Tensor | None], nb: int) -> tuple[int, ...]:

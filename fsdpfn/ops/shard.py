@@ -55,11 +55,12 @@ def resolve_units(module: nn.Module, units: Units) -> list[str]:
     return sorted(set(chosen), key=order.__getitem__)
 
 
-def _owner(fqn: str, unit_names: Sequence[str]) -> str:
-    path = fqn.rpartition(".")[0]
+def _owner(names: Sequence[str], unit_names: Sequence[str]) -> str:
+    """The innermost unit whose module contains every one of ``names`` (all names of a tied parameter)."""
+    paths = [n.rpartition(".")[0] for n in names]
     best = ""
     for u in unit_names:
-        if (path == u or path.startswith(u + ".")) and len(u) > len(best):
+        if len(u) > len(best) and all(p == u or p.startswith(u + ".") for p in paths):
             best = u
     return best
 
@@ -99,15 +100,19 @@ def shard(
 
     owners: dict[int, str] = {}
     aliases: dict[str, str] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    infos: list[ParamInfo] = []
+    names: dict[str, list[str]] = {}
+    found: dict[str, nn.Parameter] = {}
+    ignored_names: list[str] = []
     for fqn, p in module.named_parameters(remove_duplicate=False):
         if id(p) in ignored:
+            ignored_names.append(fqn)
             continue
         if id(p) in owners:
             aliases[fqn] = owners[id(p)]
+            names[owners[id(p)]].append(fqn)
             continue
         owners[id(p)] = fqn
+        names[fqn] = [fqn]
         if p.device.type == "meta":
             raise ValueError(f"shard: parameter {fqn!r} is on the meta device; materialise the module first")
         if p.device.type != groups.device_type:
@@ -115,8 +120,11 @@ def shard(
                 f"shard: parameter {fqn!r} is on {p.device} but the mesh is on {groups.device_type}; "
                 f"move the module with module.to({groups.device_type!r}) or build the mesh for {p.device.type}"
             )
-        tensors[fqn] = p.detach()
-        infos.append(ParamInfo(fqn, tuple(p.shape), p.dtype, p.requires_grad, _owner(fqn, unit_names)))
+        found[fqn] = p
+    infos = [
+        ParamInfo(fqn, tuple(p.shape), p.dtype, p.requires_grad, _owner(names[fqn], unit_names))
+        for fqn, p in found.items()
+    ]
 
     buffers = {fqn: b.detach().clone() for fqn, b in module.named_buffers()}
     policy = mp_policy or MixedPrecisionPolicy()
@@ -135,6 +143,7 @@ def shard(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         module_type=type(module).__name__,
+        ignored=tuple(ignored_names),
     )
-    leaves = [shard_tensor(tensors[f], plan.specs[f], groups.rank) for f in plan.params]
+    leaves = [shard_tensor(found[f].detach(), plan.specs[f], groups.rank) for f in plan.params]
     return Sharded._from_children(leaves + [buffers[b] for b in plan.buffers], plan)

@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         if msg[0] == "exit":
             break
         if msg[0] == "call":
-            conn.send_bytes(_run_call(msg[1], ns.rank))
+            try:
+                conn.send_bytes(_run_call(msg[1], ns.rank))
+            except OSError:  # the parent went away while we were busy
+                break
 
     try:
         dist.destroy_process_group()
@@ -163,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except (EOFError, OSError):  # the parent went away: exit quietly
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip the interpreter's (slow, torch-heavy) teardown

@@ -1,0 +1,23 @@
+"""Optimizers for ``Sharded`` parameters, optax-shaped and built on ``torch.optim``'s functional kernels.
+
+``sgd(...)`` and ``adamw(...)`` return a ``GradientTransformation(init, update)``:
+``init(params) -> state`` and ``update(grads, state, params) -> (params, state)``. The state is a
+NamedTuple of ``Sharded`` trees plus a step counter tensor, so it is a pytree (save it, ``tree_map`` it).
+Updates are local to each rank's shards and in place by default. ``clip_grad_norm(grads, max_norm)``
+clips by the global norm over every rank (one all-reduce).
+
+Example:
+    >>> import fsdpfn.optim as optim                                      # doctest: +SKIP
+    >>> opt = optim.adamw(lr=1e-3, weight_decay=0.1)                      # doctest: +SKIP
+    >>> state = opt.init(params)                                          # doctest: +SKIP
+    >>> loss, grads = fsdpfn.value_and_grad(loss_fn)(params, batch)       # doctest: +SKIP
+    >>> grads, norm = optim.clip_grad_norm(grads, 1.0)                    # doctest: +SKIP
+    >>> params, state = opt.update(grads, state, params)                  # doctest: +SKIP
+"""
+
+from fsdpfn.optim._common import GradientTransformation, LearningRate
+from fsdpfn.optim.adamw import AdamWState, adamw
+from fsdpfn.optim.clip import clip_grad_norm
+from fsdpfn.optim.sgd import SGDState, sgd
+
+__all__ = ["AdamWState", "GradientTransformation", "LearningRate", "SGDState", "adamw", "clip_grad_norm", "sgd"]

@@ -1,0 +1,217 @@
+"""Shared plumbing of ``fsdpfn.optim``: the transformation tuple, learning rates, tree validation.
+
+Everything here is local to one rank: optimizers update this rank's shards and never communicate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Union
+
+import torch
+
+from fsdpfn.layout import Sharded, ShardPlan
+
+__all__ = ["GradientTransformation", "LearningRate"]
+
+LearningRate = Union[float, Callable[[int], float]]
+"""A constant learning rate, or a schedule ``lr(step) -> float`` called once per ``update`` with
+``step`` = the number of updates made so far including this one (``1`` on the first ``update``)."""
+
+
+class GradientTransformation(NamedTuple):
+    """An optax-shaped optimizer: ``init(params) -> state`` and ``update(grads, state, params) ->
+    (params, state)``.
+
+    Example:
+        >>> opt = fsdpfn.optim.adamw(lr=1e-3)                     # doctest: +SKIP
+        >>> state = opt.init(params)                              # doctest: +SKIP
+        >>> params, state = opt.update(grads, state, params)      # doctest: +SKIP
+    """
+
+    init: Callable[[Sharded[torch.Tensor]], Any]
+    update: Callable[[Sharded[Any], Any, Sharded[torch.Tensor]], tuple[Sharded[torch.Tensor], Any]]
+
+
+# --- hyper-parameters ---------------------------------------------------------------------------
+def check_number(what: str, name: str, value: Any, *, low: float = 0.0, high: float | None = None) -> float:
+    """``value`` as a float in ``[low, high)`` (``high`` open), else ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what}: {name} must be a number, got {type(value).__name__}")
+    v = float(value)
+    if math.isnan(v) or v < low or (high is not None and v >= high):
+        bound = f"[{low}, {high})" if high is not None else f">= {low}"
+        raise ValueError(f"{what}: invalid {name}={value!r}; it must be {bound}")
+    return v
+
+
+def check_lr(what: str, lr: LearningRate) -> LearningRate:
+    """A non-negative number or a callable schedule."""
+    if callable(lr):
+        return lr
+    return check_number(what, "lr", lr)
+
+
+def resolve_lr(what: str, lr: LearningRate, step: int) -> float:
+    """The learning rate of update number ``step`` (counted from 1)."""
+    if not callable(lr):
+        return float(lr)
+    value = lr(step)
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    value = float(value)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{what}: the lr schedule returned {value!r} for step {step}; a learning rate must be >= 0")
+    return value
+
+
+def new_count() -> torch.Tensor:
+    """The global update counter: a 0-d int64 CPU tensor (CPU, so reading it never syncs a GPU)."""
+    return torch.zeros((), dtype=torch.int64)
+
+
+def new_step() -> torch.Tensor:
+    """A per-leaf step counter exactly as ``torch.optim`` keeps it (0-d CPU float tensor)."""
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.zeros((), dtype=dtype)
+
+
+# --- trees --------------------------------------------------------------------------------------
+def check_params(params: Any, what: str) -> ShardPlan:
+    """``params`` must be a ``Sharded`` whose trainable leaves are this rank's shards."""
+    if not isinstance(params, Sharded):
+        raise TypeError(f"{what}: params must be a fsdpfn.Sharded (from fsdpfn.shard), got {type(params).__name__}")
+    plan = params.plan
+    for fqn in trainable(plan):
+        leaf = params[fqn]
+        want = plan.specs[fqn].local_shape(plan.rank)
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{what}: params leaf {fqn!r} is {type(leaf).__name__}, expected this rank's shard (a Tensor)")
+        if tuple(leaf.shape) != want or leaf.dtype != plan.dtypes[fqn]:
+            raise ValueError(
+                f"{what}: params leaf {fqn!r} is {tuple(leaf.shape)} {leaf.dtype} but rank {plan.rank} of its plan "
+                f"holds {want} {plan.dtypes[fqn]}"
+            )
+    return plan
+
+
+def trainable(plan: ShardPlan) -> list[str]:
+    """Parameters that take gradients, in plan order."""
+    return [f for f in plan.params if plan.requires_grad[f]]
+
+
+def state_tree(params: Sharded[torch.Tensor], make: Callable[[torch.Tensor], Any] | None) -> Sharded[Any]:
+    """A tree like ``params``: ``make(shard)`` on trainable parameters, ``None`` elsewhere."""
+    plan = params.plan
+    train = set(trainable(plan)) if make is not None else set()
+    return Sharded({k: make(params[k]) if k in train else None for k in plan.keys}, plan)  # type: ignore[misc]
+
+
+def plan_mismatch(other: ShardPlan, plan: ShardPlan) -> str:
+    """Why ``other`` is not ``plan``, naming a leaf where one differs."""
+    missing = [k for k in plan.params if k not in other.specs]
+    extra = [k for k in other.params if k not in plan.specs]
+    if missing or extra:
+        parts = ([f"it lacks {missing}"] if missing else []) + ([f"it has {extra} that params lack"] if extra else [])
+        return "; ".join(parts)
+    for k in plan.params:
+        a, b = other.specs[k], plan.specs[k]
+        if a != b or other.dtypes[k] != plan.dtypes[k]:
+            return (
+                f"leaf {k!r} is {a.shape} {other.dtypes[k]} over {a.world} ranks there but "
+                f"{b.shape} {plan.dtypes[k]} over {b.world} ranks in params"
+            )
+    first = repr(plan.params[0]) if plan.params else "<none>"
+    return f"the same leaves ({first}, ...) but from another fsdpfn.shard call"
+
+
+def check_grads(grads: Any, params: Sharded[torch.Tensor], what: str) -> list[str]:
+    """Validate ``grads`` against ``params``; return the names of the leaves to update
+    (trainable parameters whose gradient is not ``None``). Buffer leaves of ``grads`` are ignored."""
+    plan = params.plan
+    if not isinstance(grads, Sharded):
+        raise TypeError(f"{what}: grads must be a fsdpfn.Sharded like params, got {type(grads).__name__}")
+    if grads.plan is not plan:
+        raise ValueError(
+            f"{what}: grads were built for another plan than params ({plan_mismatch(grads.plan, plan)}); "
+            f"compute them from these params (fsdpfn.value_and_grad / fsdpfn.reduce(..., like=params))"
+        )
+    fqns = []
+    for fqn in plan.params:
+        g = grads[fqn]
+        if g is None:
+            continue
+        if not plan.requires_grad[fqn]:
+            raise ValueError(
+                f"{what}: grads leaf {fqn!r} is a {type(g).__name__} but parameter {fqn!r} is frozen "
+                f"(requires_grad=False); its gradient must be None"
+            )
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"{what}: grads leaf {fqn!r} is {type(g).__name__}, expected a Tensor or None")
+        p = params[fqn]
+        if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+            raise ValueError(
+                f"{what}: grads leaf {fqn!r} has shape {tuple(g.shape)} {g.dtype} on {g.device} but the param "
+                f"shard is {tuple(p.shape)} {p.dtype} on {p.device}"
+            )
+        fqns.append(fqn)
+    return fqns
+
+
+def check_state_tree(
+    tree: Any, field: str, params: Sharded[torch.Tensor], fqns: Sequence[str], what: str, *, scalar: bool = False
+) -> None:
+    """``state.<field>`` must be a ``Sharded`` of ``params``'s plan holding a tensor for every leaf in
+    ``fqns``: shaped like the param shard, or a 0-d step counter when ``scalar``."""
+    plan = params.plan
+    if not isinstance(tree, Sharded):
+        raise TypeError(f"{what}: state.{field} must be a fsdpfn.Sharded, got {type(tree).__name__}")
+    if tree.plan is not plan:
+        raise ValueError(
+            f"{what}: state.{field} was built for another plan than params ({plan_mismatch(tree.plan, plan)}); "
+            f"create the state with init(params) for these params"
+        )
+    for fqn in fqns:
+        t = tree[fqn]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: state.{field} leaf {fqn!r} is {type(t).__name__}, expected a Tensor")
+        p = params[fqn]
+        if scalar:
+            if t.dim() != 0:
+                raise ValueError(f"{what}: state.{field} leaf {fqn!r} has shape {tuple(t.shape)}, expected a 0-d step")
+        elif t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
+            raise ValueError(
+                f"{what}: state.{field} leaf {fqn!r} has shape {tuple(t.shape)} {t.dtype} on {t.device} but the "
+                f"param shard is {tuple(p.shape)} {p.dtype} on {p.device}"
+            )
+
+
+def check_state_type(state: Any, cls: type, what: str) -> None:
+    """``state`` must be a ``cls`` with a 0-d integer ``count``."""
+    if not isinstance(state, cls):
+        raise TypeError(f"{what}: state must be the {cls.__name__} that init(params) returned, got {type(state).__name__}")
+    count = state.count
+    if not isinstance(count, torch.Tensor) or count.dim() != 0:
+        raise TypeError(f"{what}: state.count must be a 0-d tensor, got {count!r}")
+
+
+# --- updates ------------------------------------------------------------------------------------
+def clone_tree(tree: Sharded[Any]) -> Sharded[Any]:
+    """A copy of ``tree`` with every tensor leaf cloned (``None`` stays ``None``)."""
+    return Sharded({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in tree.items()}, tree.plan)
+
+
+def prepare_params(params: Sharded[torch.Tensor], fqns: Sequence[str], inplace: bool) -> Sharded[torch.Tensor]:
+    """The tree to update: ``params`` in a new container, with the updated leaves cloned unless ``inplace``."""
+    return params.replace({} if inplace else {f: params[f].clone() for f in fqns})
+
+
+def real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as real pairs when complex (what ``torch.optim`` does for complex parameters)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def next_count(count: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """``count + 1``, in place when ``inplace``."""
+    return count.add_(1) if inplace else count + 1

@@ -1,0 +1,167 @@
+"""AdamW on sharded parameters, built on ``torch.optim``'s functional foreach kernel.
+
+Each rank updates only its own shards (Adam is elementwise, so the shards of the result are the result
+on the full tensors); nothing is communicated.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.optim.adam
+import torch.optim.adamw
+
+from fsdpfn.layout import Sharded
+from fsdpfn.optim._common import (
+    GradientTransformation,
+    LearningRate,
+    check_grads,
+    check_lr,
+    check_number,
+    check_params,
+    check_state_tree,
+    check_state_type,
+    clone_tree,
+    new_count,
+    new_step,
+    next_count,
+    prepare_params,
+    real,
+    resolve_lr,
+    state_tree,
+)
+
+__all__ = ["AdamWState", "adamw"]
+
+
+def _pick_kernel() -> Callable[..., None]:
+    """``torch.optim.adam.adam(..., decoupled_weight_decay=True)`` where torch has that argument (recent
+    releases, where ``AdamW`` is ``Adam`` with decoupled decay), else ``torch.optim.adamw.adamw``."""
+    adam = torch.optim.adam.adam
+    if "decoupled_weight_decay" in inspect.signature(adam).parameters:
+        return functools.partial(adam, decoupled_weight_decay=True)
+    return torch.optim.adamw.adamw  # pragma: no cover - older torch
+
+
+_ADAMW = _pick_kernel()
+
+
+class AdamWState(NamedTuple):
+    """State of ``adamw``: trees like ``params`` (``None`` at frozen parameters and buffers).
+
+    ``count`` is the number of ``update`` calls (0-d int64 CPU tensor); ``step`` holds ``torch.optim``'s
+    per-parameter step counters (a parameter whose gradient was ``None`` in an update is not stepped);
+    ``max_exp_avg_sq`` is all ``None`` unless ``amsgrad``. The whole state is a pytree.
+
+    Example:
+        >>> state = fsdpfn.optim.adamw().init(params)                      # doctest: +SKIP
+        >>> state.exp_avg["0.weight"].shape == params["0.weight"].shape   # doctest: +SKIP
+        True
+    """
+
+    count: torch.Tensor
+    step: Sharded[Any]
+    exp_avg: Sharded[Any]
+    exp_avg_sq: Sharded[Any]
+    max_exp_avg_sq: Sharded[Any]
+
+
+def adamw(
+    lr: LearningRate = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    inplace: bool = True,
+) -> GradientTransformation:
+    """``torch.optim.AdamW`` as an optax-shaped transformation over ``Sharded`` parameters.
+
+    ``lr`` is a number or a schedule ``lr(step) -> float``, called once per ``update`` with ``step`` =
+    the number of the update being made, counted from 1 (the same ``step`` Adam's bias correction uses
+    for a parameter that received a gradient in every update).
+    Only trainable parameters whose gradient is not ``None`` are updated; frozen parameters, buffers and
+    ``None`` gradients are skipped (as ``torch.optim`` skips parameters whose ``.grad`` is ``None``).
+    With ``inplace=True`` (the default) the parameter shards and the state tensors are updated in place
+    and returned in new containers, so a step allocates no second copy (the inputs are donated); with
+    ``inplace=False`` they are cloned first and the inputs stay untouched. Gradients are never modified.
+    Runs ``torch.optim``'s functional Adam kernel with ``foreach=True`` on this rank's shards; complex
+    parameters are viewed as real pairs, exactly as ``torch.optim.AdamW`` does.
+
+    Example:
+        >>> opt = fsdpfn.optim.adamw(lr=lambda step: 1e-3 * min(1.0, step / 100))   # doctest: +SKIP
+        >>> state = opt.init(params)                                               # doctest: +SKIP
+        >>> loss, grads = step_fn(params, batch)                                   # doctest: +SKIP
+        >>> params, state = opt.update(grads, state, params)                       # doctest: +SKIP
+    """
+    what = "fsdpfn.optim.adamw"
+    lr = check_lr(what, lr)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"{what}: betas must be a pair (beta1, beta2), got {betas!r}")
+    beta1 = check_number(what, "betas[0]", betas[0], high=1.0)
+    beta2 = check_number(what, "betas[1]", betas[1], high=1.0)
+    eps = check_number(what, "eps", eps)
+    weight_decay = check_number(what, "weight_decay", weight_decay)
+    amsgrad, maximize, inplace = bool(amsgrad), bool(maximize), bool(inplace)
+
+    def init(params: Sharded[torch.Tensor]) -> AdamWState:
+        """Zero moments (and step counters) for every trainable parameter; ``None`` elsewhere.
+
+        Example:
+            >>> state = fsdpfn.optim.adamw().init(params)   # doctest: +SKIP
+        """
+        check_params(params, f"{what}.init")
+        zeros = functools.partial(torch.zeros_like, memory_format=torch.preserve_format)
+        return AdamWState(
+            count=new_count(),
+            step=state_tree(params, lambda p: new_step()),
+            exp_avg=state_tree(params, zeros),
+            exp_avg_sq=state_tree(params, zeros),
+            max_exp_avg_sq=state_tree(params, zeros if amsgrad else None),
+        )
+
+    def update(
+        grads: Sharded[Any], state: AdamWState, params: Sharded[torch.Tensor]
+    ) -> tuple[Sharded[torch.Tensor], AdamWState]:
+        """One AdamW step on this rank's shards: returns ``(new_params, new_state)``.
+
+        Example:
+            >>> params, state = opt.update(grads, state, params)   # doctest: +SKIP
+        """
+        where = f"{what}.update"
+        check_params(params, where)
+        check_state_type(state, AdamWState, where)
+        fqns = check_grads(grads, params, where)
+        check_state_tree(state.step, "step", params, fqns, where, scalar=True)
+        check_state_tree(state.exp_avg, "exp_avg", params, fqns, where)
+        check_state_tree(state.exp_avg_sq, "exp_avg_sq", params, fqns, where)
+        check_state_tree(state.max_exp_avg_sq, "max_exp_avg_sq", params, fqns if amsgrad else (), where)
+        new_params = prepare_params(params, fqns, inplace)
+        if not inplace:
+            state = AdamWState(state.count.clone(), *(clone_tree(t) for t in state[1:]))
+        lr_now = resolve_lr(where, lr, int(state.count.item()) + 1)
+        if fqns:
+            with torch.no_grad():
+                _ADAMW(
+                    [real(new_params[f]) for f in fqns],
+                    [real(grads[f]) for f in fqns],
+                    [real(state.exp_avg[f]) for f in fqns],
+                    [real(state.exp_avg_sq[f]) for f in fqns],
+                    [real(state.max_exp_avg_sq[f]) for f in fqns] if amsgrad else [],
+                    [state.step[f] for f in fqns],
+                    foreach=True,
+                    amsgrad=amsgrad,
+                    beta1=beta1,
+                    beta2=beta2,
+                    lr=lr_now,
+                    weight_decay=weight_decay,
+                    eps=eps,
+                    maximize=maximize,
+                )
+        return new_params, state._replace(count=next_count(state.count, inplace))
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,146 @@
+"""SGD (with momentum, dampening, Nesterov, weight decay) on sharded parameters, built on
+``torch.optim``'s functional foreach kernel. Each rank updates its own shards; nothing is communicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.optim.sgd
+
+from fsdpfn.layout import Sharded
+from fsdpfn.optim._common import (
+    GradientTransformation,
+    LearningRate,
+    check_grads,
+    check_lr,
+    check_number,
+    check_params,
+    check_state_tree,
+    check_state_type,
+    clone_tree,
+    new_count,
+    new_step,
+    next_count,
+    prepare_params,
+    real,
+    resolve_lr,
+    state_tree,
+)
+
+__all__ = ["SGDState", "sgd"]
+
+
+class SGDState(NamedTuple):
+    """State of ``sgd``: trees like ``params`` (``None`` at frozen parameters and buffers).
+
+    ``count`` is the number of ``update`` calls (0-d int64 CPU tensor); ``step`` counts the updates each
+    parameter received (a ``None`` gradient skips it); ``momentum_buffer`` is all ``None`` when
+    ``momentum == 0``. A buffer is allocated by ``init`` and filled on the parameter's first step with
+    the gradient itself, as ``torch.optim.SGD`` does.
+
+    Example:
+        >>> state = fsdpfn.optim.sgd(0.1, momentum=0.9).init(params)   # doctest: +SKIP
+        >>> state.momentum_buffer["0.weight"].shape                    # doctest: +SKIP
+    """
+
+    count: torch.Tensor
+    step: Sharded[Any]
+    momentum_buffer: Sharded[Any]
+
+
+def sgd(
+    lr: LearningRate,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    maximize: bool = False,
+    inplace: bool = True,
+) -> GradientTransformation:
+    """``torch.optim.SGD`` as an optax-shaped transformation over ``Sharded`` parameters.
+
+    ``lr`` is a number or a schedule ``lr(step) -> float``, called once per ``update`` with ``step`` =
+    the number of the update being made, counted from 1. Only trainable parameters whose gradient is
+    not ``None`` are updated; frozen parameters, buffers and ``None`` gradients are skipped. With
+    ``inplace=True`` (the default) parameter shards and momentum buffers are updated in place and
+    returned in new containers (the inputs are donated); with ``inplace=False`` they are cloned first
+    and the inputs stay untouched. Gradients are never modified (torch's foreach Nesterov path adds into
+    the gradients; here it works on a copy). Runs ``torch.optim.sgd.sgd(..., foreach=True)`` on this
+    rank's shards; complex parameters are viewed as real pairs (SGD is elementwise, so this is exact).
+
+    Example:
+        >>> opt = fsdpfn.optim.sgd(lr=0.1, momentum=0.9, nesterov=True)   # doctest: +SKIP
+        >>> state = opt.init(params)                                       # doctest: +SKIP
+        >>> params, state = opt.update(grads, state, params)               # doctest: +SKIP
+    """
+    what = "fsdpfn.optim.sgd"
+    lr = check_lr(what, lr)
+    momentum = check_number(what, "momentum", momentum)
+    dampening = check_number(what, "dampening", dampening)
+    weight_decay = check_number(what, "weight_decay", weight_decay)
+    nesterov, maximize, inplace = bool(nesterov), bool(maximize), bool(inplace)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(f"{what}: nesterov=True requires momentum > 0 and dampening == 0")
+
+    def init(params: Sharded[torch.Tensor]) -> SGDState:
+        """Step counters (and zeroed momentum buffers when ``momentum > 0``) for trainable parameters.
+
+        Example:
+            >>> state = fsdpfn.optim.sgd(0.1, momentum=0.9).init(params)   # doctest: +SKIP
+        """
+        check_params(params, f"{what}.init")
+        buf = (lambda p: torch.zeros_like(p, memory_format=torch.preserve_format)) if momentum != 0 else None
+        return SGDState(new_count(), state_tree(params, lambda p: new_step()), state_tree(params, buf))
+
+    def update(grads: Sharded[Any], state: SGDState, params: Sharded[torch.Tensor]) -> tuple[Sharded[torch.Tensor], SGDState]:
+        """One SGD step on this rank's shards: returns ``(new_params, new_state)``.
+
+        Example:
+            >>> params, state = opt.update(grads, state, params)   # doctest: +SKIP
+        """
+        where = f"{what}.update"
+        check_params(params, where)
+        check_state_type(state, SGDState, where)
+        fqns = check_grads(grads, params, where)
+        check_state_tree(state.step, "step", params, fqns, where, scalar=True)
+        check_state_tree(state.momentum_buffer, "momentum_buffer", params, fqns if momentum != 0 else (), where)
+        new_params = prepare_params(params, fqns, inplace)
+        if not inplace:
+            state = SGDState(state.count.clone(), clone_tree(state.step), clone_tree(state.momentum_buffer))
+        lr_now = resolve_lr(where, lr, int(state.count.item()) + 1)
+        if fqns:
+            steps = [state.step[f] for f in fqns]
+            grad_list = [real(grads[f]) for f in fqns]
+            if momentum != 0:
+                # torch.optim.SGD starts a buffer as a copy of the first gradient: hand the kernel None
+                # for a parameter's first step, then copy the buffer it made into our preallocated one.
+                fresh = torch.stack(steps).eq(0).tolist()
+                bufs: list[torch.Tensor | None] = [
+                    None if new else real(state.momentum_buffer[f]) for f, new in zip(fqns, fresh)
+                ]
+                if nesterov and not maximize and weight_decay == 0:
+                    grad_list = [g.clone() for g in grad_list]  # the foreach kernel adds into them
+            else:
+                fresh, bufs = [False] * len(fqns), [None] * len(fqns)
+            with torch.no_grad():
+                torch.optim.sgd.sgd(
+                    [real(new_params[f]) for f in fqns],
+                    grad_list,
+                    bufs,
+                    foreach=True,
+                    weight_decay=weight_decay,
+                    momentum=momentum,
+                    lr=lr_now,
+                    dampening=dampening,
+                    nesterov=nesterov,
+                    maximize=maximize,
+                )
+                for f, new, b in zip(fqns, fresh, bufs):
+                    if new:
+                        real(state.momentum_buffer[f]).copy_(b)
+                torch._foreach_add_(steps, 1.0)
+        return new_params, state._replace(count=next_count(state.count, inplace))
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,265 @@
+"""``fsdp(module)``: run a module's forward on a ``Sharded`` tree, gathering one unit at a time.
+
+The module is used statelessly, like ``torch.func.functional_call``: for the duration of a call its
+parameters are swapped for full tensors gathered from the tree (the root unit for the whole call, every
+other unit only while its own forward runs) and restored afterwards, so one module serves any number of
+trees. Persistent forward hooks on the unit modules do the per-unit swapping; outside an ``apply`` call
+they do nothing, except during an activation-checkpoint recompute in backward, where they put the unit's
+gathered values back so the recompute never sees the module's stale parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as tree
+from torch import nn
+
+from fsdpfn.layout import Sharded, ShardPlan
+from fsdpfn.ops.api import reduce_scale
+from fsdpfn.transform.call import Call
+
+__all__ = ["Apply", "fsdp"]
+
+_Swap = list[tuple[dict[str, Any], str, Any]]
+
+
+def _functorch_active() -> bool:
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Apply:
+    """The pure ``apply(params, *args, **kwargs)`` returned by ``fsdp``; see ``fsdp`` for the semantics."""
+
+    def __init__(self, module: nn.Module, *, reshard_after_forward: bool, prefetch: int, reduce_op: str, divide_by: float | None):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"fsdp: expected an nn.Module, got {type(module).__name__}")
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"fsdp: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"fsdp: prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
+        if reduce_op not in ("avg", "sum"):
+            raise ValueError(f"fsdp: reduce_op={reduce_op!r} is not a reduction fsdpfn knows; use 'avg' or 'sum'")
+        self.module = module
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch = prefetch
+        self.reduce_op = reduce_op
+        self.divide_by = divide_by
+        self._forward: list[Call] = []
+        self._backward: weakref.WeakSet[Call] = weakref.WeakSet()
+        self._hooked: set[str] = set()
+        self._unit_swaps: dict[str, list[_Swap]] = {}
+        self._targets: dict[str, tuple[dict[str, Any], str]] = {}
+
+    def __repr__(self) -> str:
+        reduction = f"sum / {self.divide_by}" if self.divide_by is not None else self.reduce_op
+        return (
+            f"fsdp({type(self.module).__name__}, reshard_after_forward={self.reshard_after_forward}, "
+            f"prefetch={self.prefetch}, reduction={reduction!r})"
+        )
+
+    # --- the call ---------------------------------------------------------------------------------
+    def __call__(self, params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(params, Sharded):
+            raise TypeError(
+                f"apply: the first argument must be the fsdpfn.Sharded from fsdpfn.shard(...), got {type(params).__name__}"
+            )
+        plan = params.plan
+        self._validate(plan)
+        if any(c.plan is plan for c in self._forward):
+            raise RuntimeError(
+                f"apply: called inside another apply of the same parameters ({type(self.module).__name__}); "
+                "a module cannot run inside its own sharded forward"
+            )
+        functorch = _functorch_active()
+        call = Call(
+            params,
+            scale=reduce_scale(plan, self.reduce_op, self.divide_by),
+            reshard=self.reshard_after_forward and not functorch,
+            prefetch=0 if functorch else self.prefetch,
+            order_hint=plan.memo.get(("order", id(self)), [u.name for u in plan.units]),
+        )
+        self._install_hooks(plan)
+        swapped: _Swap = []
+        self._forward.append(call)
+        try:
+            hooks = torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack) if call.reshard else contextlib.nullcontext()
+            with hooks:
+                if any(u.name == "" for u in plan.units):
+                    swapped += self._swap(plan, call.gather(""), "")
+                swapped += self._swap_buffers(params)
+                args, kwargs = _cast_inputs(plan, args, kwargs)
+                out = self.module(*args, **kwargs)
+        finally:
+            self._restore(swapped)
+            self._forward.pop()
+            call.finish_forward()
+        plan.memo[("order", id(self))] = list(call.order)
+        self._backward.add(call)
+        policy = plan.mp_policy
+        if policy is not None and policy.output_dtype is not None:
+            out = _cast_floats(out, policy.output_dtype)
+        return out
+
+    # --- validation ---------------------------------------------------------------------------------
+    def _validate(self, plan: ShardPlan) -> None:
+        key = ("validated", id(self.module))
+        if plan.memo.get(key):
+            return
+        module_params = dict(self.module.named_parameters(remove_duplicate=False))
+        for fqn in plan.params:
+            p = module_params.get(fqn)
+            if p is None:
+                raise ValueError(
+                    f"apply: params has leaf {fqn!r} but {type(self.module).__name__} has no such parameter; "
+                    f"the Sharded was built from another module ({plan.module_type})"
+                )
+            if tuple(p.shape) != plan.specs[fqn].shape or p.dtype != plan.dtypes[fqn]:
+                raise ValueError(
+                    f"apply: leaf {fqn!r} was sharded as {plan.specs[fqn].shape} {plan.dtypes[fqn]} but the module's "
+                    f"parameter is now {tuple(p.shape)} {p.dtype}; the plan is stale: call fsdpfn.shard again"
+                )
+        known = set(plan.params) | set(plan.aliases) | set(plan.ignored)
+        extra = [n for n in module_params if n not in known]
+        if extra:
+            raise ValueError(f"apply: module parameters {extra} are not in params; was it sharded from another module?")
+        module_buffers = dict(self.module.named_buffers())
+        missing = [b for b in plan.buffers if b not in module_buffers]
+        if missing:
+            raise ValueError(f"apply: params has buffers {missing} that the module does not have")
+        plan.memo[key] = True
+
+    # --- swapping --------------------------------------------------------------------------------
+    def _target(self, fqn: str, kind: str) -> tuple[dict[str, Any], str]:
+        key = f"{kind}:{fqn}"
+        hit = self._targets.get(key)
+        if hit is None:
+            path, _, name = fqn.rpartition(".")
+            owner = self.module.get_submodule(path)
+            hit = self._targets[key] = (owner._parameters if kind == "p" else owner._buffers, name)
+        return hit
+
+    def _swap(self, plan: ShardPlan, full: dict[str, torch.Tensor], unit: str) -> _Swap:
+        names = plan.memo.get(("swap", unit))
+        if names is None:
+            owned = plan.unit(unit).fqns
+            names = plan.memo[("swap", unit)] = [(a, o) for o in owned for a in [o, *(k for k, v in plan.aliases.items() if v == o)]]
+        out: _Swap = []
+        for name, owner in names:
+            table, attr = self._target(name, "p")
+            out.append((table, attr, table[attr]))
+            table[attr] = full[owner]
+        return out
+
+    def _swap_buffers(self, params: Sharded[torch.Tensor]) -> _Swap:
+        out: _Swap = []
+        for fqn in params.plan.buffers:
+            table, attr = self._target(fqn, "b")
+            out.append((table, attr, table[attr]))
+            table[attr] = params[fqn]
+        return out
+
+    @staticmethod
+    def _restore(swapped: _Swap) -> None:
+        for table, attr, old in reversed(swapped):
+            table[attr] = old
+        swapped.clear()
+
+    # --- unit hooks ------------------------------------------------------------------------------
+    def _install_hooks(self, plan: ShardPlan) -> None:
+        for unit in plan.units:
+            if unit.name and unit.name not in self._hooked:
+                mod = self.module.get_submodule(unit.name)
+                mod.register_forward_pre_hook(self._pre_hook(unit.name), with_kwargs=True)
+                mod.register_forward_hook(self._post_hook(unit.name), always_call=True)
+                self._hooked.add(unit.name)
+
+    def _pre_hook(self, name: str) -> Callable[..., Any]:
+        def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self._forward:
+                call = self._forward[-1]
+                if name not in call.plan.memo.setdefault(("unit_names",), {u.name for u in call.plan.units}):
+                    self._unit_swaps.setdefault(name, []).append([])
+                    return None
+                full = call.gathered.get(name) or call.gather(name)
+                self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, full, name))
+                return _cast_inputs(call.plan, args, kwargs)
+            if _in_backward():
+                call = self._recompute_call(name)
+                if call is not None:
+                    values = call.values_for_recompute(name)
+                    self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, values, name))
+                    return _cast_inputs(call.plan, args, kwargs)
+            self._unit_swaps.setdefault(name, []).append([])
+            return None
+
+        return hook
+
+    def _post_hook(self, name: str) -> Callable[..., Any]:
+        def hook(_mod: nn.Module, _args: Any, _out: Any) -> None:
+            stack = self._unit_swaps.get(name)
+            if stack:
+                self._restore(stack.pop())
+            if self._forward:
+                call = self._forward[-1]
+                if call.reshard and name in call.gathered:
+                    call.release(name)
+
+        return hook
+
+    def _recompute_call(self, name: str) -> Call | None:
+        calls = [c for c in self._backward if any(u.name == name for u in c.plan.units)]
+        if not calls:
+            return None
+        first = calls[0]
+        for c in calls[1:]:
+            if any(c.params[k] is not first.params[k] for k in first.plan.params):
+                raise RuntimeError(
+                    f"apply: unit {name!r} is being recomputed (activation checkpointing) while several forwards "
+                    "over different parameter trees await backward; run backward before the next forward"
+                )
+        return first
+
+
+def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
+    return tree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
+
+
+def _cast_inputs(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    policy = plan.mp_policy
+    if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
+        return (args, kwargs) if kwargs is not None else args
+    return _cast_floats(args, policy.param_dtype), _cast_floats(kwargs, policy.param_dtype)
+
+
+def fsdp(
+    module: nn.Module,
+    *,
+    reshard_after_forward: bool = True,
+    prefetch: int = 1,
+    reduce_op: str = "avg",
+    divide_by: float | None = None,
+) -> Apply:
+    """Make ``apply(params, *args, **kwargs)``: ``module``'s forward on a ``Sharded`` tree.
+
+    Each unit is all-gathered just before its own forward (``prefetch`` units ahead are launched
+    early) and, with ``reshard_after_forward``, its gathered copy is dropped when it finishes: tensors
+    autograd saved from it are re-gathered in backward on first use. The root unit stays gathered from
+    the start of the forward until its gradient is reduced. Gradients reach the shards reduced as
+    ``reduce_op`` says: ``"avg"`` (the mean over data-parallel ranks, DDP's convention), ``"sum"``, or
+    the sum divided by ``divide_by``. ``apply`` mutates nothing outside the call (buffers updated in
+    place by the module, such as running statistics, are the tree's own buffer leaves).
+
+    Example:
+        >>> apply = fsdpfn.fsdp(model)                                       # doctest: +SKIP
+        >>> loss, grads = fsdpfn.value_and_grad(lambda p, x, y: F.mse_loss(apply(p, x), y))(params, x, y)  # doctest: +SKIP
+    """
+    return Apply(module, reshard_after_forward=reshard_after_forward, prefetch=prefetch, reduce_op=reduce_op, divide_by=divide_by)

@@ -1,0 +1,165 @@
+"""The state of one ``apply`` call: which units are gathered, what backward must re-gather, prefetches.
+
+A ``Call`` lives until the backward of its forward is done: the autograd graph keeps it alive (through
+the saved-tensor hooks and the gather nodes' metadata) and drops it with the graph.
+
+With ``reshard_after_forward``, tensors that autograd saves and that alias a non-root unit's gathered
+buffer are packed as ``(unit, fqn, offset, size, stride)`` instead of being kept; the first unpack in
+backward re-gathers the unit (and prefetches the unit backward needs next), and the unit's re-gathered
+copy is dropped as soon as its gradient reduction starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fsdpfn.core import Handle
+from fsdpfn.layout import Sharded, UnitPlan
+from fsdpfn.ops.functions import Buckets, apply_buckets
+from fsdpfn.ops.api import gather_collective
+
+__all__ = ["Call", "Packed"]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A saved tensor replaced by where it lives in a unit's gathered parameters."""
+
+    unit: str
+    fqn: str
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class Call:
+    """Per-call bookkeeping of ``fsdp(module)(params, ...)``.
+
+    ``order`` records the units in the order their forward ran; backward prefetch walks it in reverse.
+    """
+
+    def __init__(self, params: Sharded[torch.Tensor], *, scale: float, reshard: bool, prefetch: int, order_hint: Sequence[str]):
+        self.params = params
+        self.plan = params.plan
+        self.scale = scale
+        self.reshard = reshard
+        self.prefetch = prefetch
+        self.order_hint = list(order_hint)
+        self.order: list[str] = []
+        self.gathered: dict[str, dict[str, torch.Tensor]] = {}
+        self.regathered: dict[str, dict[str, torch.Tensor]] = {}
+        self.pending: dict[str, list[Handle]] = {}
+        self.pending_back: dict[str, list[Handle]] = {}
+        self.storages: dict[int, tuple[str, str]] = {}
+        self.tracks_grad: dict[str, bool] = {}
+        self.in_forward = True
+
+    # --- forward ----------------------------------------------------------------------------
+    def _collective(self, unit: UnitPlan) -> Buckets:
+        return gather_collective(self.plan, (unit,), self.scale)
+
+    def _shards(self, b: Buckets) -> list[torch.Tensor]:
+        return [self.params[f] for f in b.fqns]
+
+    def gather(self, name: str) -> dict[str, torch.Tensor]:
+        """Differentiably gather unit ``name`` (waiting for its prefetch if one is in flight)."""
+        unit = self.plan.unit(name)
+        b = self._collective(unit)
+        outs = apply_buckets(b, self._shards(b), self.pending.pop(name, None))
+        full = dict(zip(b.fqns, outs))
+        self.gathered[name] = full
+        self.tracks_grad[name] = any(o.requires_grad for o in outs)
+        if name not in self.order:
+            self.order.append(name)
+        grad_fn = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
+        if grad_fn is not None:
+            grad_fn.metadata["fsdpfn_call"] = self  # keeps the call alive exactly as long as the graph
+            grad_fn.register_prehook(lambda _grads, _n=name: self._release(_n))
+        if self.reshard and name:
+            for fqn, t in full.items():
+                if t.numel():
+                    self.storages[t.untyped_storage().data_ptr()] = (name, fqn)
+        self._prefetch_forward(name)
+        return full
+
+    def _prefetch_forward(self, name: str) -> None:
+        if self.prefetch <= 0 or name not in self.order_hint:
+            return
+        i = self.order_hint.index(name)
+        for nxt in self.order_hint[i + 1 : i + 1 + self.prefetch]:
+            if nxt not in self.pending and nxt not in self.gathered:
+                b = self._collective(self.plan.unit(nxt))
+                self.pending[nxt] = b.launch([t.detach() for t in self._shards(b)])
+
+    def release(self, name: str) -> None:
+        """Forget unit ``name``'s gathered copy after its forward (reshard)."""
+        full = self.gathered.pop(name, None)
+        if full is not None:
+            for t in full.values():
+                if t.numel():
+                    self.storages.pop(t.untyped_storage().data_ptr(), None)
+
+    def finish_forward(self) -> None:
+        """End of the forward: drop every gathered copy but what autograd saved; cancel stray prefetches."""
+        self.in_forward = False
+        for name in list(self.gathered):
+            if name and self.reshard:
+                self.release(name)
+        for handles in self.pending.values():
+            for h in handles:
+                h.wait()
+        self.pending.clear()
+
+    # --- saved-tensor hooks --------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        """Replace a saved tensor that aliases a resharded unit's buffer by a ``Packed`` reference."""
+        if not self.storages or not isinstance(t, torch.Tensor) or t.numel() == 0 or t.layout != torch.strided:
+            return t
+        hit = self.storages.get(t.untyped_storage().data_ptr())
+        if hit is None:
+            return t
+        return Packed(hit[0], hit[1], t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    def unpack(self, x: Any) -> torch.Tensor:
+        """Re-gather a packed tensor's unit on first use in backward."""
+        if not isinstance(x, Packed):
+            return x
+        base = self.regather(x.unit)[x.fqn]
+        return base.as_strided(x.size, x.stride, x.offset)
+
+    # --- backward --------------------------------------------------------------------------------
+    def regather(self, name: str) -> dict[str, torch.Tensor]:
+        """Unit ``name``'s full parameters again (no autograd), prefetching the unit backward needs next."""
+        full = self.regathered.get(name)
+        if full is None:
+            b = self._collective(self.plan.unit(name))
+            handles = self.pending_back.pop(name, None)
+            if handles is None:
+                handles = b.launch([t.detach() for t in self._shards(b)])
+            full = self.regathered[name] = dict(zip(b.fqns, b.finish(handles)))
+            self._prefetch_backward(name)
+        return full
+
+    def _prefetch_backward(self, name: str) -> None:
+        if self.prefetch <= 0 or name not in self.order:
+            return
+        i = self.order.index(name)
+        for prev in reversed(self.order[max(0, i - self.prefetch) : i]):
+            if prev and prev not in self.regathered and prev not in self.pending_back:
+                b = self._collective(self.plan.unit(prev))
+                self.pending_back[prev] = b.launch([t.detach() for t in self._shards(b)])
+
+    def _release(self, name: str) -> None:
+        # The unit's gradient reduction is starting: every use of its parameters in backward is done.
+        self.regathered.pop(name, None)
+        self.gathered.pop(name, None)
+
+    def values_for_recompute(self, name: str) -> dict[str, torch.Tensor]:
+        """Unit values for an activation-checkpoint recompute in backward (same requires_grad as forward)."""
+        full = self.gathered.get(name) or self.regather(name)
+        grad = self.tracks_grad.get(name, False)
+        return {f: t.detach().requires_grad_(grad) for f, t in full.items()}

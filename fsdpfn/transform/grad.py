@@ -1,0 +1,75 @@
+"""``value_and_grad`` and ``grad`` over functions of a ``Sharded`` tree.
+
+The function runs with the trainable shards marked as requiring grad; differentiating it reaches the
+shards through each unit's gather, whose backward is the reduce-scatter, so the gradients come back
+already reduced (as the ``fsdp`` apply inside the function says) and shaped like the tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fsdpfn.layout import Sharded
+
+__all__ = ["grad", "value_and_grad"]
+
+
+def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+    """Return ``g(params, *args, **kwargs) -> (value, grads)`` (``((value, aux), grads)`` with ``has_aux``).
+
+    ``fn(params, *args, **kwargs)`` must return a scalar tensor (or ``(scalar, aux)``). ``grads`` is a
+    ``Sharded`` with ``params``' plan: reduced shard gradients in each parameter's own dtype, ``None``
+    for frozen parameters and buffers. ``value`` is detached.
+
+    Example:
+        >>> apply = fsdpfn.fsdp(model)                                           # doctest: +SKIP
+        >>> loss_fn = lambda p, x, y: torch.nn.functional.mse_loss(apply(p, x), y)
+        >>> loss, grads = fsdpfn.value_and_grad(loss_fn)(params, x, y)          # doctest: +SKIP
+    """
+
+    def g(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(params, Sharded):
+            raise TypeError(f"value_and_grad: the first argument must be a fsdpfn.Sharded, got {type(params).__name__}")
+        plan = params.plan
+        trainable = [k for k in plan.params if plan.requires_grad[k]]
+        live = dict(params.items())
+        for k in trainable:
+            leaf = live[k]
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"value_and_grad: leaf {k!r} is {type(leaf).__name__}, expected a tensor shard")
+            live[k] = leaf.detach().requires_grad_()
+        with torch.enable_grad():
+            out = fn(Sharded._from_children(list(live.values()), plan), *args, **kwargs)
+        value, aux = out if has_aux else (out, None)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(f"value_and_grad: fn must return a scalar tensor{' (and aux)' if has_aux else ''}, got {what}")
+        inputs = [live[k] for k in trainable]
+        if value.requires_grad and inputs:
+            found = torch.autograd.grad(value, inputs, allow_unused=True)
+        else:
+            found = (None,) * len(inputs)
+        by_name = dict(zip(trainable, found))
+        grads = Sharded._from_children([by_name.get(k) for k in plan.keys], plan)
+        value = value.detach()
+        return ((value, aux), grads) if has_aux else (value, grads)
+
+    return g
+
+
+def grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+    """Like ``value_and_grad`` but returns only ``grads`` (``(grads, aux)`` with ``has_aux``).
+
+    Example:
+        >>> grads = fsdpfn.grad(loss_fn)(params, x, y)    # doctest: +SKIP
+    """
+    vg = value_and_grad(fn, has_aux=has_aux)
+
+    def g(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        (value_aux, grads) = vg(params, *args, **kwargs)
+        return (grads, value_aux[1]) if has_aux else grads
+
+    return g
