@@ -17,7 +17,7 @@ from fsdpfn.layout import Sharded, ShardPlan, UnitPlan
 from fsdpfn.layout.plan import ParamInfo, bucket_by_dtype
 from fsdpfn.ops.functions import Buckets, apply_buckets, collective_pair, reduce_collective
 
-__all__ = ["gather_collective", "reduce", "reduce_scale", "reshard", "unshard"]
+__all__ = ["check_shards", "gather_collective", "reduce", "reduce_scale", "reshard", "unshard"]
 
 
 def reduce_scale(plan: ShardPlan, op: str = "avg", divide_by: float | None = None) -> float:
@@ -49,7 +49,8 @@ def _select_units(plan: ShardPlan, units: Sequence[str] | None) -> tuple[UnitPla
     return tuple(plan.unit(u) for u in units)
 
 
-def _check_shards(params: Sharded[Any], fqns: Sequence[str]) -> list[torch.Tensor]:
+def check_shards(params: Sharded[Any], fqns: Sequence[str]) -> list[torch.Tensor]:
+    """The leaves ``fqns`` of ``params``, checked to be this rank's shards (tensor, shape, dtype)."""
     plan = params.plan
     out = []
     for fqn in fqns:
@@ -106,7 +107,7 @@ def unshard(
     plan = _check_tree(params, "unshard")
     chosen = _select_units(plan, units)
     b = gather_collective(plan, chosen, reduce_scale(plan, op, divide_by))
-    shards = _check_shards(params, b.fqns)
+    shards = check_shards(params, b.fqns)
     full = dict(zip(b.fqns, apply_buckets(b, shards)))
     if units is None:
         full.update(params.buffers())

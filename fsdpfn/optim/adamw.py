@@ -12,8 +12,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-import torch.optim.adam
-import torch.optim.adamw
+from torch.optim.adam import adam as _torch_adam
 
 from fsdpfn.layout import Sharded
 from fsdpfn.optim._common import (
@@ -41,10 +40,11 @@ __all__ = ["AdamWState", "adamw"]
 def _pick_kernel() -> Callable[..., None]:
     """``torch.optim.adam.adam(..., decoupled_weight_decay=True)`` where torch has that argument (recent
     releases, where ``AdamW`` is ``Adam`` with decoupled decay), else ``torch.optim.adamw.adamw``."""
-    adam = torch.optim.adam.adam
-    if "decoupled_weight_decay" in inspect.signature(adam).parameters:
-        return functools.partial(adam, decoupled_weight_decay=True)
-    return torch.optim.adamw.adamw  # pragma: no cover - older torch
+    if "decoupled_weight_decay" in inspect.signature(_torch_adam).parameters:
+        return functools.partial(_torch_adam, decoupled_weight_decay=True)
+    from torch.optim.adamw import adamw as torch_adamw  # pragma: no cover - older torch
+
+    return torch_adamw  # pragma: no cover
 
 
 _ADAMW = _pick_kernel()

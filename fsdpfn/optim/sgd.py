@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-import torch.optim.sgd
+from torch.optim.sgd import sgd as _torch_sgd
 
 from fsdpfn.layout import Sharded
 from fsdpfn.optim._common import (
@@ -125,7 +125,7 @@ def sgd(
             else:
                 fresh, bufs = [False] * len(fqns), [None] * len(fqns)
             with torch.no_grad():
-                torch.optim.sgd.sgd(
+                _torch_sgd(
                     [real(new_params[f]) for f in fqns],
                     grad_list,
                     bufs,

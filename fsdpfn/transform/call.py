@@ -20,7 +20,7 @@ import torch
 from fsdpfn.core import Handle
 from fsdpfn.layout import Sharded, UnitPlan
 from fsdpfn.ops.functions import Buckets, apply_buckets
-from fsdpfn.ops.api import gather_collective
+from fsdpfn.ops.api import check_shards, gather_collective
 
 __all__ = ["Call", "Packed"]
 
@@ -63,7 +63,7 @@ class Call:
         return gather_collective(self.plan, (unit,), self.scale)
 
     def _shards(self, b: Buckets) -> list[torch.Tensor]:
-        return [self.params[f] for f in b.fqns]
+        return check_shards(self.params, b.fqns)
 
     def gather(self, name: str) -> dict[str, torch.Tensor]:
         """Differentiably gather unit ``name`` (waiting for its prefetch if one is in flight)."""

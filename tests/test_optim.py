@@ -1,0 +1,348 @@
+"""fsdpfn.optim across real gloo ranks (world 1..4): K steps of sgd/adamw on shards equal K steps of
+torch.optim on the full single-process parameters; clip_grad_norm equals torch's on the full grads."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fsdpfn
+import fsdpfn.optim as optim
+from fsdpfn.testing import spmd
+from fsdpfn.testing import strategies as fst
+from fsdpfn.testing.models import ParamTree
+
+F64 = (torch.float64,)
+LOW = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
+K = 3
+_MESHES: dict = {}  # per worker process: meshes are reused across examples
+
+
+@dataclass(frozen=True)
+class Decay:
+    """A picklable lr schedule: ``base * rate ** step``."""
+
+    base: float
+    rate: float
+
+    def __call__(self, step: int) -> float:
+        return self.base * self.rate**step
+
+
+def _mesh(shape=None):
+    if shape not in _MESHES:
+        _MESHES[shape] = fsdpfn.init_mesh(shape)
+    return _MESHES[shape]
+
+
+def _full_grads(model: torch.nn.Module, seed: int, k: int, p_drop: float) -> dict[str, torch.Tensor | None]:
+    """Step ``k``'s full gradients (identical in every process); ``None`` for frozen or dropped ones."""
+    g = torch.Generator().manual_seed(seed * 1009 + k)
+    out: dict[str, torch.Tensor | None] = {}
+    for n, p in model.named_parameters():
+        wide = torch.complex128 if p.dtype.is_complex else torch.float64
+        t = torch.randn(p.shape, generator=g, dtype=wide).to(p.dtype)
+        drop = bool(torch.rand((), generator=g) < p_drop)
+        out[n] = t if p.requires_grad and not drop else None
+    return out
+
+
+def _shard_grads(full: dict[str, torch.Tensor | None], params: fsdpfn.Sharded) -> fsdpfn.Sharded:
+    filled = {n: t if t is not None else torch.zeros(params.specs[n].shape, dtype=params.plan.dtypes[n]) for n, t in full.items()}
+    return fsdpfn.reshard(filled, params).replace({n: None for n, t in full.items() if t is None})
+
+
+def _make(kind: str, hp: dict) -> optim.GradientTransformation:
+    return optim.adamw(**hp) if kind == "adamw" else optim.sgd(**hp)
+
+
+def _torch_opt(kind: str, hp: dict, params: list[torch.nn.Parameter], foreach: bool | None) -> torch.optim.Optimizer:
+    hp = dict(hp, lr=0.0 if callable(hp["lr"]) else hp["lr"])
+    return (torch.optim.AdamW if kind == "adamw" else torch.optim.SGD)(params, foreach=foreach, **hp)
+
+
+# ---- workers (module level: they run in the spmd pool) ---------------------------------------
+def _opt_worker(tree: ParamTree, kind: str, hp: dict, seed: int, p_drop: float):
+    model = tree.build()
+    params = fsdpfn.shard(model, _mesh())
+    opt = _make(kind, hp)
+    state = opt.init(params)
+    for k in range(K):
+        params, state = opt.update(_shard_grads(_full_grads(model, seed, k, p_drop), params), state, params)
+    trees = {f: dict(getattr(state, f).items()) for f in state._fields if f != "count"}
+    return params.plan.rank, dict(params.items()), trees, int(state.count)
+
+
+def _clip_worker(tree: ParamTree, seed: int, max_norm: float, norm_type: float, mesh_shape):
+    model = tree.build()
+    params = fsdpfn.shard(model, _mesh(mesh_shape))
+    grads = _shard_grads(_full_grads(model, seed, 0, 0.0), params)
+    clipped, total = optim.clip_grad_norm(grads, max_norm, norm_type)
+    same = all(clipped[n] is grads[n] for n in params.plan.params)
+    return params.plan.rank, total, dict(clipped.items()), same
+
+
+def _reference(tree: ParamTree, kind: str, hp: dict, seed: int, p_drop: float, foreach: bool | None = None):
+    model = tree.build()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = _torch_opt(kind, hp, trainable, foreach) if trainable else None
+    named = dict(model.named_parameters())
+    stepped = {n: 0 for n in named}
+    for k in range(K):
+        for n, g in _full_grads(model, seed, k, p_drop).items():
+            named[n].grad = g
+            stepped[n] += g is not None
+        if opt is not None:
+            if callable(hp["lr"]):
+                for group in opt.param_groups:
+                    group["lr"] = hp["lr"](k + 1)  # the schedule sees the update's number, from 1
+            opt.step()
+    return model, opt, stepped
+
+
+def _check_against_torch(tree, kind, hp, seed, p_drop, world, out, foreach=None, tol=None):
+    tol = tol or {"rtol": 1e-6, "atol": 1e-7}
+    model, opt, stepped = _reference(tree, kind, hp, seed, p_drop, foreach)
+    by_rank = sorted(out, key=lambda o: o[0])
+    assert [o[3] for o in by_rank] == [K] * world
+    for n, p in model.named_parameters():
+        spec = fsdpfn.ShardSpec(tuple(p.shape), world)
+        got = fsdpfn.unshard_tensors([o[1][n] for o in by_rank], spec)
+        torch.testing.assert_close(got, p.detach(), **tol, msg=lambda m: f"param {n!r}: {m}")
+        torch_state = opt.state.get(p, {}) if opt is not None else {}
+        for field, shards in by_rank[0][2].items():
+            if field == "step":
+                steps = {float(o[2]["step"][n]) if o[2]["step"][n] is not None else None for o in by_rank}
+                want = float(stepped[n]) if p.requires_grad else None  # updates this parameter received
+                assert steps == {want}, (n, steps, want)
+                if "step" in torch_state:
+                    assert float(torch_state["step"]) == want
+                continue
+            if shards[n] is None or field not in torch_state or torch_state[field] is None:
+                continue
+            got = fsdpfn.unshard_tensors([o[2][field][n] for o in by_rank], spec)
+            torch.testing.assert_close(got, torch_state[field], **tol, msg=lambda m: f"{field} of {n!r}: {m}")
+
+
+# ---- strategies ---------------------------------------------------------------------------------
+def _lrs(low: float = 1e-3, high: float = 0.5):
+    const = st.floats(low, high)
+    return st.one_of(const, st.builds(Decay, const, st.floats(0.5, 1.0)))
+
+
+@st.composite
+def adamw_hps(draw):
+    return dict(
+        lr=draw(_lrs()),
+        betas=(draw(st.floats(0.0, 0.99)), draw(st.floats(0.0, 0.999))),
+        eps=draw(st.sampled_from([1e-8, 1e-6, 1e-3])),
+        weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.3])),
+        amsgrad=draw(st.booleans()),
+        maximize=draw(st.booleans()),
+    )
+
+
+@st.composite
+def sgd_hps(draw):
+    momentum = draw(st.sampled_from([0.0, 0.5, 0.9]))
+    nesterov = momentum > 0 and draw(st.booleans())
+    return dict(
+        lr=draw(_lrs()),
+        momentum=momentum,
+        dampening=0.0 if nesterov else draw(st.sampled_from([0.0, 0.1, 0.5])),
+        weight_decay=draw(st.sampled_from([0.0, 1e-2, 0.3])),
+        nesterov=nesterov,
+        maximize=draw(st.booleans()),
+    )
+
+
+# ---- properties -------------------------------------------------------------------------------
+@given(world=fst.world_sizes(), seed=st.integers(0, 1000), p_drop=st.sampled_from([0.0, 0.3]), data=st.data())
+def test_adamw_on_shards_equals_torch_adamw(world, seed, p_drop, data):
+    tree = data.draw(fst.param_trees(dtypes_=F64, max_params=4))
+    hp = data.draw(adamw_hps())
+    out = spmd(world, _opt_worker, tree, "adamw", hp, seed, p_drop)
+    _check_against_torch(tree, "adamw", hp, seed, p_drop, world, out)
+
+
+@given(world=fst.world_sizes(), seed=st.integers(0, 1000), p_drop=st.sampled_from([0.0, 0.3]), data=st.data())
+def test_sgd_on_shards_equals_torch_sgd(world, seed, p_drop, data):
+    tree = data.draw(fst.param_trees(dtypes_=F64, max_params=4))
+    hp = data.draw(sgd_hps())
+    out = spmd(world, _opt_worker, tree, "sgd", hp, seed, p_drop)
+    _check_against_torch(tree, "sgd", hp, seed, p_drop, world, out)
+
+
+@given(world=fst.world_sizes(), seed=st.integers(0, 1000), kind=st.sampled_from(["adamw", "sgd"]), data=st.data())
+def test_low_precision_and_complex_params_match_torch(world, seed, kind, data):
+    tree = data.draw(fst.param_trees(dtypes_=LOW, max_params=3))
+    hp = data.draw(adamw_hps() if kind == "adamw" else sgd_hps())
+    hp["eps"] = 1e-3 if kind == "adamw" else None
+    hp = {k: v for k, v in hp.items() if v is not None}
+    out = spmd(world, _opt_worker, tree, kind, hp, seed, 0.0)
+    # Elementwise kernels: the shards see the very ops torch's foreach kernel runs on the full tensors.
+    _check_against_torch(tree, kind, hp, seed, 0.0, world, out, foreach=True, tol={"rtol": 2e-2, "atol": 2e-3})
+
+
+@st.composite
+def mesh_shapes(draw, world: int):
+    replicas = draw(st.sampled_from([r for r in range(1, world + 1) if world % r == 0]))
+    return None if replicas == 1 else (replicas, world // replicas)
+
+
+@given(world=fst.world_sizes(), seed=st.integers(0, 1000), data=st.data())
+def test_clip_grad_norm_equals_torch_on_full_grads(world, seed, data):
+    tree = data.draw(fst.param_trees(dtypes_=F64, max_params=4))
+    max_norm = data.draw(st.sampled_from([0.0, 0.1, 1.0, 5.0, 1e6]))
+    norm_type = data.draw(st.sampled_from([1.0, 2.0, 3.5, math.inf]))
+    shape = data.draw(mesh_shapes(world))
+    out = spmd(world, _clip_worker, tree, seed, max_norm, norm_type, shape)
+    model = tree.build()
+    for n, g in _full_grads(model, seed, 0, 0.0).items():
+        dict(model.named_parameters())[n].grad = g
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    shard_world = world // (shape[0] if shape else 1)
+    for rank, total, clipped, same in out:
+        assert same  # clipped in place
+        torch.testing.assert_close(total, want.to(total.dtype), rtol=1e-9, atol=1e-12)
+        for n, p in model.named_parameters():
+            if p.grad is None:
+                assert clipped[n] is None
+                continue
+            spec = fsdpfn.ShardSpec(tuple(p.shape), shard_world)
+            torch.testing.assert_close(clipped[n], fsdpfn.shard_tensor(p.grad, spec, rank), rtol=1e-9, atol=1e-12)
+
+
+@given(seed=st.integers(0, 1000), norm_type=st.sampled_from([2.0, math.inf]), data=st.data())
+def test_clip_grad_norm_does_not_depend_on_world_size(seed, norm_type, data):
+    tree = data.draw(fst.param_trees(dtypes_=(torch.float32, torch.float64), max_params=4))
+    norms = [spmd(w, _clip_worker, tree, seed, 1.0, norm_type, None)[0][1] for w in (1, 2, 3)]
+    for n in norms[1:]:
+        torch.testing.assert_close(n, norms[0], rtol=1e-6, atol=1e-7)
+
+
+# ---- in place / donation ---------------------------------------------------------------------------
+def _inplace_worker(kind: str, hp: dict):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))  # rank 1 of 2: empty "1.weight"
+    model[1].bias.requires_grad_(False)
+    params = fsdpfn.shard(model, _mesh())
+    opt = _make(kind, hp)
+    grads = _shard_grads(_full_grads(model, 7, 0, 0.0), params)
+    saved = {k: v.clone() if v is not None else None for k, v in grads.items()}
+
+    def tensors(tree):
+        return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+    # inplace=False: inputs stay untouched, results equal the in-place ones
+    state = opt.init(params)
+    before = [t.clone() for t in tensors((params, state))]
+    p_copy, s_copy = _make(kind, dict(hp, inplace=False)).update(grads, state, params)
+    untouched = all(torch.equal(a, b) for a, b in zip(before, tensors((params, state))))
+    no_shared = not {t.data_ptr() for t in tensors(s_copy) if t.numel()} & {t.data_ptr() for t in tensors(state) if t.numel()}
+    # inplace=True: same storage, new containers
+    ptrs = [t.data_ptr() for t in tensors((params, state))]
+    objs = [id(t) for t in tensors((params, state))]
+    p_new, s_new = opt.update(grads, state, params)
+    same_storage = [t.data_ptr() for t in tensors((p_new, s_new))] == ptrs
+    same_objects = [id(t) for t in tensors((p_new, s_new))] == objs
+    equal = all(torch.equal(a, b) for a, b in zip(tensors((p_copy, s_copy)), tensors((p_new, s_new))))
+    grads_kept = all(torch.equal(grads[k], v) for k, v in saved.items() if v is not None)
+    frozen_same = p_new["1.bias"] is params["1.bias"]
+    return untouched, no_shared, same_storage, same_objects, equal, grads_kept, frozen_same, p_new is not params
+
+
+@pytest.mark.parametrize(
+    "kind, hp",
+    [
+        ("adamw", dict(lr=0.1, amsgrad=True)),
+        ("adamw", dict(lr=Decay(0.1, 0.9), weight_decay=0.0, maximize=True)),
+        ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.1)),
+        ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True)),
+        ("sgd", dict(lr=0.1)),
+    ],
+)
+def test_update_is_in_place_and_inplace_false_copies(kind, hp):
+    for result in spmd(2, _inplace_worker, kind, hp):
+        assert all(result), result
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+def _bad_update(case: str):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    model[1].bias.requires_grad_(False)
+    params = fsdpfn.shard(model, _mesh())
+    other = fsdpfn.shard(torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 2)), _mesh())
+    opt = optim.adamw(lr=0.1) if not case.startswith("sgd") else optim.sgd(0.1, momentum=0.9)
+    state = opt.init(params)
+    grads = fsdpfn.Sharded({k: torch.zeros_like(v) if params.plan.requires_grad[k] else None for k, v in params.items()}, params.plan)
+    if case == "other_plan":
+        opt.update(fsdpfn.Sharded({k: torch.zeros_like(v) for k, v in other.items()}, other.plan), state, params)
+    elif case == "wrong_shape":
+        opt.update(grads.replace({"0.weight": torch.zeros(7)}), state, params)
+    elif case in ("state_other_plan", "sgd_state_other_plan"):
+        opt.update(grads, opt.init(other), params)
+    elif case == "frozen_grad":
+        opt.update(grads.replace({"1.bias": torch.zeros_like(params["1.bias"])}), state, params)
+    elif case == "not_sharded":
+        opt.update(dict(grads.items()), state, params)
+    elif case == "state_type":
+        optim.sgd(0.1).update(grads, state, params)
+    elif case == "bad_lr":
+        optim.adamw(lr=-1.0)
+    elif case == "nesterov":
+        optim.sgd(0.1, nesterov=True)
+    elif case == "clip_not_sharded":
+        optim.clip_grad_norm(dict(grads.items()), 1.0)
+    elif case == "clip_wrong_shape":
+        optim.clip_grad_norm(grads.replace({"0.bias": torch.zeros(9)}), 1.0)
+    elif case == "clip_norm_type":
+        optim.clip_grad_norm(grads, 1.0, norm_type=0)
+
+
+@pytest.mark.parametrize(
+    "case, exc, match",
+    [
+        ("other_plan", ValueError, r"grads were built for another plan.*leaf '0.weight'"),
+        ("wrong_shape", ValueError, r"grads leaf '0.weight' has shape \(7,\)"),
+        ("state_other_plan", ValueError, r"state.step was built for another plan.*leaf '0.weight'"),
+        ("sgd_state_other_plan", ValueError, r"state.step was built for another plan.*leaf '0.weight'"),
+        ("frozen_grad", ValueError, r"grads leaf '1.bias' is a Tensor but parameter '1.bias' is frozen"),
+        ("not_sharded", TypeError, "grads must be a fsdpfn.Sharded"),
+        ("state_type", TypeError, "state must be the SGDState"),
+        ("bad_lr", ValueError, "invalid lr=-1.0"),
+        ("nesterov", ValueError, "nesterov=True requires momentum > 0"),
+        ("clip_not_sharded", TypeError, "grads must be a fsdpfn.Sharded"),
+        ("clip_wrong_shape", ValueError, r"grads leaf '0.bias' has shape \(9,\)"),
+        ("clip_norm_type", ValueError, "norm_type=0 must be a positive number"),
+    ],
+)
+def test_bad_input_to_optim_names_the_leaf(case, exc, match):
+    with pytest.raises(exc, match=match):
+        spmd(2, _bad_update, case)
+
+
+def test_state_is_a_pytree_of_tensors_and_none():
+    """The state flattens to tensors/None and round-trips through tree_map (it can be saved)."""
+    out = spmd(1, _state_tree_worker)[0]
+    assert out
+
+
+def _state_tree_worker():
+    model = torch.nn.Linear(3, 2)
+    params = fsdpfn.shard(model, _mesh())
+    state = optim.adamw(amsgrad=False).init(params)
+    leaves, spec = torch.utils._pytree.tree_flatten(state)
+    doubled = torch.utils._pytree.tree_map(lambda t: t * 2, state)
+    return (
+        all(isinstance(x, torch.Tensor) for x in leaves)
+        and type(doubled) is optim.AdamWState
+        and doubled.exp_avg.plan is params.plan
+        and all(v is None for v in state.max_exp_avg_sq.values())
+        and len(leaves) == 1 + 3 * 2  # count + step/exp_avg/exp_avg_sq for 2 params
+    )

@@ -1,0 +1,256 @@
+"""fsdp(module) + value_and_grad against single-process autograd on the whole batch: random models, unit
+plans, world sizes 1..4 and both reshard modes; collective counts; live gathered memory; checkpointing."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import fsdpfn
+from fsdpfn.testing import spmd
+from fsdpfn.testing import strategies as fst
+from fsdpfn.testing.models import ModelRecipe
+
+LOCAL_BATCH = 2
+
+
+def _targets(recipe, batch, seed):
+    out_dim = recipe.widths[-1] if recipe.kind == "mlp" else recipe.widths[2]
+    shape = (batch, out_dim) if recipe.kind == "mlp" else (batch, recipe.seq, out_dim)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed + 7))
+
+
+def _local(t, rank):
+    return t[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+
+
+def _grads_worker(recipe, units, reshard, prefetch, seed, dtype=torch.float32):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = recipe.build(dtype)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units)
+    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard, prefetch=prefetch)
+    x = _local(recipe.inputs(LOCAL_BATCH * world, seed, dtype), rank)
+    y = _local(_targets(recipe, LOCAL_BATCH * world, seed).to(dtype), rank)
+    stats = params.plan.comm.stats
+    stats.reset()
+    loss, grads = fsdpfn.value_and_grad(lambda p: F.mse_loss(apply(p, x), y))(params)
+    plan = params.plan
+    counts = (stats.all_gathers, stats.reduce_scatters)
+    # one gather per unit bucket in forward, at most one more for each resharded unit in backward
+    # (none when backward saved nothing from it); one reduce-scatter per trainable dtype bucket
+    gathers = sum(len(u.gather) for u in plan.units)
+    regathers = sum(len(u.gather) for u in plan.units if u.name) if reshard else 0
+    expect_reduces = sum(len(u.reduce) for u in plan.units)
+    untouched = all(p.grad is None for p in model.parameters())
+    return loss, dict(grads.params()), counts, (gathers, regathers, expect_reduces), untouched
+
+
+def _check_grads(recipe, units, world, reshard, prefetch, seed, dtype, tol):
+    out = spmd(world, _grads_worker, recipe, units, reshard, prefetch, seed, dtype)
+    ref = recipe.build(dtype)
+    x = recipe.inputs(LOCAL_BATCH * world, seed, dtype)
+    y = _targets(recipe, LOCAL_BATCH * world, seed).to(dtype)
+    F.mse_loss(ref(x), y).backward()
+    losses = [o[0] for o in out]
+    torch.testing.assert_close(torch.stack(losses).mean(), F.mse_loss(ref(x), y).detach(), **tol)
+    for rank, (_, grads, (n_gathers, n_reduces), (gathers, regathers, reduces), untouched) in enumerate(out):
+        assert untouched  # apply mutated nothing on the module
+        if world > 1:
+            assert gathers <= n_gathers <= gathers + regathers and n_reduces == reduces
+        for n, p in ref.named_parameters():
+            want = fsdpfn.shard_tensor(p.grad, fsdpfn.ShardSpec(tuple(p.shape), world), rank)
+            torch.testing.assert_close(grads[n], want, **tol)
+
+
+@given(world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), prefetch=st.integers(0, 2), seed=st.integers(0, 99))
+def test_grads_match_single_process_autograd_f64(world, data, reshard, prefetch, seed):
+    recipe = data.draw(fst.model_recipes())
+    units = data.draw(fst.unit_plans(recipe))
+    _check_grads(recipe, units, world, reshard, prefetch, seed, torch.float64, dict(rtol=1e-10, atol=1e-12))
+
+
+@given(world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), seed=st.integers(0, 99))
+def test_grads_match_single_process_autograd_f32(world, data, reshard, seed):
+    recipe = data.draw(fst.model_recipes(min_width=4))
+    units = data.draw(fst.unit_plans(recipe))
+    _check_grads(recipe, units, world, reshard, 1, seed, torch.float32, dict(rtol=1e-5, atol=1e-6))
+
+
+def _live_worker(reshard):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2", "4"])
+    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
+    stats = params.plan.comm.stats
+    x = torch.randn(3, 8)
+    s = {k: v.detach().requires_grad_() for k, v in params.items()}
+    out = apply(fsdpfn.Sharded(s, params.plan), x)
+    after_forward = stats.live_gathered_bytes
+    out.sum().backward()
+    del out
+    import gc
+
+    gc.collect()
+    counts = (stats.all_gathers, stats.reduce_scatters)
+    return after_forward, stats.live_gathered_bytes, [u.name for u in params.plan.units], counts
+
+
+def test_after_forward_with_reshard_no_unit_buffer_is_alive():
+    # the root unit owns nothing here, so with reshard nothing gathered may survive the forward
+    for alive, after_backward, units, counts in spmd(2, _live_worker, True):
+        assert units == ["0", "2", "4"]
+        assert alive == 0 and after_backward == 0
+        # units 2 and 4 are gathered twice (their weights are needed for the input gradient); unit 0
+        # is not: its input needs no gradient, so backward never asks for its weight
+        assert counts == (5, 3)
+    for alive, after_backward, _, counts in spmd(2, _live_worker, False):
+        assert alive > 0 and after_backward == 0  # without reshard every unit stays until its backward
+        assert counts == (3, 3)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6)) for _ in range(3))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+        return self.head(x)
+
+
+def _ckpt_worker(reshard):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1", "blocks.2"])
+    # the module's own parameters are poisoned: a recompute that read them would be wrong
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))[rank * 4 : rank * 4 + 4]
+    loss, grads = fsdpfn.value_and_grad(lambda p: apply(p, x).pow(2).mean())(params)
+    return loss, dict(grads.params())
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_activation_checkpointing_recomputes_with_gathered_parameters(reshard):
+    torch.manual_seed(0)
+    ref = _Checkpointed()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    ref(x).pow(2).mean().backward()
+    for rank, (loss, grads) in enumerate(spmd(2, _ckpt_worker, reshard)):
+        assert torch.isfinite(loss)
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], fsdpfn.shard_tensor(p.grad, fsdpfn.ShardSpec(tuple(p.shape), 2), rank))
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.block = nn.Linear(6, 6)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.frozen(torch.tanh(self.block(self.emb(idx)))))
+
+
+def _tied_worker():
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _TiedLM()
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["block", "frozen", "head"])
+    idx = torch.arange(8).reshape(2, 4) % 11
+    apply = fsdpfn.fsdp(model)
+    stats = params.plan.comm.stats
+    stats.reset()
+    loss, grads = fsdpfn.value_and_grad(lambda p: F.cross_entropy(apply(p, idx[rank : rank + 1]).flatten(0, 1), idx[rank]))(params)
+    units = {u.name: (len(u.gather), len(u.reduce)) for u in params.plan.units}
+    return dict(grads.params()), units, stats.reduce_scatters, list(params.keys())
+
+
+def test_tied_embedding_and_frozen_leaves():
+    torch.manual_seed(0)
+    ref = _TiedLM()
+    idx = torch.arange(8).reshape(2, 4) % 11
+    F.cross_entropy(ref(idx).flatten(0, 1), idx.flatten()).backward()
+    for rank, (grads, units, reduces, keys) in enumerate(spmd(2, _tied_worker)):
+        assert "head.weight" not in keys  # the tied weight is one leaf
+        assert units["frozen"] == (1, 0)  # a frozen unit is gathered but never reduced
+        assert units[""] == (1, 1)  # tied weight lives in the root unit (common ancestor of both uses)
+        assert reduces == 2  # root + block; the frozen unit costs no reduce-scatter
+        assert grads["frozen.weight"] is None and grads["frozen.bias"] is None
+        for n in ("emb.weight", "block.weight", "block.bias"):
+            p = ref.get_parameter(n)
+            torch.testing.assert_close(grads[n], fsdpfn.shard_tensor(p.grad, fsdpfn.ShardSpec(tuple(p.shape), 2), rank))
+
+
+def _bad_apply(case):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["1"])
+    apply = fsdpfn.fsdp(model)
+    x = torch.randn(2, 3)
+    if case == "other_module":
+        other = fsdpfn.shard(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 5)), fsdpfn.init_mesh())
+        apply(other, x)
+    elif case == "renamed":
+        apply(fsdpfn.shard(nn.Sequential(nn.Linear(3, 4)), fsdpfn.init_mesh()), x)
+    elif case == "stale":
+        model[1] = nn.Linear(4, 3)
+        apply(params, x)
+    elif case == "dict":
+        apply(dict(params.items()), x)
+    elif case == "tensor_leaf":
+        apply(params.replace({"0.weight": torch.zeros(1, 1)}), x)
+    elif case == "nested":
+        inner = fsdpfn.fsdp(model)
+
+        class Evil(nn.Module):
+            def forward(self, t):
+                return inner(params, t)
+
+        model[0] = nn.Sequential()
+        model[0].register_forward_hook(lambda *a: None)
+        apply(params, x)
+    elif case == "non_scalar":
+        fsdpfn.value_and_grad(lambda p: apply(p, x))(params)
+    elif case == "bad_option":
+        fsdpfn.fsdp(model, prefetch=-1)
+
+
+@pytest.mark.parametrize(
+    "case, exc, match",
+    [
+        ("other_module", ValueError, r"leaf '1.weight' was sharded as \(5, 4\)"),
+        ("renamed", ValueError, r"module parameters \['1.weight', '1.bias'\] are not in params"),
+        ("stale", ValueError, r"leaf '1.weight' was sharded as \(2, 4\).*is now \(3, 4\).*stale"),
+        ("dict", TypeError, "first argument must be the fsdpfn.Sharded"),
+        ("tensor_leaf", ValueError, r"leaf '0.weight' is \(1, 1\)"),
+        ("non_scalar", TypeError, r"must return a scalar tensor, got a tensor of shape \(2, 2\)"),
+        ("bad_option", ValueError, "prefetch must be an int >= 0"),
+    ],
+)
+def test_bad_input_to_apply_names_the_leaf(case, exc, match):
+    with pytest.raises(exc, match=match):
+        spmd(2, _bad_apply, case)
+
+
+def test_repr_states_the_reduction():
+    model = nn.Linear(2, 2)
+    assert "reduction='avg'" in repr(fsdpfn.fsdp(model))
+    assert "reduction='sum / 8'" in repr(fsdpfn.fsdp(model, divide_by=8))
