@@ -56,6 +56,7 @@ class Call:
         self.pending_back: dict[str, list[Handle]] = {}
         self.storages: dict[int, tuple[str, str]] = {}
         self.tracks_grad: dict[str, bool] = {}
+        self.packed_units: set[str] = set()  # units backward will have to re-gather
         self.in_forward = True
 
     # --- forward ----------------------------------------------------------------------------
@@ -122,6 +123,7 @@ class Call:
         hit = self.storages.get(t.untyped_storage().data_ptr())
         if hit is None:
             return t
+        self.packed_units.add(hit[0])
         return Packed(hit[0], hit[1], t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
     def unpack(self, x: Any) -> torch.Tensor:
@@ -149,7 +151,7 @@ class Call:
             return
         i = self.order.index(name)
         for prev in reversed(self.order[max(0, i - self.prefetch) : i]):
-            if prev and prev not in self.regathered and prev not in self.pending_back:
+            if prev in self.packed_units and prev not in self.regathered and prev not in self.pending_back:
                 b = self._collective(self.plan.unit(prev))
                 self.pending_back[prev] = b.launch([t.detach() for t in self._shards(b)])
 
