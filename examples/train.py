@@ -1,0 +1,193 @@
+"""Train a small GPT with fsdpfn's functional API: explicit sharded parameters, pure steps.
+
+    python examples/train.py                                # a world of one, CPU
+    torchrun --nproc-per-node 2 examples/train.py           # 2 CPU ranks (gloo), or 2 GPUs (NCCL)
+
+The text is generated here (a small grammar of sentences), so nothing is downloaded. The embedding is
+tied to the output head; each of the 4 pre-norm blocks is one unit. On a GPU the model computes in
+bf16 (fp32 master shards, fp32 gradient reduction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import fsdpfn
+import fsdpfn.optim as optim
+
+# --- data -------------------------------------------------------------------------------------
+_SUBJECTS = ["the cat", "a dog", "the old man", "my sister", "a small bird", "the teacher", "our neighbour"]
+_VERBS = ["sees", "likes", "follows", "draws", "finds", "carries", "watches"]
+_OBJECTS = ["the ball", "a red apple", "the river", "an old book", "the green hat", "a paper boat"]
+_PLACES = ["in the garden", "near the house", "at school", "by the sea", "on the hill", "after dinner"]
+
+
+def make_corpus(n_sentences: int, seed: int) -> str:
+    """Sentences from a tiny grammar: structured enough that a small model's loss falls fast."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_sentences):
+        s = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_PLACES)}."
+        out.append(s[0].upper() + s[1:])
+    return " ".join(out)
+
+
+# --- model ------------------------------------------------------------------------------------
+class Block(nn.Module):
+    """Pre-norm transformer block: causal multi-head self-attention, then a GELU MLP."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``layers`` blocks, a final norm and a head tied to the embedding."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied: sharded once, gets both uses' gradients
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "down.weight")) else 0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+# --- training ---------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
+    p.add_argument("--json", default=None, help="write the losses and throughput to this file (rank 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stdout is not a terminal)")
+    return p.parse_args(argv)
+
+
+def progress(step: int, total: int, loss: float, width: int = 30) -> None:
+    done = int(width * step / total)
+    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total} loss {loss:.3f}")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    show_bar = not args.no_progress and sys.stdout.isatty()
+    mesh = fsdpfn.init_mesh(device=args.device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else None)
+    lead = rank == 0
+
+    text = make_corpus(4000, seed=1234)
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+
+    torch.manual_seed(args.seed)
+    model = GPT(len(chars), args.dim, args.layers, args.heads, args.seq).to(device)
+    mp = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+    params = fsdpfn.shard(model, mesh, units=[f"blocks.{i}" for i in range(args.layers)], mp_policy=mp)
+    apply = fsdpfn.fsdp(model)
+
+    def loss_fn(p: fsdpfn.Sharded, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = apply(p, idx)
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    step_fn = fsdpfn.value_and_grad(loss_fn)
+    schedule = lambda step: args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))  # noqa: E731
+    opt = optim.adamw(lr=schedule, weight_decay=0.1, betas=(0.9, 0.95))
+    state = opt.init(params)
+
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank reads its own batches
+    losses: list[tuple[int, float]] = []
+    if lead:
+        n_params = sum(s.numel for s in params.specs.values())
+        print(f"GPT: {n_params / 1e6:.2f}M parameters, {args.layers} units + root, world {world}, {device.type}"
+              f"{' bf16' if mp else ''}; {args.batch}x{args.seq} tokens per rank per step", flush=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
+        idx = torch.stack([data[s : s + args.seq] for s in starts]).to(device)
+        target = torch.stack([data[s + 1 : s + args.seq + 1] for s in starts]).to(device)
+        loss, grads = step_fn(params, idx, target)
+        grads, norm = optim.clip_grad_norm(grads, args.clip)
+        params, state = opt.update(grads, state, params)
+        if step == 1 or step % args.log_every == 0 or step == args.steps:
+            mean_loss = loss.detach().clone()
+            params.plan.comm.all_reduce_sum(mean_loss).wait()  # for the log only: the mean over ranks
+            losses.append((step, mean_loss.item() / world))
+            if lead:
+                if show_bar:
+                    sys.stdout.write("\n")
+                print(f"step {step:5d}  loss {losses[-1][1]:.4f}  grad-norm {norm.item():.3f}", flush=True)
+        if lead and show_bar:
+            progress(step, args.steps, loss.item())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens_s = args.steps * args.batch * args.seq * world / elapsed
+    if device.type == "cuda":
+        peak_mib = torch.cuda.max_memory_allocated() / 2**20
+        peak_what = "peak GPU memory"
+    else:
+        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak_what = "peak RSS"
+    result = dict(losses=losses, tokens_per_s=tokens_s, peak_mib=peak_mib, world=world, elapsed_s=elapsed)
+    if lead:
+        if show_bar:
+            sys.stdout.write("\n")
+        print(f"done: loss {losses[0][1]:.3f} -> {losses[-1][1]:.3f} in {elapsed:.1f} s, "
+              f"{tokens_s:,.0f} tokens/s, {peak_what} {peak_mib:.0f} MiB (rank 0)", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f)
+    return result
+
+
+if __name__ == "__main__":
+    main()
+    dist.destroy_process_group()
