@@ -13,7 +13,7 @@ import fsdpfn
 from fsdpfn.testing.models import TinyBlock, TinyTransformer
 
 
-def main() -> None:
+def main() -> list[str]:
     mesh = fsdpfn.init_mesh()
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -39,8 +39,9 @@ def main() -> None:
         if r == rank:
             print("\n".join(lines), flush=True)
         dist.barrier()
-    dist.destroy_process_group()
+    return lines
 
 
 if __name__ == "__main__":
     main()
+    dist.destroy_process_group()

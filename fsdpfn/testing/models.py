@@ -17,6 +17,10 @@ __all__ = ["ModelRecipe", "ParamTree", "TinyBlock", "TinyTransformer"]
 class TinyBlock(nn.Module):
     """A pre-norm transformer block: single-head causal self-attention and a GELU MLP.
 
+    The query/key/value projection has no bias: a key bias has an exactly-zero gradient (softmax ignores
+    a constant shift), which Adam turns into rounding-noise-sized updates that no two summation orders
+    agree on.
+
     Example:
         >>> TinyBlock(6, 10)(torch.randn(2, 3, 6)).shape
         torch.Size([2, 3, 6])
@@ -25,7 +29,7 @@ class TinyBlock(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
         self.up = nn.Linear(dim, hidden)

@@ -74,11 +74,13 @@ def tensors(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype) -> torc
 
 @st.composite
 def model_recipes(
-    draw: st.DrawFn, kinds: tuple[str, ...] = ("mlp", "transformer"), min_width: int = 1
+    draw: st.DrawFn, kinds: tuple[str, ...] = ("mlp", "transformer"), min_width: int = 1, min_seq: int = 1
 ) -> ModelRecipe:
     """A small MLP or transformer-ish stack with uneven widths (``min_width``..9), as a picklable recipe.
 
-    Very narrow layer norms are ill-conditioned in float32; raise ``min_width`` for float32 comparisons."""
+    For float32 comparisons raise ``min_width`` (very narrow layer norms are ill-conditioned) and
+    ``min_seq`` (attention over one position has exactly-zero query/key gradients, which Adam amplifies
+    into rounding noise)."""
     kind = draw(st.sampled_from(kinds))
     seed = draw(st.integers(0, 10_000))
     w = st.integers(min_width, max(min_width, 9))
@@ -87,7 +89,7 @@ def model_recipes(
         return ModelRecipe("mlp", tuple(widths), seed)
     d_in, dim, d_out = draw(w), draw(w), draw(w)
     hiddens = draw(st.lists(w, min_size=1, max_size=3))
-    return ModelRecipe("transformer", (d_in, dim, d_out, *hiddens), seed, seq=draw(st.integers(1, 4)))
+    return ModelRecipe("transformer", (d_in, dim, d_out, *hiddens), seed, seq=draw(st.integers(min_seq, max(min_seq, 4))))
 
 
 @st.composite
