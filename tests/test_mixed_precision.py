@@ -20,13 +20,13 @@ def _train(policy_dtypes):
     mp = fsdpfn.MixedPrecisionPolicy(param_dtype=policy_dtypes[0], reduce_dtype=policy_dtypes[1]) if policy_dtypes else None
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1"], mp_policy=mp)
     apply = fsdpfn.fsdp(model)
-    opt = optim.adamw(lr=3e-3)
+    opt = optim.adamw(lr=1e-2)
     state = opt.init(params)
     step_fn = fsdpfn.value_and_grad(lambda p, x, y: F.mse_loss(apply(p, x).float(), y))
     stats = params.plan.comm.stats
     losses, logs = [], None
     for step in range(STEPS):
-        x = RECIPE.inputs(4 * world, seed=step)[rank * 4 : rank * 4 + 4]
+        x = RECIPE.inputs(4 * world, seed=0)[rank * 4 : rank * 4 + 4]  # one fixed batch: the loss must fall
         y = torch.sin(x[..., :5] * 3)
         stats.recording = step == 0
         loss, grads = step_fn(params, x, y)
