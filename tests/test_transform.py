@@ -254,3 +254,32 @@ def test_repr_states_the_reduction():
     model = nn.Linear(2, 2)
     assert "reduction='avg'" in repr(fsdpfn.fsdp(model))
     assert "reduction='sum / 8'" in repr(fsdpfn.fsdp(model, divide_by=8))
+
+
+def _modes_worker(seed):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    recipe = ModelRecipe("transformer", (3, 6, 2, 5, 7), seed=seed, seq=3)
+    model = recipe.build()
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1", "head"])
+    x = recipe.inputs(2, seed=rank)
+    out = {}
+    for reshard in (True, False):
+        for prefetch in (0, 1, 2):
+            apply = fsdpfn.fsdp(model, reshard_after_forward=reshard, prefetch=prefetch)
+            loss_fn = lambda p: apply(p, x).pow(2).mean()  # noqa: E731
+            (loss, aux), grads = fsdpfn.value_and_grad(lambda p: (loss_fn(p), "aux"), has_aux=True)(params)
+            only = fsdpfn.grad(loss_fn)(params)
+            out[(reshard, prefetch)] = (loss, dict(grads.params()), dict(only.params()), aux)
+    return out
+
+
+def test_reshard_and_prefetch_modes_give_identical_results():
+    for out in spmd(2, _modes_worker, 5):
+        base_loss, base_grads, _, _ = out[(True, 0)]
+        for (loss, grads, only, aux) in out.values():
+            assert aux == "aux"
+            assert torch.equal(loss, base_loss)
+            for n in base_grads:
+                assert torch.equal(grads[n], base_grads[n]) and torch.equal(only[n], base_grads[n])
