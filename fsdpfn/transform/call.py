@@ -66,6 +66,11 @@ class Call:
     def _shards(self, b: Buckets) -> list[torch.Tensor]:
         return check_shards(self.params, b.fqns)
 
+    def _launch(self, name: str) -> list[Handle]:
+        """Start gathering unit ``name`` outside autograd (prefetch, backward re-gather)."""
+        b = self._collective(self.plan.unit(name))
+        return b.launch([t.detach() for t in self._shards(b)])
+
     def gather(self, name: str) -> dict[str, torch.Tensor]:
         """Differentiably gather unit ``name`` (waiting for its prefetch if one is in flight)."""
         unit = self.plan.unit(name)
@@ -93,8 +98,7 @@ class Call:
         i = self.order_hint.index(name)
         for nxt in self.order_hint[i + 1 : i + 1 + self.prefetch]:
             if nxt not in self.pending and nxt not in self.gathered:
-                b = self._collective(self.plan.unit(nxt))
-                self.pending[nxt] = b.launch([t.detach() for t in self._shards(b)])
+                self.pending[nxt] = self._launch(nxt)
 
     def release(self, name: str) -> None:
         """Forget unit ``name``'s gathered copy after its forward (reshard)."""
@@ -139,9 +143,7 @@ class Call:
         full = self.regathered.get(name)
         if full is None:
             b = self._collective(self.plan.unit(name))
-            handles = self.pending_back.pop(name, None)
-            if handles is None:
-                handles = b.launch([t.detach() for t in self._shards(b)])
+            handles = self.pending_back.pop(name, None) or self._launch(name)
             full = self.regathered[name] = dict(zip(b.fqns, b.finish(handles)))
             self._prefetch_backward(name)
         return full
@@ -152,8 +154,7 @@ class Call:
         i = self.order.index(name)
         for prev in reversed(self.order[max(0, i - self.prefetch) : i]):
             if prev in self.packed_units and prev not in self.regathered and prev not in self.pending_back:
-                b = self._collective(self.plan.unit(prev))
-                self.pending_back[prev] = b.launch([t.detach() for t in self._shards(b)])
+                self.pending_back[prev] = self._launch(prev)
 
     def _release(self, name: str) -> None:
         # The unit's gradient reduction is starting: every use of its parameters in backward is done.
