@@ -15,6 +15,8 @@ from fsdpfn.layout import Sharded, ShardSpec, shard_tensor, unshard_tensors
 from fsdpfn.ops import reduce, reshard, shard, unshard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdpfn.transform import fsdp, grad, value_and_grad
+from fsdpfn import optim
+from fsdpfn.optim import clip_grad_norm
 
 __version__ = "0.1.0"
 
@@ -24,9 +26,11 @@ __all__ = [
     "OffloadPolicy",
     "ShardSpec",
     "Sharded",
+    "clip_grad_norm",
     "fsdp",
     "grad",
     "init_mesh",
+    "optim",
     "reduce",
     "reshard",
     "shard",

@@ -87,7 +87,9 @@ def check_params(params: Any, what: str) -> ShardPlan:
         leaf = params[fqn]
         want = plan.specs[fqn].local_shape(plan.rank)
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{what}: params leaf {fqn!r} is {type(leaf).__name__}, expected this rank's shard (a Tensor)")
+            raise TypeError(
+                f"{what}: params leaf {fqn!r} is {type(leaf).__name__}, expected this rank's shard (a Tensor)"
+            )
         if tuple(leaf.shape) != want or leaf.dtype != plan.dtypes[fqn]:
             raise ValueError(
                 f"{what}: params leaf {fqn!r} is {tuple(leaf.shape)} {leaf.dtype} but rank {plan.rank} of its plan "
@@ -188,9 +190,11 @@ def check_state_tree(
 
 
 def check_state_type(state: Any, cls: type, what: str) -> None:
-    """``state`` must be a ``cls`` with a 0-d integer ``count``."""
+    """``state`` must be a ``cls`` with a 0-d ``count`` tensor."""
     if not isinstance(state, cls):
-        raise TypeError(f"{what}: state must be the {cls.__name__} that init(params) returned, got {type(state).__name__}")
+        raise TypeError(
+            f"{what}: state must be the {cls.__name__} that init(params) returned, got {type(state).__name__}"
+        )
     count = state.count
     if not isinstance(count, torch.Tensor) or count.dim() != 0:
         raise TypeError(f"{what}: state.count must be a 0-d tensor, got {count!r}")

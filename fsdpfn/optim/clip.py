@@ -73,9 +73,14 @@ def clip_grad_norm(
         raise ValueError(f"{what}: the grads' plan has no communicator, but spans {dp} ranks")
 
     with torch.no_grad():
-        # empty shards (trailing ranks) add nothing, and the inf-norm of an empty tensor is undefined
-        nonempty = [[t for t in ts if t.numel()] for ts in groups.values()]
-        norms = [n.to(device, acc_dtype) for ts in nonempty if ts for n in torch._foreach_norm(ts, p)]
+        # empty shards (trailing ranks) add nothing, and the inf-norm of an empty tensor is undefined;
+        # low-precision shards are normed in float32 (or float64) so their partial norms are not rounded
+        norms = []
+        for (_, dtype), ts in groups.items():
+            ts = [t for t in ts if t.numel()]
+            if ts:
+                wide_dtype = None if dtype.is_complex else acc_dtype
+                norms += [n.to(device, acc_dtype) for n in torch._foreach_norm(ts, p, dtype=wide_dtype)]
         local = torch.stack(norms) if norms else torch.zeros(1, dtype=acc_dtype, device=device)
         if math.isinf(p):
             # Max over ranks through the one sum-all-reduce the core offers: each rank writes its local

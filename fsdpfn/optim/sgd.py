@@ -94,7 +94,9 @@ def sgd(
         buf = (lambda p: torch.zeros_like(p, memory_format=torch.preserve_format)) if momentum != 0 else None
         return SGDState(new_count(), state_tree(params, lambda p: new_step()), state_tree(params, buf))
 
-    def update(grads: Sharded[Any], state: SGDState, params: Sharded[torch.Tensor]) -> tuple[Sharded[torch.Tensor], SGDState]:
+    def update(
+        grads: Sharded[Any], state: SGDState, params: Sharded[torch.Tensor]
+    ) -> tuple[Sharded[torch.Tensor], SGDState]:
         """One SGD step on this rank's shards: returns ``(new_params, new_state)``.
 
         Example:
@@ -111,36 +113,50 @@ def sgd(
             state = SGDState(state.count.clone(), clone_tree(state.step), clone_tree(state.momentum_buffer))
         lr_now = resolve_lr(where, lr, int(state.count.item()) + 1)
         if fqns:
-            steps = [state.step[f] for f in fqns]
-            grad_list = [real(grads[f]) for f in fqns]
-            if momentum != 0:
-                # torch.optim.SGD starts a buffer as a copy of the first gradient: hand the kernel None
-                # for a parameter's first step, then copy the buffer it made into our preallocated one.
-                fresh = torch.stack(steps).eq(0).tolist()
-                bufs: list[torch.Tensor | None] = [
-                    None if new else real(state.momentum_buffer[f]) for f, new in zip(fqns, fresh)
-                ]
-                if nesterov and not maximize and weight_decay == 0:
-                    grad_list = [g.clone() for g in grad_list]  # the foreach kernel adds into them
-            else:
-                fresh, bufs = [False] * len(fqns), [None] * len(fqns)
             with torch.no_grad():
-                _torch_sgd(
-                    [real(new_params[f]) for f in fqns],
-                    grad_list,
-                    bufs,
-                    foreach=True,
-                    weight_decay=weight_decay,
-                    momentum=momentum,
-                    lr=lr_now,
-                    dampening=dampening,
-                    nesterov=nesterov,
-                    maximize=maximize,
-                )
-                for f, new, b in zip(fqns, fresh, bufs):
-                    if new:
-                        real(state.momentum_buffer[f]).copy_(b)
-                torch._foreach_add_(steps, 1.0)
+                _step(fqns, new_params, grads, state, lr_now, momentum, dampening, weight_decay, nesterov, maximize)
         return new_params, state._replace(count=next_count(state.count, inplace))
 
     return GradientTransformation(init, update)
+
+
+def _step(
+    fqns: list[str],
+    params: Sharded[torch.Tensor],
+    grads: Sharded[Any],
+    state: SGDState,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+) -> None:
+    """Run torch's foreach SGD kernel on the leaves ``fqns`` (in place on ``params`` and ``state``)."""
+    steps = [state.step[f] for f in fqns]
+    grad_list = [real(grads[f]) for f in fqns]
+    fresh = [False] * len(fqns)
+    bufs: list[torch.Tensor | None] = [None] * len(fqns)
+    if momentum != 0:
+        # torch.optim.SGD starts a buffer as a copy of the first gradient: hand the kernel None for a
+        # parameter's first step, then copy the buffer it made into our preallocated one.
+        fresh = torch.stack(steps).eq(0).tolist()
+        bufs = [None if new else real(state.momentum_buffer[f]) for f, new in zip(fqns, fresh)]
+        if nesterov and not maximize and weight_decay == 0:
+            grad_list = [g.clone() for g in grad_list]  # the foreach kernel would add into the caller's grads
+    _torch_sgd(
+        [real(params[f]) for f in fqns],
+        grad_list,
+        bufs,
+        foreach=True,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        lr=lr,
+        dampening=dampening,
+        nesterov=nesterov,
+        maximize=maximize,
+    )
+    for f, new, b in zip(fqns, fresh, bufs):
+        if new:
+            real(state.momentum_buffer[f]).copy_(b)
+    torch._foreach_add_(steps, 1.0)
