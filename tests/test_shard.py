@@ -104,7 +104,8 @@ def _error_worker(case):
     mesh = fsdpfn.init_mesh()
     if case == "meta":
         with torch.device("meta"):
-            m = nn.Linear(2, 2)
+            m = nn.Module()
+            m.w = nn.Parameter(torch.empty(2, 2))
         fsdpfn.shard(m, mesh)
     elif case == "mesh":
         fsdpfn.shard(nn.Linear(2, 2), "cpu")
@@ -123,7 +124,7 @@ def _error_worker(case):
 @pytest.mark.parametrize(
     "case, exc, match",
     [
-        ("meta", ValueError, "parameter 'weight' is on the meta device"),
+        ("meta", ValueError, "module '<root>' .Module. was built on the meta device but has no reset_parameters"),
         ("mesh", TypeError, "expected a torch.distributed.device_mesh.DeviceMesh"),
         ("module", TypeError, "expected an nn.Module"),
         ("offload", NotImplementedError, "CPUOffloadPolicy"),

@@ -11,6 +11,7 @@ from torch import nn
 
 from fsdpfn.core import Comm
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
+from fsdpfn.ops.materialize import is_meta, materialize_and_shard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["Units", "resolve_units", "shard"]
@@ -73,13 +74,19 @@ def shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
+    init: Callable[[nn.Module], None] | None = None,
 ) -> Sharded[torch.Tensor]:
     """Shard ``module``'s parameters over ``mesh`` and return this rank's ``Sharded`` tree.
 
     Each unit's parameters travel in one collective per dtype; parameters outside every unit belong
     to the root unit, and a unit inside another owns its own parameters. Tied parameters (one
     ``Parameter`` under two names) are sharded once, under their first name. Buffers ride along
-    unsharded. The module itself is left untouched.
+    unsharded. A real module is left untouched.
+
+    A module built on the ``meta`` device is materialised one unit at a time on the mesh's device
+    (``reset_parameters()`` of each module that owns parameters, or ``init(module)`` when given) and
+    only this rank's shards are kept, so no rank holds the whole model; the module stays on ``meta``.
+    Seed every rank alike: the full parameters then do not depend on the world size.
 
     Example:
         >>> mesh = fsdpfn.init_mesh()                                   # doctest: +SKIP
@@ -113,9 +120,7 @@ def shard(
             continue
         owners[id(p)] = fqn
         names[fqn] = [fqn]
-        if p.device.type == "meta":
-            raise ValueError(f"shard: parameter {fqn!r} is on the meta device; materialise the module first")
-        if p.device.type != groups.device_type:
+        if p.device.type != groups.device_type and not p.is_meta:
             raise ValueError(
                 f"shard: parameter {fqn!r} is on {p.device} but the mesh is on {groups.device_type}; "
                 f"move the module with module.to({groups.device_type!r}) or build the mesh for {p.device.type}"
@@ -126,11 +131,12 @@ def shard(
         for fqn, p in found.items()
     ]
 
-    buffers = {fqn: b.detach().clone() for fqn, b in module.named_buffers()}
+    meta = is_meta(module)
+    buffer_names = [fqn for fqn, _ in module.named_buffers()]
     policy = mp_policy or MixedPrecisionPolicy()
     plan = build_plan(
         infos,
-        list(buffers),
+        buffer_names,
         [""] + unit_names,
         rank=groups.rank,
         world=groups.world,
@@ -145,5 +151,9 @@ def shard(
         module_type=type(module).__name__,
         ignored=tuple(ignored_names),
     )
-    leaves = [shard_tensor(found[f].detach(), plan.specs[f], groups.rank) for f in plan.params]
-    return Sharded._from_children(leaves + [buffers[b] for b in plan.buffers], plan)
+    if meta:
+        shards, buffers = materialize_and_shard(module, plan, groups.device, init)
+    else:
+        shards = {f: shard_tensor(found[f].detach(), plan.specs[f], groups.rank) for f in plan.params}
+        buffers = {fqn: b.detach().clone() for fqn, b in module.named_buffers()}
+    return Sharded._from_children([shards[f] for f in plan.params] + [buffers[b] for b in plan.buffers], plan)
