@@ -11,8 +11,8 @@ Example:
 """
 
 from fsdpfn.core import init_mesh
-from fsdpfn.layout import Sharded, ShardSpec, shard_tensor, unshard_tensors
-from fsdpfn.ops import reduce, reshard, shard, unshard
+from fsdpfn.layout import Sharded, ShardSpec, Unreduced, shard_tensor, unshard_tensors
+from fsdpfn.ops import accumulate, reduce, reshard, shard, unshard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdpfn.transform import fsdp, grad, value_and_grad
 from fsdpfn import optim
@@ -26,6 +26,8 @@ __all__ = [
     "OffloadPolicy",
     "ShardSpec",
     "Sharded",
+    "Unreduced",
+    "accumulate",
     "clip_grad_norm",
     "fsdp",
     "grad",

@@ -224,6 +224,28 @@ class Comm:
 
         return self._launch("reduce", fn, keep=(), result=t)
 
+    def broadcast(self, t: torch.Tensor) -> Handle:
+        """Overwrite contiguous ``t`` (any dtype, raw bytes) in place on every rank of the mesh with its
+        value on the mesh's first rank (coordinate 0 in every dim): over the replicate group, then the
+        shard group."""
+        groups = self.groups
+        if self.dp_world == 1 or t.numel() == 0:
+            return Handle(t)
+        if not t.is_contiguous():
+            raise ValueError("broadcast: the tensor must be contiguous (it is overwritten in place)")
+        data = _as_bytes(t)
+        stages = [g for g, n in ((groups.replicate_group, groups.replicas), (groups.shard_group, groups.world)) if n > 1]
+
+        def fn(a: bool) -> Any:
+            work = None
+            for group in stages:
+                if work is not None:
+                    work.wait()
+                work = dist.broadcast(data, src=dist.get_global_rank(group, 0), group=group, async_op=a)
+            return work
+
+        return self._launch("gather", fn, keep=(), result=t)
+
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)

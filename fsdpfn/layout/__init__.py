@@ -7,6 +7,7 @@ from fsdpfn.layout.bucket import BucketLayout
 from fsdpfn.layout.plan import ParamInfo, ShardPlan, UnitPlan, build_plan
 from fsdpfn.layout.sharded import Sharded
 from fsdpfn.layout.spec import ShardSpec, shard_tensor, unshard_tensors
+from fsdpfn.layout.unreduced import Unreduced
 
 __all__ = [
     "BucketLayout",
@@ -15,6 +16,7 @@ __all__ = [
     "ShardSpec",
     "Sharded",
     "UnitPlan",
+    "Unreduced",
     "build_plan",
     "shard_tensor",
     "unshard_tensors",

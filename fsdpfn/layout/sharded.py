@@ -34,7 +34,7 @@ class Sharded(Generic[T]):
         >>> zeros = torch.utils._pytree.tree_map(torch.zeros_like, params)  # still a Sharded
     """
 
-    __slots__ = ("_leaves", "_plan")
+    __slots__ = ("_leaves", "_plan", "_mode")
 
     def __init__(self, leaves: Mapping[str, T], plan: ShardPlan) -> None:
         if not isinstance(plan, ShardPlan):
@@ -50,12 +50,14 @@ class Sharded(Generic[T]):
             )
         self._leaves = {k: leaves[k] for k in keys}
         self._plan = plan
+        self._mode: Any = None  # transient: how value_and_grad wants this tree's gradients reduced
 
     @classmethod
     def _from_children(cls, children: list[Any], plan: ShardPlan) -> Sharded[Any]:
         obj = cls.__new__(cls)
         obj._leaves = dict(zip(plan.keys, children))
         obj._plan = plan
+        obj._mode = None
         return obj
 
     # --- mapping protocol ---------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Differentiable collectives over a ``Sharded`` tree (``unshard``, ``reshard``, ``reduce``) and ``shard``."""
 
-from fsdpfn.ops.api import reduce, reduce_scale, reshard, unshard
+from fsdpfn.ops.api import accumulate, reduce, reduce_scale, reshard, unshard
 from fsdpfn.ops.functions import ReduceFunction, UnshardFunction
 from fsdpfn.ops.shard import resolve_units, shard
 
-__all__ = ["ReduceFunction", "UnshardFunction", "reduce", "reduce_scale", "reshard", "resolve_units", "shard", "unshard"]
+__all__ = ["ReduceFunction", "accumulate", "UnshardFunction", "reduce", "reduce_scale", "reshard", "resolve_units", "shard", "unshard"]

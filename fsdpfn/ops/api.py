@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from fsdpfn.layout import Sharded, ShardPlan, UnitPlan
+from fsdpfn.layout import Sharded, ShardPlan, UnitPlan, Unreduced
 from fsdpfn.layout.plan import ParamInfo, bucket_by_dtype
 from fsdpfn.ops.functions import Buckets, apply_buckets, collective_pair, reduce_collective
 
-__all__ = ["check_shards", "gather_collective", "reduce", "reduce_scale", "reshard", "unshard"]
+__all__ = ["accumulate", "check_shards", "gather_collective", "reduce", "reduce_scale", "reshard", "unshard"]
 
 
 def reduce_scale(plan: ShardPlan, op: str = "avg", divide_by: float | None = None) -> float:
@@ -159,7 +159,14 @@ def reduce(
         >>> g = fsdpfn.reduce({"0.weight": full_grad}, params, op="sum")   # doctest: +SKIP
     """
     plan = _check_tree(like, "reduce")
-    if not isinstance(grads, Mapping):
+    if isinstance(grads, Sharded):
+        raise TypeError(
+            "reduce: these gradients are a Sharded tree, i.e. already reduced; only full per-rank gradients "
+            "(a mapping, or the Unreduced tree of value_and_grad(reduce=False)) can be reduced"
+        )
+    if isinstance(grads, Unreduced) and grads.plan is not plan:
+        raise ValueError("reduce: the Unreduced gradients were computed for another plan than `like`'s")
+    if not isinstance(grads, (Mapping, Unreduced)):
         raise TypeError(f"reduce: grads must be a mapping of parameter name to full gradient, got {type(grads).__name__}")
     by_name: dict[str, torch.Tensor | None] = {}
     for key, g in grads.items():
@@ -206,3 +213,32 @@ def _lookup(full: Mapping[str, Any], fqn: str, plan: ShardPlan) -> Any:
         if owner == fqn and alias in full:
             return full[alias]
     return None
+
+
+def accumulate(acc: Unreduced | None, grads: Unreduced) -> Unreduced:
+    """Add one microbatch's unreduced gradients to an accumulator (``None`` starts one). Local, no
+    communication; ``None`` gradients count as zero.
+
+    Example:
+        >>> acc = None                                                                    # doctest: +SKIP
+        >>> for mb in microbatches:                                                       # doctest: +SKIP
+        ...     loss, g = fsdpfn.value_and_grad(loss_fn, reduce=False)(params, mb)
+        ...     acc = fsdpfn.accumulate(acc, g)
+        >>> grads = fsdpfn.reduce(acc, params)        # one reduce-scatter per bucket       # doctest: +SKIP
+    """
+    for what, tree in (("grads", grads), ("acc", acc)):
+        if tree is not None and not isinstance(tree, Unreduced):
+            kind = "already reduced (a Sharded)" if isinstance(tree, Sharded) else type(tree).__name__
+            raise TypeError(
+                f"accumulate: {what} is {kind}; only the Unreduced gradients of value_and_grad(reduce=False) "
+                "accumulate (mixing reduced and unreduced gradients would scale them wrongly)"
+            )
+    if acc is None:
+        return grads
+    if acc.plan is not grads.plan:
+        raise ValueError("accumulate: the two gradient trees belong to different plans")
+    out = {}
+    for k, a in acc.items():
+        g = grads[k]
+        out[k] = g if a is None else a if g is None else a + g
+    return Unreduced(out, acc.plan)

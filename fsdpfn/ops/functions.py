@@ -18,7 +18,7 @@ import torch
 from fsdpfn.core import Comm, Handle
 from fsdpfn.layout import BucketLayout
 
-__all__ = ["Buckets", "ReduceFunction", "UnshardFunction", "apply_buckets", "collective_pair", "reduce_collective"]
+__all__ = ["Buckets", "CallInfo", "ReduceFunction", "UnshardFunction", "apply_buckets", "collective_pair", "reduce_collective"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,22 +136,45 @@ def reduce_collective(
     return r
 
 
+@dataclass
+class CallInfo:
+    """Per-call extras of a bucket collective (not part of the cached ``Buckets``).
+
+    ``pending``: handles of this very collective launched earlier (prefetch). ``sink``: when set, the
+    backward does not reduce: it adds the incoming full gradients into ``sink[fqn]`` (in ``sink_dtypes``)
+    and passes no gradient to the shards (deferred reduction).
+    """
+
+    pending: Sequence[Handle] | None = None
+    sink: dict[str, torch.Tensor] | None = None
+    sink_dtypes: dict[str, torch.dtype] | None = None
+
+
 class _BucketCollective(torch.autograd.Function):
     """Shared rules: the forward runs ``Buckets``; the backward applies its adjoint."""
 
     @staticmethod
-    def forward(b: Buckets, pending: Any, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        # ``pending``: handles of the same collective launched earlier (prefetch), or None.
+    def forward(b: Buckets, info: CallInfo | None, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        pending = info.pending if info is not None else None
         return tuple(b.finish(pending) if pending is not None else b.run(tensors))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.buckets = inputs[0]
+        info = inputs[1]
+        ctx.sink = info.sink if info is not None else None
+        ctx.sink_dtypes = info.sink_dtypes if info is not None else None
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         b: Buckets = ctx.buckets
+        if ctx.sink is not None:  # deferred reduction: keep the full gradients, reduce later
+            for f, g in zip(b.fqns, grads):
+                if g is not None and f in ctx.sink_dtypes:
+                    g = g.to(ctx.sink_dtypes[f])
+                    ctx.sink[f] = ctx.sink[f] + g if f in ctx.sink else g
+            return (None,) * (2 + len(b.fqns))
         adj = b.adjoint
         assert adj is not None, "collective without an adjoint"
         by_name = dict(zip(b.fqns, grads))
@@ -162,12 +185,12 @@ class _BucketCollective(torch.autograd.Function):
         return (None, None, *(res.get(f) for f in b.fqns))
 
     @staticmethod
-    def jvp(ctx: Any, _b: Any, _pending: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def jvp(ctx: Any, _b: Any, _info: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         # Both collectives are linear: the tangent of the output is the collective of the tangents.
         return tuple(ctx.buckets.run(tangents))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple[Any, ...], b: Buckets, _pending: Any, *tensors: torch.Tensor | None) -> Any:
+    def vmap(info: Any, in_dims: tuple[Any, ...], b: Buckets, _info: Any, *tensors: torch.Tensor | None) -> Any:
         moved = []
         for t, d in zip(tensors, in_dims[2:]):
             if t is None:
@@ -189,14 +212,14 @@ class ReduceFunction(_BucketCollective):
 
 
 def apply_buckets(
-    b: Buckets, tensors: Sequence[torch.Tensor | None], pending: Sequence[Handle] | None = None
+    b: Buckets, tensors: Sequence[torch.Tensor | None], info: CallInfo | None = None
 ) -> tuple[torch.Tensor, ...]:
     """Run ``b`` as a differentiable op (``UnshardFunction`` or ``ReduceFunction`` by its kind).
 
-    ``pending`` are the handles of this very collective, launched earlier by ``b.launch`` on the same
-    tensors (prefetch); the forward then only waits for them."""
+    ``info.pending`` are the handles of this very collective, launched earlier by ``b.launch`` on the
+    same tensors (prefetch): the forward then only waits for them. ``info.sink`` defers the reduction."""
     fn = UnshardFunction if b.kind == "gather" else ReduceFunction
-    return fn.apply(b, pending, *tensors)
+    return fn.apply(b, info, *tensors)
 
 
 def _batch_shape(tensors: Sequence[torch.Tensor | None], nb: int) -> tuple[int, ...]:

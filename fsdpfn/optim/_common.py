@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Union
 
 import torch
 
-from fsdpfn.layout import Sharded, ShardPlan
+from fsdpfn.layout import Unreduced, Sharded, ShardPlan
 
 __all__ = ["GradientTransformation", "LearningRate"]
 
@@ -132,6 +132,11 @@ def check_grads(grads: Any, params: Sharded[torch.Tensor], what: str) -> list[st
     """Validate ``grads`` against ``params``; return the names of the leaves to update
     (trainable parameters whose gradient is not ``None``). Buffer leaves of ``grads`` are ignored."""
     plan = params.plan
+    if isinstance(grads, Unreduced):
+        raise TypeError(
+            f"{what}: grads are Unreduced (value_and_grad(reduce=False)); reduce them first with "
+            "fsdpfn.reduce(grads, params)"
+        )
     if not isinstance(grads, Sharded):
         raise TypeError(f"{what}: grads must be a fsdpfn.Sharded like params, got {type(grads).__name__}")
     if grads.plan is not plan:

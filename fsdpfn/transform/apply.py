@@ -80,9 +80,11 @@ class Apply:
                 "a module cannot run inside its own sharded forward"
             )
         functorch = _functorch_active()
+        mode = params._mode
         call = Call(
             params,
-            scale=reduce_scale(plan, self.reduce_op, self.divide_by),
+            scale=mode.scale if mode is not None and mode.scale is not None else reduce_scale(plan, self.reduce_op, self.divide_by),
+            sink=mode.sink if mode is not None else None,
             reshard=self.reshard_after_forward and not functorch,
             prefetch=0 if functorch else self.prefetch,
             order_hint=plan.memo.get(("order", id(self)), [u.name for u in plan.units]),

@@ -19,10 +19,21 @@ import torch
 
 from fsdpfn.core import Handle
 from fsdpfn.layout import Sharded, UnitPlan
-from fsdpfn.ops.functions import Buckets, apply_buckets
+from fsdpfn.ops.functions import Buckets, CallInfo, apply_buckets
 from fsdpfn.ops.api import check_shards, gather_collective
 
-__all__ = ["Call", "Packed"]
+__all__ = ["Call", "GradMode", "Packed"]
+
+
+@dataclass(frozen=True)
+class GradMode:
+    """How ``value_and_grad`` wants the gradients of one tree reduced.
+
+    ``scale`` overrides the ``fsdp`` reduction (``None`` keeps it); a ``sink`` defers the reduction: the
+    full per-rank gradients are added into it instead of being reduce-scattered."""
+
+    scale: float | None = None
+    sink: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -42,8 +53,18 @@ class Call:
     ``order`` records the units in the order their forward ran; backward prefetch walks it in reverse.
     """
 
-    def __init__(self, params: Sharded[torch.Tensor], *, scale: float, reshard: bool, prefetch: int, order_hint: Sequence[str]):
+    def __init__(
+        self,
+        params: Sharded[torch.Tensor],
+        *,
+        scale: float,
+        reshard: bool,
+        prefetch: int,
+        order_hint: Sequence[str],
+        sink: dict[str, torch.Tensor] | None = None,
+    ):
         self.params = params
+        self.sink = sink
         self.plan = params.plan
         self.scale = scale
         self.reshard = reshard
@@ -75,7 +96,8 @@ class Call:
         """Differentiably gather unit ``name`` (waiting for its prefetch if one is in flight)."""
         unit = self.plan.unit(name)
         b = self._collective(unit)
-        outs = apply_buckets(b, self._shards(b), self.pending.pop(name, None))
+        info = CallInfo(self.pending.pop(name, None), self.sink, _reduce_dtypes(self.plan) if self.sink is not None else None)
+        outs = apply_buckets(b, self._shards(b), info)
         full = dict(zip(b.fqns, outs))
         self.gathered[name] = full
         self.tracks_grad[name] = any(o.requires_grad for o in outs)
@@ -166,3 +188,11 @@ class Call:
         full = self.gathered.get(name) or self.regather(name)
         grad = self.tracks_grad.get(name, False)
         return {f: t.detach().requires_grad_(grad) for f, t in full.items()}
+
+
+def _reduce_dtypes(plan: Any) -> dict[str, torch.dtype]:
+    """The dtype each trainable parameter's gradient is reduced (and accumulated) in."""
+    got = plan.memo.get(("reduce_dtypes",))
+    if got is None:
+        got = plan.memo[("reduce_dtypes",)] = {f: lay.dtype for u in plan.units for lay in u.reduce for f in lay.fqns}
+    return got

@@ -12,17 +12,31 @@ from typing import Any
 
 import torch
 
-from fsdpfn.layout import Sharded
+from fsdpfn.layout import Sharded, Unreduced
+from fsdpfn.ops.api import reduce_scale
+from fsdpfn.transform.call import GradMode
 
 __all__ = ["grad", "value_and_grad"]
 
 
-def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+def value_and_grad(
+    fn: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    reduce: bool = True,
+    reduce_op: str | None = None,
+    divide_by: float | None = None,
+) -> Callable[..., Any]:
     """Return ``g(params, *args, **kwargs) -> (value, grads)`` (``((value, aux), grads)`` with ``has_aux``).
 
     ``fn(params, *args, **kwargs)`` must return a scalar tensor (or ``(scalar, aux)``). ``grads`` is a
     ``Sharded`` with ``params``' plan: reduced shard gradients in each parameter's own dtype, ``None``
     for frozen parameters and buffers. ``value`` is detached.
+
+    The reduction is the one of the ``fsdp`` apply inside ``fn`` unless ``reduce_op`` (``"avg"`` or
+    ``"sum"``) or ``divide_by`` say otherwise here. With ``reduce=False`` nothing is communicated in
+    backward: ``grads`` is an ``Unreduced`` tree of this rank's full gradients (in the reduction dtype),
+    to be summed with ``fsdpfn.accumulate`` and reduced once with ``fsdpfn.reduce(acc, params)``.
 
     Example:
         >>> apply = fsdpfn.fsdp(model)                                           # doctest: +SKIP
@@ -41,8 +55,13 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"value_and_grad: leaf {k!r} is {type(leaf).__name__}, expected a tensor shard")
             live[k] = leaf.detach().requires_grad_()
+        tree = Sharded._from_children(list(live.values()), plan)
+        sink: dict[str, torch.Tensor] | None = {} if not reduce else None
+        scale = reduce_scale(plan, reduce_op or "avg", divide_by) if (reduce_op or divide_by is not None) else None
+        if sink is not None or scale is not None:
+            tree._mode = GradMode(scale=scale, sink=sink)
         with torch.enable_grad():
-            out = fn(Sharded._from_children(list(live.values()), plan), *args, **kwargs)
+            out = fn(tree, *args, **kwargs)
         value, aux = out if has_aux else (out, None)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
@@ -52,21 +71,31 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
             found = torch.autograd.grad(value, inputs, allow_unused=True)
         else:
             found = (None,) * len(inputs)
-        by_name = dict(zip(trainable, found))
-        grads = Sharded._from_children([by_name.get(k) for k in plan.keys], plan)
+        if sink is not None:
+            grads: Any = Unreduced(sink, plan)
+        else:
+            by_name = dict(zip(trainable, found))
+            grads = Sharded._from_children([by_name.get(k) for k in plan.keys], plan)
         value = value.detach()
         return ((value, aux), grads) if has_aux else (value, grads)
 
     return g
 
 
-def grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+def grad(
+    fn: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    reduce: bool = True,
+    reduce_op: str | None = None,
+    divide_by: float | None = None,
+) -> Callable[..., Any]:
     """Like ``value_and_grad`` but returns only ``grads`` (``(grads, aux)`` with ``has_aux``).
 
     Example:
         >>> grads = fsdpfn.grad(loss_fn)(params, x, y)    # doctest: +SKIP
     """
-    vg = value_and_grad(fn, has_aux=has_aux)
+    vg = value_and_grad(fn, has_aux=has_aux, reduce=reduce, reduce_op=reduce_op, divide_by=divide_by)
 
     def g(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         (value_aux, grads) = vg(params, *args, **kwargs)

@@ -1,0 +1,115 @@
+"""The few collectives the checkpoint layer needs, all through ``fsdpfn.core.Comm``.
+
+``comm`` may be ``None`` for a single process without a process group: every helper is then local.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fsdpfn.checkpoint.errors import CheckpointError
+from fsdpfn.core import Comm
+
+__all__ = ["broadcast_tensors", "comm_of_tree", "is_root", "root_run"]
+
+_ALIGN = 16  # byte alignment of each tensor inside a packed broadcast buffer
+
+
+def is_root(comm: Comm | None) -> bool:
+    """Whether this process is the mesh's first rank (coordinate 0 in every dim): the one that writes
+    the checkpoint's side files and whose replicated values are saved."""
+    if comm is None:
+        return True
+    coord = comm.mesh.get_coordinate()
+    return coord is not None and all(c == 0 for c in coord)
+
+
+def comm_of_tree(sharded: Sequence[Any]) -> Comm | None:
+    """The ``Comm`` of the first ``Sharded`` in ``sharded``; without one, a ``Comm`` over every rank of
+    the default process group (``None`` when there is no process group: a single process)."""
+    for tree in sharded:
+        if tree.plan.comm is not None:
+            return tree.plan.comm
+    from torch.distributed import get_world_size, is_available, is_initialized
+
+    if not (is_available() and is_initialized()) or get_world_size() == 1:
+        return None
+    from fsdpfn.core import init_mesh
+
+    return Comm(init_mesh())
+
+
+def _device(comm: Comm) -> torch.device:
+    return comm.groups.device
+
+
+def root_run(comm: Comm | None, fn: Callable[[], int | None]) -> int:
+    """Run ``fn`` on the mesh root only and share its integer result (0 for ``None``) with every rank.
+
+    If ``fn`` raises, the root re-raises it and every other rank raises ``CheckpointError`` with its
+    message, so no rank is left waiting in a later collective.
+    """
+    root = is_root(comm)
+    value, err, exc = 0, b"", None
+    if root:
+        try:
+            value = int(fn() or 0)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the others were told
+            exc, err = e, f"{type(e).__name__}: {e}".encode()[:65536]
+    if comm is not None and comm.dp_world > 1:
+        head = torch.tensor([value, len(err)], dtype=torch.int64).to(_device(comm))
+        comm.broadcast(head).wait()
+        value, n = (int(v) for v in head.tolist())
+        if n:
+            buf = torch.tensor(list(err), dtype=torch.uint8) if root else torch.empty(n, dtype=torch.uint8)
+            buf = buf.to(_device(comm))
+            comm.broadcast(buf).wait()
+            err = bytes(buf.cpu().tolist())
+    if exc is not None:
+        raise exc
+    if err:
+        raise CheckpointError(f"the checkpoint's root rank failed: {err.decode(errors='replace')}")
+    return value
+
+
+def _offsets(metas: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for shape, dtype in metas:
+        offsets.append(total)
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        total += -(-n // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def broadcast_tensors(
+    comm: Comm | None,
+    metas: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    values: Sequence[torch.Tensor] | None,
+) -> list[torch.Tensor]:
+    """Every rank gets the root's ``values`` (shapes and dtypes ``metas``) in ONE broadcast of packed bytes.
+
+    ``values`` is read on the root only (others pass ``None``). Results live on the mesh's device and are
+    views of one buffer.
+    """
+    if comm is None or comm.dp_world == 1:
+        assert values is not None, "broadcast_tensors: the only rank must provide the values"
+        return [v.reshape(shape) for v, (shape, _) in zip(values, metas)]
+    offsets, total = _offsets(metas)
+    device = _device(comm)
+    if is_root(comm):
+        assert values is not None, "broadcast_tensors: the root must provide the values"
+        buf = torch.zeros(total, dtype=torch.uint8, device=device)
+        for v, off, (shape, dtype) in zip(values, offsets, metas):
+            flat = v.detach().to(device=device, dtype=dtype).contiguous().reshape(-1).view(torch.uint8)
+            buf[off : off + flat.numel()].copy_(flat)
+    else:
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+    comm.broadcast(buf).wait()
+    out = []
+    for off, (shape, dtype) in zip(offsets, metas):
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(buf[off : off + n].view(dtype).reshape(shape))
+    return out
