@@ -3,7 +3,7 @@ single-process training on the full batch: parameters, losses and the clipped gr
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsdpfn
@@ -23,12 +23,12 @@ def _batch(recipe, world, step, dtype):
     return x, y
 
 
-def _train_worker(recipe, units, reshard, hp, dtype):
+def _train_worker(recipe, units, reshard, hp, dtype, mesh_shape=None):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = recipe.build(dtype)
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(mesh_shape), units=units)
     apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
     opt = optim.adamw(lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], weight_decay=hp["wd"], amsgrad=hp["amsgrad"])
     state = opt.init(params)
@@ -87,17 +87,19 @@ hyper_f32 = st.fixed_dictionaries(
 )
 
 
-def _check(world, recipe, units, reshard, hp, dtype, tol):
-    out = spmd(world, _train_worker, recipe, units, reshard, hp, dtype)
+def _check(world, recipe, units, reshard, hp, dtype, tol, mesh_shape=None):
+    out = spmd(world, _train_worker, recipe, units, reshard, hp, dtype, mesh_shape)
     ref, ref_losses, ref_norms = _reference(recipe, world, hp, dtype)
     for step in range(K):
         torch.testing.assert_close(torch.stack([o[1][step] for o in out]).mean(), ref_losses[step], **tol)
         for o in out:  # the global norm is the same on every rank and equals the single-process one
             torch.testing.assert_close(o[2][step], ref_norms[step], **tol)
+    shard_world = mesh_shape[-1] if mesh_shape else world
     for n, p in ref.named_parameters():
-        spec = fsdpfn.ShardSpec(tuple(p.shape), world)
-        got = fsdpfn.unshard_tensors([o[0][n] for o in out], spec)
-        torch.testing.assert_close(got, p.detach(), **tol)
+        spec = fsdpfn.ShardSpec(tuple(p.shape), shard_world)
+        for replica in range(world // shard_world):  # every replica holds the same shards
+            got = fsdpfn.unshard_tensors([o[0][n] for o in out[replica * shard_world : (replica + 1) * shard_world]], spec)
+            torch.testing.assert_close(got, p.detach(), **tol)
 
 
 @given(world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), hp=hyper_f32)
@@ -113,3 +115,11 @@ def test_adamw_training_matches_single_process_f64(world, data, reshard, hp):
     recipe = data.draw(fst.model_recipes(min_width=2, min_seq=2))
     units = data.draw(fst.unit_plans(recipe))
     _check(world, recipe, units, reshard, hp, torch.float64, dict(rtol=1e-9, atol=1e-11))
+
+
+@settings(max_examples=40)
+@given(data=st.data(), reshard=st.booleans(), hp=hyper)
+def test_hsdp_2x2_training_matches_single_process(data, reshard, hp):
+    recipe = data.draw(fst.model_recipes(min_width=2, min_seq=2))
+    units = data.draw(fst.unit_plans(recipe))
+    _check(4, recipe, units, reshard, hp, torch.float64, dict(rtol=1e-9, atol=1e-11), mesh_shape=(2, 2))
