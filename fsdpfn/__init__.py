@@ -14,7 +14,7 @@ from fsdpfn.core import init_mesh
 from fsdpfn.layout import Sharded, ShardSpec, Unreduced, shard_tensor, unshard_tensors
 from fsdpfn.ops import accumulate, reduce, reshard, shard, unshard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdpfn.transform import fsdp, grad, value_and_grad
+from fsdpfn.transform import fsdp, grad, remat, value_and_grad
 from fsdpfn import optim
 from fsdpfn.optim import clip_grad_norm
 
@@ -34,6 +34,7 @@ __all__ = [
     "init_mesh",
     "optim",
     "reduce",
+    "remat",
     "reshard",
     "shard",
     "shard_tensor",

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from fsdpfn.checkpoint.errors import CheckpointError
+from fsdpfn.checkpoint.errors import CheckpointError, CheckpointMismatchError, UnsafeCheckpointError
 from fsdpfn.core import Comm
 
-__all__ = ["broadcast_tensors", "comm_of_tree", "is_root", "root_run"]
+__all__ = ["broadcast_tensors", "comm_for", "dist_ready", "is_root", "root_run"]
 
 _ALIGN = 16  # byte alignment of each tensor inside a packed broadcast buffer
 
@@ -27,15 +27,22 @@ def is_root(comm: Comm | None) -> bool:
     return coord is not None and all(c == 0 for c in coord)
 
 
-def comm_of_tree(sharded: Sequence[Any]) -> Comm | None:
-    """The ``Comm`` of the first ``Sharded`` in ``sharded``; without one, a ``Comm`` over every rank of
-    the default process group (``None`` when there is no process group: a single process)."""
-    for tree in sharded:
-        if tree.plan.comm is not None:
-            return tree.plan.comm
-    from torch.distributed import get_world_size, is_available, is_initialized
+def dist_ready() -> bool:
+    """Whether a default process group exists (else DCP runs in its single-process mode)."""
+    from torch.distributed import is_available, is_initialized
 
-    if not (is_available() and is_initialized()) or get_world_size() == 1:
+    return is_available() and is_initialized()
+
+
+def comm_for(plans: Sequence[Any]) -> Comm | None:
+    """The ``Comm`` of the first of ``plans`` (``ShardPlan``s); without one, a ``Comm`` over every rank of
+    the default process group (``None`` when there is no process group: a single process)."""
+    for plan in plans:
+        if plan.comm is not None:
+            return plan.comm
+    from torch.distributed import get_world_size
+
+    if not dist_ready() or get_world_size() == 1:
         return None
     from fsdpfn.core import init_mesh
 
@@ -49,8 +56,9 @@ def _device(comm: Comm) -> torch.device:
 def root_run(comm: Comm | None, fn: Callable[[], int | None]) -> int:
     """Run ``fn`` on the mesh root only and share its integer result (0 for ``None``) with every rank.
 
-    If ``fn`` raises, the root re-raises it and every other rank raises ``CheckpointError`` with its
-    message, so no rank is left waiting in a later collective.
+    If ``fn`` raises, the root re-raises it and every other rank raises the same message (as the same
+    type for the checkpoint errors and common built-ins, else ``CheckpointError``), so no rank is left
+    waiting in a later collective.
     """
     root = is_root(comm)
     value, err, exc = 0, b"", None
@@ -58,7 +66,7 @@ def root_run(comm: Comm | None, fn: Callable[[], int | None]) -> int:
         try:
             value = int(fn() or 0)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the others were told
-            exc, err = e, f"{type(e).__name__}: {e}".encode()[:65536]
+            exc, err = e, f"{type(e).__name__}\n{e}".encode()[:65536]
     if comm is not None and comm.dp_world > 1:
         head = torch.tensor([value, len(err)], dtype=torch.int64).to(_device(comm))
         comm.broadcast(head).wait()
@@ -71,8 +79,16 @@ def root_run(comm: Comm | None, fn: Callable[[], int | None]) -> int:
     if exc is not None:
         raise exc
     if err:
-        raise CheckpointError(f"the checkpoint's root rank failed: {err.decode(errors='replace')}")
+        name, _, message = err.decode(errors="replace").partition("\n")
+        raise _ERRORS.get(name, CheckpointError)(f"{message} [raised on the root rank]")
     return value
+
+
+_ERRORS: dict[str, type[Exception]] = {
+    c.__name__: c
+    for c in (CheckpointError, CheckpointMismatchError, UnsafeCheckpointError, ValueError, TypeError, KeyError,
+              FileExistsError, FileNotFoundError, NotADirectoryError, PermissionError)
+}
 
 
 def _offsets(metas: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], int]:

@@ -2,5 +2,6 @@
 
 from fsdpfn.transform.apply import Apply, fsdp
 from fsdpfn.transform.grad import grad, value_and_grad
+from fsdpfn.transform.remat import remat
 
-__all__ = ["Apply", "fsdp", "grad", "value_and_grad"]
+__all__ = ["Apply", "fsdp", "grad", "remat", "value_and_grad"]

@@ -20,8 +20,9 @@ import torch.utils._pytree as tree
 from torch import nn
 
 from fsdpfn.layout import Sharded, ShardPlan
-from fsdpfn.ops.api import reduce_scale
+from fsdpfn.ops.api import check_shards, gather_collective, reduce_scale
 from fsdpfn.transform.call import Call
+from fsdpfn.transform.remat import RematSpec, remat, unflatten_out
 
 __all__ = ["Apply", "fsdp"]
 
@@ -34,6 +35,11 @@ def _functorch_active() -> bool:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _only_grad_transforms() -> bool:
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    return all(i.key() == torch._C._functorch.TransformType.Grad for i in stack)
 
 
 class Apply:
@@ -58,6 +64,7 @@ class Apply:
         self._hooked: set[str] = set()
         self._unit_swaps: dict[str, list[_Swap]] = {}
         self._targets: dict[str, tuple[dict[str, Any], str]] = {}
+        self._remat_depth = 0  # > 0 while remat runs a unit: the unit hooks stand aside
 
     def __repr__(self) -> str:
         reduction = f"sum / {self.divide_by}" if self.divide_by is not None else self.reduce_op
@@ -89,8 +96,10 @@ class Apply:
             prefetch=0 if functorch else self.prefetch,
             order_hint=plan.memo.get(("order", id(self)), [u.name for u in plan.units]),
         )
+        call.remat = self.reshard_after_forward and functorch and _only_grad_transforms()
         self._install_hooks(plan)
         swapped: _Swap = []
+        overridden = self._override_forwards(call) if call.remat else []
         self._forward.append(call)
         try:
             hooks = torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack) if call.reshard else contextlib.nullcontext()
@@ -102,6 +111,11 @@ class Apply:
                 out = self.module(*args, **kwargs)
         finally:
             self._restore(swapped)
+            for mod, had, old in overridden:
+                if had:
+                    mod.forward = old
+                else:
+                    del mod.forward
             self._forward.pop()
             call.finish_forward()
         plan.memo[("order", id(self))] = list(call.order)
@@ -186,6 +200,9 @@ class Apply:
 
     def _pre_hook(self, name: str) -> Callable[..., Any]:
         def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self._remat_depth or (self._forward and self._forward[-1].remat):
+                self._unit_swaps.setdefault(name, []).append([])  # remat gathers and swaps itself
+                return None
             if self._forward:
                 call = self._forward[-1]
                 if name not in call.plan.memo.setdefault(("unit_names",), {u.name for u in call.plan.units}):
@@ -216,6 +233,49 @@ class Apply:
                     call.release(name)
 
         return hook
+
+    # --- remat (torch.func gradient transforms) ---------------------------------------------------
+    def _override_forwards(self, call: Call) -> list[tuple[nn.Module, bool, Any]]:
+        """Route every outermost non-root unit's forward through ``remat`` for this call."""
+        plan = call.plan
+        names = [u.name for u in plan.units if u.name]
+        outer = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+        done = []
+        for name in outer:
+            mod = self.module.get_submodule(name)
+            had = "forward" in mod.__dict__
+            old = mod.__dict__.get("forward")
+            inner = tuple(plan.unit(n) for n in names if n == name or n.startswith(name + "."))
+            mod.forward = self._remat_forward(call, name, inner, mod.forward)
+            done.append((mod, had, old))
+        return done
+
+    def _remat_forward(self, call: Call, name: str, units: tuple[Any, ...], orig: Callable[..., Any]) -> Callable[..., Any]:
+        plan = call.plan
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            b = gather_collective(plan, units, call.scale)
+            shards = check_shards(call.params, b.fqns)
+            flat, in_tree = tree.tree_flatten((args, kwargs))
+            where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+
+            def run(full: dict[str, torch.Tensor], tensors: Any) -> Any:
+                leaves = list(flat)
+                for i, t in zip(where, tensors):
+                    leaves[i] = t
+                a, kw = _cast_inputs(plan, *tree.tree_unflatten(leaves, in_tree))
+                swapped = [s for u in units for s in self._swap(plan, full, u.name)]
+                self._remat_depth += 1
+                try:
+                    return orig(*a, **kw)
+                finally:
+                    self._remat_depth -= 1
+                    self._restore(swapped)
+
+            spec = RematSpec(b, run, tuple(plan.requires_grad[f] for f in b.fqns), len(shards))
+            return unflatten_out(spec, remat.apply(spec, *shards, *(flat[i] for i in where)))
+
+        return forward
 
     def _recompute_call(self, name: str) -> Call | None:
         calls = [c for c in self._backward if any(u.name == name for u in c.plan.units)]

@@ -79,6 +79,7 @@ class Call:
         self.tracks_grad: dict[str, bool] = {}
         self.packed_units: set[str] = set()  # units backward will have to re-gather
         self.in_forward = True
+        self.remat = False  # units run through fsdpfn.remat (torch.func gradient transforms)
 
     # --- forward ----------------------------------------------------------------------------
     def _collective(self, unit: UnitPlan) -> Buckets:

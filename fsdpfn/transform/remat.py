@@ -1,0 +1,102 @@
+"""``remat``: reshard-after-forward for ``torch.func`` transforms, by recomputation.
+
+``torch.func.grad``/``vjp`` refuse ``saved_tensors_hooks``, so under them ``apply`` cannot pack a unit's
+saved tensors away. Instead each non-root unit's forward runs inside ``remat``, an ``autograd.Function``
+(``setup_context`` style): its forward gathers the unit, runs the unit without recording a graph and
+drops the gathered copy, saving only the unit's shards and inputs; its backward gathers the unit again,
+recomputes just that unit with a graph, and returns the input gradients and the reduced shard gradients.
+``apply`` uses it automatically when every active ``torch.func`` transform is a gradient transform
+(``grad``, ``vjp``, ``grad_and_value``); under ``jvp``/``vmap`` the units simply stay gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as tree
+
+from fsdpfn.ops.functions import Buckets, apply_buckets
+
+__all__ = ["RematSpec", "remat"]
+
+
+@dataclass(eq=False)
+class RematSpec:
+    """One invocation of a unit under ``remat``.
+
+    ``run(full, tensors)`` runs the unit's forward with the full parameters ``full`` and the input
+    tensors ``tensors`` (the non-tensor inputs are baked in); ``gather`` is the unit's gather collective
+    (its ``adjoint`` reduces the parameter gradients); ``trainable`` marks which members take gradients.
+    """
+
+    gather: Buckets
+    run: Callable[[dict[str, torch.Tensor], Sequence[torch.Tensor]], Any]
+    trainable: tuple[bool, ...]
+    n_shards: int
+    out_tree: Any = None
+    out_consts: dict[int, Any] = field(default_factory=dict)
+
+
+def _flatten_out(spec: RematSpec, out: Any) -> tuple[torch.Tensor, ...]:
+    leaves, spec.out_tree = tree.tree_flatten(out)
+    spec.out_consts = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
+    return tuple(v for v in leaves if isinstance(v, torch.Tensor))
+
+
+def unflatten_out(spec: RematSpec, tensors: Sequence[torch.Tensor]) -> Any:
+    """Rebuild the unit's output structure from ``remat``'s tensor outputs."""
+    it = iter(tensors)
+    n = len(spec.out_consts) + len(tensors)
+    leaves = [spec.out_consts[i] if i in spec.out_consts else next(it) for i in range(n)]
+    return tree.tree_unflatten(leaves, spec.out_tree)
+
+
+class remat(torch.autograd.Function):  # noqa: N801 - public name from the design
+    """Gather, run and forget a unit in forward; gather, recompute and reduce in backward.
+
+    ``remat.apply(spec, *shards, *input_tensors)`` returns the unit's output tensors (rebuild the
+    structure with ``unflatten_out``). Used by ``apply`` under ``torch.func`` gradient transforms.
+    """
+
+    @staticmethod
+    def forward(spec: RematSpec, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        shards, inputs = tensors[: spec.n_shards], tensors[spec.n_shards :]
+        full = dict(zip(spec.gather.fqns, spec.gather.run(shards)))
+        with torch.no_grad():
+            out = spec.run(full, inputs)
+        return tuple(t.clone() if any(t is i for i in inputs) else t for t in _flatten_out(spec, out))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.spec = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        spec: RematSpec = ctx.spec
+        saved = ctx.saved_tensors
+        shards, inputs = saved[: spec.n_shards], saved[spec.n_shards :]
+        needs = [n and x.is_floating_point() for n, x in zip(ctx.needs_input_grad[1 + spec.n_shards :], inputs)]
+        full = dict(zip(spec.gather.fqns, apply_buckets(spec.gather, shards)))  # differentiable: grad-of-grad
+        train = [f for f, t in zip(spec.gather.fqns, spec.trainable) if t]
+        fixed = {f: v for f, v in full.items() if f not in train}
+
+        # recompute the unit under torch.func.vjp (autograd-style recomputation is not allowed inside
+        # a torch.func transform): differentiate w.r.t. the trainable full parameters and the inputs
+        def unit(params: dict[str, torch.Tensor], diff_inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+            it = iter(diff_inputs)
+            ins = [next(it) if need else x for x, need in zip(inputs, needs)]
+            return _flatten_out(spec, spec.run({**fixed, **params}, ins))
+
+        outs, pullback = torch.func.vjp(unit, {f: full[f] for f in train}, [x for x, n in zip(inputs, needs) if n])
+        cot = tuple(g if g is not None else torch.zeros_like(o) for o, g in zip(outs, grad_outs))
+        param_grads, input_grads = pullback(cot)
+        reduce = spec.gather.adjoint
+        assert reduce is not None
+        # through the autograd Function, so the collective sees plain tensors, not torch.func's wrappers
+        reduced = dict(zip(reduce.fqns, apply_buckets(reduce, [param_grads.get(f) for f in reduce.fqns])))
+        it = iter(input_grads)
+        return (None, *(reduced.get(f) for f in spec.gather.fqns), *(next(it) if n else None for n in needs))
