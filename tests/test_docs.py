@@ -1,0 +1,31 @@
+"""Every complete ```python snippet in docs/ (one that imports fsdpfn and builds a mesh) runs at world 1 and 2."""
+
+import pathlib
+import re
+
+import pytest
+
+from fsdpfn.testing import spmd
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+SNIPPETS = [
+    (p.name, i, code)
+    for p in sorted(DOCS.glob("*.md"))
+    for i, code in enumerate(re.findall(r"```python\n(.*?)```", p.read_text(), re.S))
+    if "fsdpfn.init_mesh(" in code and "import fsdpfn" in code  # complete, runnable snippets
+]
+
+
+def _run(code):
+    exec(compile(code, "<doc snippet>", "exec"), {"__name__": "doc_snippet"})
+    return True
+
+
+def test_there_are_runnable_snippets():
+    assert len(SNIPPETS) >= 5
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name, index, code", SNIPPETS, ids=[f"{n}:{i}" for n, i, _ in SNIPPETS])
+def test_doc_snippet_runs(name, index, code, world):
+    assert spmd(world, _run, code) == [True] * world
