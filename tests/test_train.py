@@ -72,14 +72,15 @@ hyper = st.fixed_dictionaries(
 )
 
 
-# float32: Adam divides by sqrt(v) + eps, so a gradient near rounding-noise size moves its parameter by up
-# to lr regardless of its size; two correct summation orders then differ by ~lr. Keep lr small and the
-# gradients well above eps (no tiny clip) so that rtol 1e-5 / atol 1e-6 measures fsdpfn, not that noise.
+# float32: Adam's first update is lr * g / (|g| + eps), whose sensitivity to g is lr / eps at g = 0. Two
+# correct float32 summation orders differ in g by ~1e-8 absolute, so the parameters may differ by
+# lr * 1e-8 / eps: rtol 1e-5 / atol 1e-6 measures fsdpfn (not that noise) when eps >= 1e-5. The float64
+# test below covers small eps with a 1e-9 tolerance.
 hyper_f32 = st.fixed_dictionaries(
     dict(
         lr=st.sampled_from([1e-4, 1e-3]),
         betas=st.sampled_from([(0.9, 0.999), (0.8, 0.95)]),
-        eps=st.sampled_from([1e-8, 1e-6]),
+        eps=st.sampled_from([1e-5, 1e-4]),
         wd=st.sampled_from([0.0, 0.1]),
         amsgrad=st.booleans(),
         clip=st.sampled_from([1.0, 100.0]),
