@@ -15,7 +15,7 @@ from fsdpfn.layout import Sharded, ShardSpec, Unreduced, shard_tensor, unshard_t
 from fsdpfn.ops import accumulate, reduce, reshard, shard, unshard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdpfn.transform import fsdp, grad, remat, value_and_grad
-from fsdpfn import optim
+from fsdpfn import debug, optim
 from fsdpfn.optim import clip_grad_norm
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ __all__ = [
     "Unreduced",
     "accumulate",
     "clip_grad_norm",
+    "debug",
     "fsdp",
     "grad",
     "init_mesh",

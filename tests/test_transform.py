@@ -75,9 +75,12 @@ def test_grads_match_single_process_autograd_f64(world, data, reshard, prefetch,
 
 @given(world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), seed=st.integers(0, 99))
 def test_grads_match_single_process_autograd_f32(world, data, reshard, seed):
-    recipe = data.draw(fst.model_recipes(min_width=4))
+    # float32: the per-rank means summed over ranks round differently from one full-batch mean; an
+    # element that is a difference of larger terms (layer norm, attention) can lose ~1e-5 relative. The
+    # float64 test above checks the semantics exactly.
+    recipe = data.draw(fst.model_recipes(min_width=4, min_seq=2))
     units = data.draw(fst.unit_plans(recipe))
-    _check_grads(recipe, units, world, reshard, 1, seed, torch.float32, dict(rtol=1e-5, atol=1e-6))
+    _check_grads(recipe, units, world, reshard, 1, seed, torch.float32, dict(rtol=1e-4, atol=1e-5))
 
 
 def _live_worker(reshard):

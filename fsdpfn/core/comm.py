@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdpfn.core.guard import CollectiveError, Fingerprint, Guard
 from fsdpfn.core.mesh import MeshGroups, mesh_groups
 
 __all__ = ["Comm", "CommStats", "Handle"]
@@ -76,22 +77,37 @@ class CommStats:
 class Handle:
     """An in-flight collective. ``wait()`` (idempotent) orders the caller after it and returns the result."""
 
-    __slots__ = ("_work", "_event", "_keep", "_finish", "_result", "_done")
+    __slots__ = ("_work", "_event", "_keep", "_finish", "_result", "_done", "_guard", "_fp")
 
-    def __init__(self, result: torch.Tensor, *, work: Any = None, event: Any = None, keep: tuple = (), finish: Any = None):
+    def __init__(
+        self,
+        result: torch.Tensor,
+        *,
+        work: Any = None,
+        event: Any = None,
+        keep: tuple = (),
+        finish: Any = None,
+        guard: Guard | None = None,
+        fp: Fingerprint | None = None,
+    ):
         self._result = result
         self._work = work
         self._event = event
         self._keep = keep
         self._finish = finish
         self._done = False
+        self._guard = guard
+        self._fp = fp
 
     def wait(self) -> torch.Tensor:
         """Block (CPU) or make the current stream wait (CUDA) until the collective is done."""
         if not self._done:
             self._done = True
             if self._work is not None:
-                self._work.wait()
+                if self._guard is not None and self._fp is not None:
+                    self._guard.wait(self._work, self._fp)
+                else:
+                    self._work.wait()
             if self._event is not None:
                 torch.cuda.current_stream().wait_event(self._event)
             if self._finish is not None:
@@ -121,6 +137,7 @@ class Comm:
         self.mesh = mesh
         self.groups: MeshGroups = mesh_groups(mesh)
         self.stats = CommStats()
+        self.guard = Guard(self.groups.rank)
         self._streams: dict[str, Any] = {}
 
     @property
@@ -144,8 +161,20 @@ class Comm:
             stream = self._streams[name] = torch.cuda.Stream(priority=-1)
         return stream
 
-    def _launch(self, name: str, fn: Any, *, keep: tuple, result: torch.Tensor, finish: Any = None) -> Handle:
+    def _launch(
+        self, name: str, fn: Any, *, keep: tuple, result: torch.Tensor, fp: Fingerprint, finish: Any = None
+    ) -> Handle:
         """Run ``fn(async_op)`` on gloo's thread (CPU) or on the side stream ``name`` (CUDA)."""
+        try:
+            return self._launch_unguarded(name, fn, keep=keep, result=result, fp=fp, finish=finish)
+        except RuntimeError as e:
+            if isinstance(e, CollectiveError):
+                raise
+            raise CollectiveError(f"collective {fp.describe()} on rank {self.groups.rank} could not start: {e}") from e
+
+    def _launch_unguarded(
+        self, name: str, fn: Any, *, keep: tuple, result: torch.Tensor, fp: Fingerprint, finish: Any
+    ) -> Handle:
         if result.device.type == "cuda":
             current = torch.cuda.current_stream()
             stream = self._stream(name)
@@ -157,7 +186,7 @@ class Comm:
                 event = stream.record_event()
             return Handle(result, event=event, keep=keep)
         work = fn(True)
-        return Handle(result, work=work, keep=keep, finish=finish)
+        return Handle(result, work=work, keep=keep, finish=finish, guard=self.guard, fp=fp)
 
     def all_gather(self, flat: torch.Tensor, *, label: str = "") -> Handle:
         """All-gather ``flat`` (``(*batch, n)``, any dtype) over the shard group into ``(world, *batch, n)``."""
@@ -171,8 +200,11 @@ class Comm:
         if flat.numel() == 0:
             return Handle(out)
         group = self.groups.shard_group
+        fp = self.guard.begin("all_gather", label, flat, group)
         send, recv = _as_bytes(flat), _as_bytes(out)
-        return self._launch("gather", lambda a: _all_gather(recv, send, group=group, async_op=a), keep=(flat,), result=out)
+        return self._launch(
+            "gather", lambda a: _all_gather(recv, send, group=group, async_op=a), keep=(flat,), result=out, fp=fp
+        )
 
     def reduce_scatter(self, full: torch.Tensor, *, scale: float = 1.0, label: str = "") -> Handle:
         """Sum ``full`` (``(world, *batch, n)``) over the shard group, keep this rank's ``(*batch, n)``,
@@ -186,7 +218,10 @@ class Comm:
         def finish(out: torch.Tensor) -> torch.Tensor:
             if replicate is not None and out.numel():
                 self.stats._note("all_reduces", label, out.numel() * out.element_size())
-                dist.all_reduce(_as_reals(out), group=replicate)
+                fp2 = self.guard.begin("all_reduce", label, out, replicate)
+                work = dist.all_reduce(_as_reals(out), group=replicate, async_op=out.device.type != "cuda")
+                if work is not None:
+                    self.guard.wait(work, fp2)
             if scale != 1.0:
                 out.mul_(scale)
             return out
@@ -199,12 +234,14 @@ class Comm:
         if out.numel() == 0:
             return Handle(out)
         group = groups.shard_group
+        fp = self.guard.begin("reduce_scatter", label, full, group)
         send, recv = _as_reals(full).reshape(-1), _as_reals(out).reshape(-1)
         return self._launch(
             "reduce",
             lambda a: _reduce_scatter(recv, send, op=dist.ReduceOp.SUM, group=group, async_op=a),
             keep=(full,),
             result=out,
+            fp=fp,
             finish=finish,
         )
 
@@ -213,16 +250,20 @@ class Comm:
         t_real = _as_reals(t)
         self.stats._note("all_reduces", label, t.numel() * t.element_size())
         groups = self.groups
+        fp = self.guard.begin("all_reduce", label, t, groups.shard_group)
 
         def fn(a: bool) -> Any:
             work = dist.all_reduce(t_real, group=groups.shard_group, async_op=a)
             if groups.replicate_group is not None:
                 if work is not None:
-                    work.wait()
+                    self.guard.wait(work, fp)
+                fp2 = self.guard.begin("all_reduce", label, t, groups.replicate_group)
                 work = dist.all_reduce(t_real, group=groups.replicate_group, async_op=a)
+                if work is not None and not a:
+                    self.guard.wait(work, fp2)
             return work
 
-        return self._launch("reduce", fn, keep=(), result=t)
+        return self._launch("reduce", fn, keep=(), result=t, fp=fp)
 
     def broadcast(self, t: torch.Tensor) -> Handle:
         """Overwrite contiguous ``t`` (any dtype, raw bytes) in place on every rank of the mesh with its

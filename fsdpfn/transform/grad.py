@@ -26,6 +26,7 @@ def value_and_grad(
     reduce: bool = True,
     reduce_op: str | None = None,
     divide_by: float | None = None,
+    check_finite: bool = False,
 ) -> Callable[..., Any]:
     """Return ``g(params, *args, **kwargs) -> (value, grads)`` (``((value, aux), grads)`` with ``has_aux``).
 
@@ -37,6 +38,9 @@ def value_and_grad(
     ``"sum"``) or ``divide_by`` say otherwise here. With ``reduce=False`` nothing is communicated in
     backward: ``grads`` is an ``Unreduced`` tree of this rank's full gradients (in the reduction dtype),
     to be summed with ``fsdpfn.accumulate`` and reduced once with ``fsdpfn.reduce(acc, params)``.
+
+    ``check_finite=True`` checks every gradient for NaN/Inf (one small all-reduce, so that every rank
+    agrees) and raises ``FloatingPointError`` on every rank naming the leaves and the ranks affected.
 
     Example:
         >>> apply = fsdpfn.fsdp(model)                                           # doctest: +SKIP
@@ -76,6 +80,9 @@ def value_and_grad(
         else:
             by_name = dict(zip(trainable, found))
             grads = Sharded._from_children([by_name.get(k) for k in plan.keys], plan)
+        if check_finite:
+            _check_finite(grads, plan)
+        plan.comm.guard.steps += 1
         value = value.detach()
         return ((value, aux), grads) if has_aux else (value, grads)
 
@@ -89,16 +96,36 @@ def grad(
     reduce: bool = True,
     reduce_op: str | None = None,
     divide_by: float | None = None,
+    check_finite: bool = False,
 ) -> Callable[..., Any]:
     """Like ``value_and_grad`` but returns only ``grads`` (``(grads, aux)`` with ``has_aux``).
 
     Example:
         >>> grads = fsdpfn.grad(loss_fn)(params, x, y)    # doctest: +SKIP
     """
-    vg = value_and_grad(fn, has_aux=has_aux, reduce=reduce, reduce_op=reduce_op, divide_by=divide_by)
+    vg = value_and_grad(fn, has_aux=has_aux, reduce=reduce, reduce_op=reduce_op, divide_by=divide_by, check_finite=check_finite)
 
     def g(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         (value_aux, grads) = vg(params, *args, **kwargs)
         return (grads, value_aux[1]) if has_aux else grads
 
     return g
+
+
+def _check_finite(grads: Any, plan: Any) -> None:
+    """Raise on every rank if any rank has a non-finite gradient, naming the leaves and ranks."""
+    names = [k for k in plan.params if plan.requires_grad[k]]
+    world = plan.world * plan.replicas
+    flags = torch.zeros(len(names), world, dtype=torch.float64)
+    me = torch.distributed.get_rank(plan.comm.groups.shard_group) if world > 1 else 0
+    me = me + plan.world * (torch.distributed.get_rank(plan.comm.groups.replicate_group) if plan.replicas > 1 else 0)
+    for i, k in enumerate(names):
+        g = grads[k]
+        if g is not None and not bool(torch.isfinite(g).all()):
+            flags[i, me] = 1.0
+    if world > 1:
+        plan.comm.all_reduce_sum(flags, label="check_finite").wait()
+    bad = [(names[i], r) for i, r in flags.nonzero().tolist()]
+    if bad:
+        where = ", ".join(f"{leaf!r} on rank {r}" for leaf, r in bad)
+        raise FloatingPointError(f"value_and_grad(check_finite=True): non-finite gradient in {where}")

@@ -1,0 +1,22 @@
+"""Debugging switches and the errors they raise.
+
+- ``check_collectives()`` (or ``FSDPFN_DEBUG=1``): before each collective the ranks compare fingerprints;
+  if they diverge every rank raises ``CollectivePlanError`` naming each rank's unit and collective.
+- Waits time out after ``FSDPFN_TIMEOUT`` seconds (default 600) with ``CollectiveTimeout``; a collective
+  whose peer died raises ``CollectiveError``. Both name the unit and the last completed collective.
+
+Example:
+    >>> import fsdpfn.debug
+    >>> with fsdpfn.debug.check_collectives():
+    ...     pass                                  # every collective in here is checked
+"""
+
+from fsdpfn.core.guard import (
+    CollectiveError,
+    CollectivePlanError,
+    CollectiveTimeout,
+    check_collectives,
+    checking,
+)
+
+__all__ = ["CollectiveError", "CollectivePlanError", "CollectiveTimeout", "check_collectives", "checking"]
