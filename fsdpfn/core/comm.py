@@ -20,14 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdpfn.core.c10d import all_gather_single, reduce_scatter_single
 from fsdpfn.core.guard import CollectiveError, Fingerprint, Guard
 from fsdpfn.core.mesh import MeshGroups, mesh_groups
 
 __all__ = ["Comm", "CommStats", "Handle"]
 
-# torch >= 2.13 names the single-tensor collectives *_single; older releases call them *_tensor.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -203,7 +201,7 @@ class Comm:
         fp = self.guard.begin("all_gather", label, flat, group)
         send, recv = _as_bytes(flat), _as_bytes(out)
         return self._launch(
-            "gather", lambda a: _all_gather(recv, send, group=group, async_op=a), keep=(flat,), result=out, fp=fp
+            "gather", lambda a: all_gather_single(recv, send, group=group, async_op=a), keep=(flat,), result=out, fp=fp
         )
 
     def reduce_scatter(self, full: torch.Tensor, *, scale: float = 1.0, label: str = "") -> Handle:
@@ -238,7 +236,7 @@ class Comm:
         send, recv = _as_reals(full).reshape(-1), _as_reals(out).reshape(-1)
         return self._launch(
             "reduce",
-            lambda a: _reduce_scatter(recv, send, op=dist.ReduceOp.SUM, group=group, async_op=a),
+            lambda a: reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=group, async_op=a),
             keep=(full,),
             result=out,
             fp=fp,
@@ -265,7 +263,7 @@ class Comm:
 
         return self._launch("reduce", fn, keep=(), result=t, fp=fp)
 
-    def broadcast(self, t: torch.Tensor) -> Handle:
+    def broadcast(self, t: torch.Tensor, *, label: str = "") -> Handle:
         """Overwrite contiguous ``t`` (any dtype, raw bytes) in place on every rank of the mesh with its
         value on the mesh's first rank (coordinate 0 in every dim): over the replicate group, then the
         shard group."""
@@ -276,16 +274,20 @@ class Comm:
             raise ValueError("broadcast: the tensor must be contiguous (it is overwritten in place)")
         data = _as_bytes(t)
         stages = [g for g, n in ((groups.replicate_group, groups.replicas), (groups.shard_group, groups.world)) if n > 1]
+        fp = self.guard.begin("broadcast", label, t, stages[0])
 
         def fn(a: bool) -> Any:
-            work = None
-            for group in stages:
+            work = dist.broadcast(data, src=dist.get_global_rank(stages[0], 0), group=stages[0], async_op=a)
+            if len(stages) > 1:
                 if work is not None:
-                    work.wait()
-                work = dist.broadcast(data, src=dist.get_global_rank(group, 0), group=group, async_op=a)
+                    self.guard.wait(work, fp)
+                fp2 = self.guard.begin("broadcast", label, t, stages[1])
+                work = dist.broadcast(data, src=dist.get_global_rank(stages[1], 0), group=stages[1], async_op=a)
+                if work is not None and not a:
+                    self.guard.wait(work, fp2)
             return work
 
-        return self._launch("gather", fn, keep=(), result=t)
+        return self._launch("gather", fn, keep=(), result=t, fp=fp)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdpfn.core.c10d import all_gather_single
+
 __all__ = [
     "CollectiveError",
     "CollectivePlanError",
@@ -124,7 +126,7 @@ class Guard:
         if dist.get_backend(group) == "nccl":
             mine = mine.cuda()
         everyone = mine.new_empty(world * 2)
-        work = dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
+        work = all_gather_single(everyone, mine, group=group, async_op=True)
         self.wait(work, Fingerprint(fp.seq, "plan check before", fp.label, fp.dtype, fp.numel))
         pairs = everyone.view(world, 2).tolist()
         if all(p == pairs[0] for p in pairs):

@@ -1,0 +1,126 @@
+"""Never hang, never silently wrong: divergent ranks are reported, waits time out with an explanation,
+a failing rank makes its peers exit, and non-finite gradients are caught on every rank."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fsdpfn
+from fsdpfn.debug import CollectivePlanError, CollectiveTimeout
+from fsdpfn.testing import spmd
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+class Skippy(nn.Module):
+    """Four blocks; ranks listed in ``skip_on`` skip block 1 (data-dependent control flow gone wrong)."""
+
+    def __init__(self, skip_on):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+        self.skip_on = skip_on
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            if i == 1 and torch.distributed.get_rank() in self.skip_on:
+                continue
+            x = torch.tanh(b(x))
+        return x
+
+
+def _divergent(skip_on, timeout):
+    model = Skippy(skip_on)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[f"blocks.{i}" for i in range(4)])
+    params.plan.comm.guard.timeout = timeout
+    apply = fsdpfn.fsdp(model)
+    with fsdpfn.debug.check_collectives():
+        fsdpfn.value_and_grad(lambda p: apply(p, torch.ones(2, 4)).sum())(params)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_divergent_control_flow_is_reported_naming_each_ranks_unit(world):
+    start = time.monotonic()
+    with pytest.raises(CollectivePlanError) as info:
+        spmd(world, _divergent, {1}, 30.0)
+    assert time.monotonic() - start < 15  # reported within seconds, not after a watchdog
+    text = str(info.value)
+    assert "ranks diverged" in text
+    for rank in range(world):  # every rank's view is listed, and every rank raised
+        assert f"rank {rank}: #" in text
+    lines = {r: next(line for line in text.splitlines() if line.strip().startswith(f"rank {r}: #")) for r in range(world)}
+    assert "unit 'blocks.1'" in lines[0]  # rank 0 needs blocks.1 again in backward ...
+    assert "unit 'blocks.1'" not in lines[1]  # ... which rank 1 skipped: it is already at another unit
+    assert not fsdpfn.debug.checking()  # the context manager restored the switch
+
+
+def _stalls(timeout):
+    import torch.distributed as dist
+
+    model = Skippy(set())
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[f"blocks.{i}" for i in range(4)])
+    params.plan.comm.guard.timeout = timeout
+    apply = fsdpfn.fsdp(model)
+    if dist.get_rank() == 1:
+        time.sleep(timeout + 0.8)  # alive, but not taking part: the others must not wait forever
+        return "slept"
+    fsdpfn.value_and_grad(lambda p: apply(p, torch.ones(2, 4)).sum())(params)
+    return "finished"
+
+
+def test_a_wait_times_out_with_the_unit_and_the_last_completed_collective():
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as info:
+        spmd(2, _stalls, 2.0, timeout=30)
+    assert time.monotonic() - start < 20
+    errors = info.value.rank_errors
+    assert set(errors) == {0}  # rank 1 returned normally; rank 0 did not wait forever
+    assert "did not complete within 2 s" in errors[0] and "all_gather of unit 'blocks.0'" in errors[0]
+    assert "last completed collective: none yet" in errors[0]
+
+
+def test_a_rank_failing_mid_backward_makes_its_peer_exit_with_a_message():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "tests/scripts/rank_failure.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert time.monotonic() - start < 60
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "rank 1 fails in the middle of backward" in out
+    # rank 0 does not hang: it reports the failed collective and the unit it was in
+    assert "CollectiveError" in out or "CollectiveTimeout" in out, out[-3000:]
+    assert "of unit" in out
+
+
+def _nan_worker():
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["1"])
+    apply = fsdpfn.fsdp(model)
+    x = torch.ones(2, 3)
+    if dist.get_rank() == 1:
+        x[0, 0] = float("nan")
+    fsdpfn.value_and_grad(lambda p: apply(p, x).sum(), check_finite=True)(params)
+
+
+def test_non_finite_gradients_are_caught_on_every_rank_naming_leaf_and_rank():
+    with pytest.raises(FloatingPointError) as info:
+        spmd(2, _nan_worker)
+    text = str(info.value)
+    assert "non-finite gradient in '0.weight' on rank 0" in text  # the NaN reached rank 0's shard too
+    assert "'0.weight' on rank 1" in text
+    assert "raised" in text and "rank(s) 0" in text and "1 (FloatingPointError)" in text  # every rank raised
