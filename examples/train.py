@@ -5,7 +5,8 @@
 
 The text is generated here (a small grammar of sentences), so nothing is downloaded. The embedding is
 tied to the output head; each of the 4 pre-norm blocks is one unit. On a GPU the model computes in
-bf16 (fp32 master shards, fp32 gradient reduction).
+bf16 (fp32 master shards, fp32 gradient reduction). ``--save-every N`` writes an atomic checkpoint
+(parameters, optimizer state, step); ``--resume`` continues from it exactly (bit for bit on CPU).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import resource
 import sys
@@ -103,6 +105,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
     p.add_argument("--json", default=None, help="write the losses and throughput to this file (rank 0)")
+    p.add_argument("--ckpt", default="checkpoints/gpt", help="checkpoint directory (DCP format)")
+    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from --ckpt if it holds a checkpoint")
+    p.add_argument("--stop-after", type=int, default=0, help="stop after this step, as if interrupted (tests)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stdout is not a terminal)")
     return p.parse_args(argv)
 
@@ -140,7 +146,12 @@ def main(argv: list[str] | None = None) -> dict:
     opt = optim.adamw(lr=schedule, weight_decay=0.1, betas=(0.9, 0.95))
     state = opt.init(params)
 
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank reads its own batches
+    first = 1
+    if args.resume and os.path.isdir(args.ckpt):
+        restored = fsdpfn.load(args.ckpt, {"params": params, "opt": state, "step": 0})
+        params, state, first = restored["params"], restored["opt"], restored["step"] + 1
+        if lead:
+            print(f"resumed from {args.ckpt} at step {first - 1}", flush=True)
     losses: list[tuple[int, float]] = []
     if lead:
         n_params = sum(s.numel for s in params.specs.values())
@@ -149,7 +160,9 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
+        # each rank's batch is a function of (seed, rank, step) alone, so a resumed run reads the same data
+        gen = torch.Generator().manual_seed((args.seed * 1_000_003 + rank) * 1_000_003 + step)
         starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
         idx = torch.stack([data[s : s + args.seq] for s in starts]).to(device)
         target = torch.stack([data[s + 1 : s + args.seq + 1] for s in starts]).to(device)
@@ -166,17 +179,23 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"step {step:5d}  loss {losses[-1][1]:.4f}  grad-norm {norm.item():.3f}", flush=True)
         if lead and show_bar:
             progress(step, args.steps, loss.item())
+        if args.save_every and (step % args.save_every == 0 or step == args.steps):
+            fsdpfn.save(args.ckpt, {"params": params, "opt": state, "step": step})  # atomic
+        if step == args.stop_after:
+            break
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    tokens_s = args.steps * args.batch * args.seq * world / elapsed
+    done_steps = max(1, min(args.steps, args.stop_after or args.steps) - first + 1)
+    tokens_s = done_steps * args.batch * args.seq * world / elapsed
     if device.type == "cuda":
         peak_mib = torch.cuda.max_memory_allocated() / 2**20
         peak_what = "peak GPU memory"
     else:
         peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         peak_what = "peak RSS"
-    result = dict(losses=losses, tokens_per_s=tokens_s, peak_mib=peak_mib, world=world, elapsed_s=elapsed)
+    result = dict(losses=losses, tokens_per_s=tokens_s, peak_mib=peak_mib, world=world, elapsed_s=elapsed, first_step=first)
+    result["params"] = {k: v.detach().cpu().clone() for k, v in params.params().items()}  # this rank's shards
     if lead:
         if show_bar:
             sys.stdout.write("\n")
@@ -184,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{tokens_s:,.0f} tokens/s, {peak_what} {peak_mib:.0f} MiB (rank 0)", flush=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(result, f)
+                json.dump({k: v for k, v in result.items() if k != "params"}, f)
     return result
 
 

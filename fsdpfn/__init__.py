@@ -10,6 +10,7 @@ Example:
     >>> full = fsdpfn.unshard(params)                  # {'weight': ..., 'bias': ...}     # doctest: +SKIP
 """
 
+from fsdpfn.checkpoint import from_dtensor, full_state_dict, load, load_full_state_dict, save, to_dtensor
 from fsdpfn.core import init_mesh
 from fsdpfn.layout import Sharded, ShardSpec, Unreduced, shard_tensor, unshard_tensors
 from fsdpfn.ops import accumulate, reduce, reshard, shard, unshard
@@ -31,14 +32,20 @@ __all__ = [
     "clip_grad_norm",
     "debug",
     "fsdp",
+    "from_dtensor",
+    "full_state_dict",
     "grad",
     "init_mesh",
+    "load",
+    "load_full_state_dict",
     "optim",
     "reduce",
     "remat",
     "reshard",
+    "save",
     "shard",
     "shard_tensor",
+    "to_dtensor",
     "unshard",
     "unshard_tensors",
     "value_and_grad",
