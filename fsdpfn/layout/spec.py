@@ -37,10 +37,10 @@ class ShardSpec:
     dim: int = 0
 
     def __post_init__(self) -> None:
-        try:
-            shape = tuple(int(s) for s in self.shape)
-        except TypeError:
-            raise TypeError(f"ShardSpec: shape must be a sequence of ints, got {self.shape!r}") from None
+        entries = self.shape if isinstance(self.shape, (tuple, list, torch.Size)) else None
+        if entries is None or any(isinstance(s, bool) or not isinstance(s, int) for s in entries):
+            raise TypeError(f"ShardSpec: shape must be a sequence of ints, got {self.shape!r}")
+        shape = tuple(int(s) for s in entries)
         if any(s < 0 for s in shape):
             raise ValueError(f"ShardSpec: shape {shape} has a negative size")
         if isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 1:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fsdpfn.layout import Sharded, Unreduced
-from fsdpfn.ops.api import reduce_scale
+from fsdpfn.ops.api import check_shards, reduce_scale
 from fsdpfn.transform.call import GradMode
 
 __all__ = ["grad", "value_and_grad"]
@@ -54,10 +54,7 @@ def value_and_grad(
         plan = params.plan
         trainable = [k for k in plan.params if plan.requires_grad[k]]
         live = dict(params.items())
-        for k in trainable:
-            leaf = live[k]
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"value_and_grad: leaf {k!r} is {type(leaf).__name__}, expected a tensor shard")
+        for k, leaf in zip(trainable, check_shards(params, trainable)):  # named errors, not torch's
             live[k] = leaf.detach().requires_grad_()
         tree = Sharded._from_children(list(live.values()), plan)
         sink: dict[str, torch.Tensor] | None = {} if not reduce else None

@@ -1,0 +1,154 @@
+"""Every row of docs/errors.md has a test: rows marked `errors:<id>` are triggered here (all in one spmd
+call, each error caught inside the worker, so the pool is not restarted); the others name a test."""
+
+import pathlib
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import fsdpfn
+from fsdpfn.testing import spmd
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+class _TwoLayer(nn.Module):
+    def __init__(self, out=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(3, 4), nn.Linear(4, out)])
+
+    def forward(self, x):
+        return self.blocks[1](torch.tanh(self.blocks[0](x)))
+
+
+def _setup():
+    model = _TwoLayer()
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.1"])
+    return model, params, fsdpfn.fsdp(model)
+
+
+def _meta_module():
+    with torch.device("meta"):
+        m = nn.Module()
+        m.w = nn.Parameter(torch.empty(2, 2))
+    return m
+
+
+def _changed(model):
+    model.blocks[1] = nn.Linear(4, 3)
+    return model
+
+
+def _nested(model, params, apply):
+    class Inner(nn.Module):
+        def forward(self, x):
+            return apply(params, x)
+
+    outer = nn.Sequential(Inner())
+    hook = model.blocks[0].register_forward_hook(lambda m, a, o: outer(torch.ones(1, 3)) and None)
+    try:
+        apply(params, torch.ones(1, 3))
+    finally:
+        hook.remove()
+
+
+def _grads(model, params, apply, **kw):
+    return fsdpfn.value_and_grad(lambda p: apply(p, torch.ones(2, 3)).sum(), **kw)(params)[1]
+
+
+# id -> (trigger(model, params, apply), exception type, message regex)
+TRIGGERS = {
+    "spec-dim": (lambda m, p, a: fsdpfn.ShardSpec((3, 4), 2, dim=2), ValueError, r"dim=2 is out of range for shape \(3, 4\)"),
+    "spec-world": (lambda m, p, a: fsdpfn.ShardSpec((3,), 0), ValueError, r"world must be an int >= 1"),
+    "spec-shape": (lambda m, p, a: fsdpfn.ShardSpec((-1, 2), 2), ValueError, r"negative size"),
+    "spec-rank": (lambda m, p, a: fsdpfn.ShardSpec((4,), 2).bounds(2), ValueError, r"rank 2 is not in \[0, 2\)"),
+    "shard-tensor-shape": (lambda m, p, a: fsdpfn.shard_tensor(torch.zeros(5), fsdpfn.ShardSpec((4,), 2), 0), ValueError, r"does not match spec shape"),
+    "unshard-tensors-count": (lambda m, p, a: fsdpfn.unshard_tensors([torch.zeros(2)], fsdpfn.ShardSpec((4,), 2)), ValueError, r"got 1 shards"),
+    "mesh-type": (lambda m, p, a: fsdpfn.shard(m, "cpu"), TypeError, r"expected a torch.distributed.device_mesh.DeviceMesh"),
+    "mesh-shape": (lambda m, p, a: fsdpfn.init_mesh((3,)), ValueError, r"covers 3 ranks but the world has 2"),
+    "mesh-device": (lambda m, p, a: fsdpfn.init_mesh(device="xla"), ValueError, r"device 'xla' is not supported"),
+    "mesh-no-gpu": (lambda m, p, a: fsdpfn.init_mesh(device="cuda"), ValueError, r"no GPU is visible"),
+    "shard-module": (lambda m, p, a: fsdpfn.shard(torch.zeros(2), fsdpfn.init_mesh()), TypeError, r"expected an nn.Module"),
+    "units-missing": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["block.1"]), ValueError, r"no submodule 'block.1'; did you mean 'blocks.1'"),
+    "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3), TypeError, r"units must be a list of submodule names"),
+    "meta-no-reset": (lambda m, p, a: fsdpfn.shard(_meta_module(), fsdpfn.init_mesh()), ValueError, r"has no reset_parameters\(\); pass init="),
+    "offload": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), offload_policy=fsdpfn.CPUOffloadPolicy()), NotImplementedError, r"CPUOffloadPolicy is not supported"),
+    "mp-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), mp_policy="bf16"), TypeError, r"mp_policy must be a fsdpfn.MixedPrecisionPolicy"),
+    "sharded-missing": (lambda m, p, a: fsdpfn.Sharded({}, p.plan), KeyError, r"missing \["),
+    "sharded-extra": (lambda m, p, a: fsdpfn.Sharded({**dict(p.items()), "x": 1}, p.plan), KeyError, r"not in the plan \['x'\]"),
+    "leaf-shape": (lambda m, p, a: a(p.replace({"blocks.0.weight": torch.zeros(1, 1)}), torch.ones(1, 3)), ValueError, r"leaf 'blocks.0.weight' is \(1, 1\).*does not belong to this plan"),
+    "leaf-dtype": (lambda m, p, a: a(p.replace({"blocks.0.bias": p["blocks.0.bias"].long()}), torch.ones(1, 3)), ValueError, r"leaf 'blocks.0.bias' is \(2,\) torch.int64"),
+    "leaf-type": (lambda m, p, a: a(p.replace({"blocks.0.bias": 3}), torch.ones(1, 3)), TypeError, r"leaf 'blocks.0.bias' is int"),
+    "apply-not-sharded": (lambda m, p, a: a(dict(p.items()), torch.ones(1, 3)), TypeError, r"first argument must be the fsdpfn.Sharded"),
+    "apply-other-module": (lambda m, p, a: a(fsdpfn.shard(_TwoLayer(out=5), fsdpfn.init_mesh()), torch.ones(1, 3)), ValueError, r"leaf 'blocks.1.weight' was sharded as \(5, 4\)"),
+    "apply-stale": (lambda m, p, a: fsdpfn.fsdp(_changed(m))(p, torch.ones(1, 3)), ValueError, r"is now \(3, 4\) torch.float32; the plan is stale"),
+    "apply-extra-params": (lambda m, p, a: fsdpfn.fsdp(m)(fsdpfn.shard(nn.Sequential(nn.Linear(3, 4)), fsdpfn.init_mesh()), torch.ones(1, 3)), ValueError, r"has leaf '0.weight' but _TwoLayer has no such parameter"),
+    "apply-nested": (lambda m, p, a: _nested(m, p, a), RuntimeError, r"called inside another apply of the same parameters"),
+    "fsdp-prefetch": (lambda m, p, a: fsdpfn.fsdp(m, prefetch=-1), ValueError, r"prefetch must be an int >= 0"),
+    "fsdp-reduce-op": (lambda m, p, a: fsdpfn.fsdp(m, reduce_op="mean"), ValueError, r"reduce_op='mean' is not a reduction"),
+    "fsdp-reshard": (lambda m, p, a: fsdpfn.fsdp(m, reshard_after_forward=2), TypeError, r"reshard_after_forward must be a bool"),
+    "vg-not-sharded": (lambda m, p, a: fsdpfn.value_and_grad(lambda t: t)(dict(p.items())), TypeError, r"the first argument must be a fsdpfn.Sharded"),
+    "vg-non-scalar": (lambda m, p, a: fsdpfn.value_and_grad(lambda t: a(t, torch.ones(2, 3)))(p), TypeError, r"must return a scalar tensor, got a tensor of shape \(2, 2\)"),
+    "reduce-unknown": (lambda m, p, a: fsdpfn.reduce({"nope": torch.zeros(1)}, p), KeyError, r"nope\W* is not a parameter of this plan"),
+    "reduce-op": (lambda m, p, a: fsdpfn.reduce({}, p, op="mean"), ValueError, r"op='mean' is not a reduction"),
+    "reduce-divide-by": (lambda m, p, a: fsdpfn.reduce({}, p, divide_by=-2), ValueError, r"divide_by=-2 must be a positive number"),
+    "reduce-reduced": (lambda m, p, a: fsdpfn.reduce(_grads(m, p, a), p), TypeError, r"already reduced"),
+    "reduce-grad-shape": (lambda m, p, a: fsdpfn.reduce({"blocks.0.weight": torch.zeros(2, 2)}, p), ValueError, r"gradient of 'blocks.0.weight' has shape \(2, 2\), expected \(4, 3\)"),
+    "unshard-unit": (lambda m, p, a: fsdpfn.unshard(p, units=["blocks.7"]), KeyError, r"no unit \W*blocks.7"),
+    "reshard-missing": (lambda m, p, a: fsdpfn.reshard({}, p), KeyError, r"no full tensor for parameter"),
+    "accumulate-mixed": (lambda m, p, a: fsdpfn.accumulate(_grads(m, p, a, reduce=False), _grads(m, p, a)), TypeError, r"grads is already reduced"),
+    "optim-unreduced": (lambda m, p, a: fsdpfn.optim.sgd(lr=0.1).update(_grads(m, p, a, reduce=False), fsdpfn.optim.sgd(lr=0.1).init(p), p), TypeError, r"grads are Unreduced"),
+    "optim-other-plan": (lambda m, p, a: fsdpfn.optim.sgd(lr=0.1).update(_grads(m, fsdpfn.shard(m, fsdpfn.init_mesh()), a), fsdpfn.optim.sgd(lr=0.1).init(p), p), ValueError, r"grads were built for another plan"),
+    "optim-hyper": (lambda m, p, a: fsdpfn.optim.sgd(lr=0.1, nesterov=True), ValueError, r"nesterov=True requires momentum > 0"),
+    "clip-not-sharded": (lambda m, p, a: fsdpfn.clip_grad_norm({}, 1.0), TypeError, r"grads must be a fsdpfn.Sharded"),
+}
+
+
+def _trigger_all(ids):
+    out = {}
+    for rid in ids:
+        model, params, apply = _setup()
+        fn, _, _ = TRIGGERS[rid]
+        try:
+            fn(model, params, apply)
+        except Exception as e:  # noqa: BLE001 - we report what was raised
+            out[rid] = (type(e), str(e))
+        else:
+            out[rid] = (None, "no error")
+    return out
+
+
+def test_every_trigger_raises_its_documented_error():
+    results = spmd(2, _trigger_all, list(TRIGGERS))
+    for rank_result in results:
+        for rid, (exc, pattern) in ((r, TRIGGERS[r][1:]) for r in TRIGGERS):
+            got, msg = rank_result[rid]
+            assert got is not None and issubclass(got, exc), (rid, got, msg)
+            assert re.search(pattern, msg), (rid, msg)
+
+
+def _doc_rows():
+    rows = []
+    for line in (ROOT / "docs" / "errors.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`") and cells[0] != "`id`":
+            rows.append((cells[0].strip("`"), cells[4].strip("`")))
+    return rows
+
+
+def test_every_row_of_the_errors_table_has_a_test():
+    rows = _doc_rows()
+    assert len(rows) >= len(TRIGGERS)
+    ids = [r for r, _ in rows]
+    assert len(ids) == len(set(ids)), "duplicate ids in docs/errors.md"
+    assert set(TRIGGERS) <= set(ids), f"triggers missing from docs/errors.md: {set(TRIGGERS) - set(ids)}"
+    for rid, test in rows:
+        if test.startswith("errors:"):
+            assert test == f"errors:{rid}" and rid in TRIGGERS, (rid, test)
+            continue
+        path, _, name = test.partition("::")
+        source = (ROOT / path).read_text()
+        assert re.search(rf"^def {re.escape(name)}\(", source, re.M), f"row {rid}: no test {test}"
