@@ -124,7 +124,8 @@ def _interrupted_hint(path: str) -> str:
         return ""
     done = [n for n in found if os.path.exists(os.path.join(parent, n, COMPLETE))]
     if done:
-        return f"; a complete checkpoint from an interrupted save is at {os.path.join(parent, done[0])!r}: rename it to {path!r}"
+        where = os.path.join(parent, done[0])
+        return f"; a complete checkpoint from an interrupted save is at {where!r}: rename it to {path!r}"
     return ""
 
 

@@ -147,7 +147,7 @@ def _same_mesh(a: Any, b: Any) -> bool:
     return a is b or (a.device_type == b.device_type and a.mesh.tolist() == b.mesh.tolist())
 
 
-def _local_shard(fqn: str, value: torch.Tensor, spec: ShardSpec, like: Sharded[Any]) -> torch.Tensor:
+def _local_shard(value: torch.Tensor, spec: ShardSpec, like: Sharded[Any]) -> torch.Tensor:
     plan = like.plan
     if not isinstance(value, DTensor):
         return shard_tensor(value.detach(), spec, plan.rank)
@@ -173,8 +173,9 @@ def from_dtensor(state: Mapping[str, Any], like: Sharded[Any]) -> Sharded[Any]:
     Each parameter is read under its FQN or any tied alias. A DTensor with ``like``'s placements gives
     its local shard as is (it may share storage); other placements are redistributed first (a
     collective); a plain tensor is taken as the full value and sliced. Results get ``like``'s dtypes and
-    devices; ``None`` leaves of ``like`` stay ``None``. Missing or unexpected names, global shape
-    differences and DTensors on another mesh are all reported in ONE ``CheckpointMismatchError``.
+    devices; ``None`` leaves of ``like`` stay ``None``; buffers absent from ``state`` (non-persistent ones)
+    keep ``like``'s values. Missing or unexpected names, global shape differences and DTensors on another
+    mesh are all reported in ONE ``CheckpointMismatchError``.
 
     Example:
         >>> sd = fsdp2_model.state_dict()                              # doctest: +SKIP
@@ -196,13 +197,18 @@ def from_dtensor(state: Mapping[str, Any], like: Sharded[Any]) -> Sharded[Any]:
             continue
         hit = next((n for n in names[k] if n in state), None)
         if hit is None:
-            problems.append(f"missing key {k!r}")
+            if k in plan.buffers:  # state_dict() omits non-persistent buffers: keep like's
+                picked[k] = ("like", leaf)
+            else:
+                problems.append(f"missing key {k!r}")
             continue
         value = state[hit]
         if not isinstance(value, torch.Tensor):
             problems.append(f"{hit!r} is a {type(value).__name__}, not a tensor")
             continue
         kind = leaf_kind(plan, k, leaf)
+        if kind == "other":
+            raise TypeError(f"from_dtensor: like's leaf {k!r} is a {type(leaf).__name__}, not a tensor or None")
         want = plan.specs[k].shape if kind in ("shard", "zero_d") else tuple(leaf.shape)
         if tuple(value.shape) != want:
             problems.append(f"{hit!r} has global shape {tuple(value.shape)}, like has {want}")
@@ -218,8 +224,11 @@ def from_dtensor(state: Mapping[str, Any], like: Sharded[Any]) -> Sharded[Any]:
     leaves: dict[str, Any] = {k: None for k in plan.keys}
     for k, (kind, value) in picked.items():
         leaf = like[k]
+        if kind == "like":
+            leaves[k] = leaf
+            continue
         if kind == "shard":
-            local = _local_shard(k, value, plan.specs[k], like)
+            local = _local_shard(value, plan.specs[k], like)
         elif kind == "zero_d":
             full = _full(value).reshape(1)
             local = full if plan.rank == 0 else full[:0]

@@ -60,7 +60,9 @@ def _export(t: torch.Tensor, cpu: bool) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def full_state_dict(params: Sharded[torch.Tensor], *, rank0_only: bool = True, cpu: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    params: Sharded[torch.Tensor], *, rank0_only: bool = True, cpu: bool = True
+) -> dict[str, torch.Tensor]:
     """Full parameters and buffers keyed like ``module.state_dict()`` (tied names included), for export.
 
     Collective: call it on every rank. Streams one unit at a time: gather the unit (no autograd), copy
@@ -86,14 +88,33 @@ def full_state_dict(params: Sharded[torch.Tensor], *, rank0_only: bool = True, c
             del full
     if not keep:
         return {}
-    out: dict[str, torch.Tensor] = {}
     for fqn in plan.params:
-        for name in (fqn, *aliases.get(fqn, ())):
-            out[name] = got[fqn]
+        for alias in aliases.get(fqn, ()):
+            got[alias] = got[fqn]
     for b in plan.buffers:
         if isinstance(params[b], torch.Tensor):
-            out[b] = _export(params[b], cpu)
-    return out
+            got[b] = _export(params[b], cpu)
+    return {k: got[k] for k in _module_order(plan, got)}
+
+
+def _module_order(plan: ShardPlan, names: Mapping[str, Any]) -> list[str]:
+    """``names`` in ``module.state_dict()`` order, as far as the plan tells: modules depth-first (a module
+    before its children, children in the order their first parameter or buffer appears), and within a
+    module its parameters, then its buffers."""
+    seen: dict[str, int] = {}
+    for i, name in enumerate([*plan.params, *plan.buffers]):
+        parts = name.split(".")[:-1]
+        for d in range(len(parts) + 1):
+            seen.setdefault(".".join(parts[:d]), i)
+    rank = {n: i for i, n in enumerate([*plan.params, *plan.aliases, *plan.buffers])}
+    buffers = set(plan.buffers)
+
+    def key(name: str) -> tuple:
+        parts = name.split(".")[:-1]
+        path = tuple(seen.get(".".join(parts[:d]), len(rank)) for d in range(len(parts) + 1))
+        return (path, name in buffers, rank.get(name, len(rank)))
+
+    return sorted(names, key=key)
 
 
 def _problems(state: Any, like: Sharded[Any]) -> list[str]:
@@ -117,7 +138,8 @@ def _problems(state: Any, like: Sharded[Any]) -> list[str]:
     for b in plan.buffers:
         v, ref = state.get(b), like[b]
         if v is not None and isinstance(ref, torch.Tensor) and tuple(getattr(v, "shape", ())) != tuple(ref.shape):
-            problems.append(f"buffer {b!r} has shape {tuple(getattr(v, 'shape', ()))}, the model's is {tuple(ref.shape)}")
+            got = tuple(getattr(v, "shape", ()))
+            problems.append(f"buffer {b!r} has shape {got}, the model's is {tuple(ref.shape)}")
     return problems
 
 
@@ -173,7 +195,8 @@ def load_full_state_dict(
                 rows = full.reshape(1) if not spec.shape else full
                 shard = rows.narrow(spec.dim, start, stop - start)
                 target = ref.device if isinstance(ref, torch.Tensor) else device
-                leaves[fqn] = shard.to(device=target, dtype=plan.dtypes[fqn]).clone(memory_format=torch.contiguous_format)
+                shard = shard.to(device=target, dtype=plan.dtypes[fqn])
+                leaves[fqn] = shard.clone(memory_format=torch.contiguous_format)
             del fulls
         bufs = [b for b in plan.buffers if isinstance(like[b], torch.Tensor)]
         metas = [(tuple(like[b].shape), like[b].dtype) for b in bufs]

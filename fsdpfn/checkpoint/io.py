@@ -8,25 +8,19 @@ stored under ``model.<fqn>``, exactly what ``dcp.save({"model": fsdp2_model.stat
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import os
-import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils._pytree as tp
-from torch.distributed import checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from fsdpfn.checkpoint._sync import comm_for, dist_ready
+from fsdpfn.checkpoint._dcp import dcp_load, dcp_save
+from fsdpfn.checkpoint._sync import comm_for
 from fsdpfn.checkpoint.atomic import verify, write_atomically
 from fsdpfn.checkpoint.dtensor import leaf_kind, shard_as_dtensor, zero_d_values
-from fsdpfn.checkpoint.errors import CheckpointError, CheckpointMismatchError
-from fsdpfn.checkpoint.safe_pickle import SafeFileSystemReader, SafeLoadPlanner
+from fsdpfn.checkpoint.errors import CheckpointMismatchError
 from fsdpfn.layout import Sharded, ShardPlan
 
 __all__ = ["load", "save"]
@@ -102,36 +96,15 @@ def _flatten(tree: Any, what: str) -> tuple[list[Any], Any, list[_Leaf], set[str
             leaves.extend(sub)
         else:
             if not path:
-                raise TypeError(f"{what}: the tree must be a container (dict, list, tuple ...) or a Sharded, got {type(value).__name__}")
+                raise TypeError(
+                    f"{what}: the tree must be a container (dict, list, tuple ...) or a Sharded, "
+                    f"got {type(value).__name__}"
+                )
             leaf = _Leaf(prefix, _plain_kind(prefix, value, what), value, (prefix,))
             nodes.append(leaf)
             leaves.append(leaf)
     scope = None if isinstance(tree, Sharded) else {_entry_name(path[0]) for path, _ in pairs if path}
     return nodes, spec, leaves, scope
-
-
-@contextlib.contextmanager
-def _dcp_errors(what: str) -> Iterator[None]:
-    """DCP raises ``CheckpointException`` (a ``BaseException``) on every rank when any rank failed:
-    re-raise it as a ``CheckpointError`` naming the failing ranks and the first failure."""
-    try:
-        with warnings.catch_warnings():
-            if not dist_ready():  # a single process is fine: say nothing
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            yield
-    except CheckpointException as exc:
-        failures = dict(getattr(exc, "failures", {}) or {})
-        first = next(iter(failures.values()), exc)
-        if isinstance(first, tuple) and first:  # (exception, traceback summary)
-            first = first[0]
-        detail = f"{type(first).__name__}: {first}" if isinstance(first, BaseException) else str(first)
-        raise CheckpointError(f"{what}: torch.distributed.checkpoint failed on rank(s) {sorted(failures)}: {detail}") from exc
-
-
-def _save_planner() -> Any:
-    params = inspect.signature(dcp.DefaultSavePlanner.__init__).parameters
-    # replicated (plain) tensors are written by the lowest rank: "rank 0's value is saved"
-    return dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True) if "dedup_save_to_lowest_rank" in params else dcp.DefaultSavePlanner()
 
 
 def save(path: str | os.PathLike[str], tree: Any) -> None:
@@ -163,7 +136,7 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
             seen[name] = seen.get(name, 0) + 1
     dup = [k for k, n in seen.items() if n > 1]
     if dup:
-        raise ValueError(f"save: several leaves map to the checkpoint keys {dup}; rename them (keys join the path with '.')")
+        raise ValueError(f"save: several leaves map to the checkpoint keys {dup}; rename them (paths join with '.')")
     plans = {id(leaf.plan): leaf.plan for leaf in leaves if leaf.plan is not None}
     comm = comm_for(list(plans.values()))
     zero: dict[int, torch.Tensor] = {}
@@ -177,7 +150,9 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
             scalars[leaf.key] = leaf.value
             continue
         if leaf.kind == "shard":
-            value: Any = shard_as_dtensor(leaf.value.detach(), leaf.plan.specs[leaf.fqn], leaf.plan.mesh)  # type: ignore[union-attr]
+            plan = leaf.plan
+            assert plan is not None
+            value: Any = shard_as_dtensor(leaf.value.detach(), plan.specs[leaf.fqn], plan.mesh)
         elif leaf.kind == "zero_d":
             value = zero[id(leaf)]
         elif leaf.kind == "tensor":
@@ -187,11 +162,7 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
         for name in leaf.names:
             state[name] = value
 
-    def write(tmp: str) -> None:
-        with _dcp_errors("save"):
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_save_planner(), no_dist=not dist_ready())
-
-    write_atomically(os.fspath(path), comm, write, scalars)
+    write_atomically(os.fspath(path), comm, lambda tmp: dcp_save(state, tmp), scalars)
 
 
 def _match(leaves: list[_Leaf], md: Any, scalars: dict[str, Any], scope: set[str] | None, strict: bool) -> list[str]:
@@ -213,13 +184,14 @@ def _match(leaves: list[_Leaf], md: Any, scalars: dict[str, Any], scope: set[str
         hit = next((n for n in leaf.names if n in sd), None)
         if hit is None:
             if leaf.key in scalars:
-                other.append(f"{leaf.key!r}: the checkpoint holds a {type(scalars[leaf.key]).__name__}, like has a tensor")
-            else:
+                held = type(scalars[leaf.key]).__name__
+                other.append(f"{leaf.key!r}: the checkpoint holds a {held}, like has a tensor")
+            elif leaf.plan is None or leaf.fqn not in leaf.plan.buffers:  # buffers may be absent: kept
                 missing.append(leaf.key)
             continue
         m = sd[hit]
         if not isinstance(m, TensorStorageMetadata):
-            other.append(f"{hit!r}: stored as a pickled object, not a tensor (fsdpfn does not unpickle checkpoint entries)")
+            other.append(f"{hit!r}: stored as a pickled object, not a tensor (fsdpfn never unpickles entries)")
         elif tuple(m.size) != leaf.global_shape:
             other.append(f"{hit!r}: shape {tuple(m.size)} in the checkpoint, {leaf.global_shape} in like")
         else:
@@ -246,7 +218,8 @@ def load(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -> Any
     select what is read; within them, names and global shapes must match: every missing key, unexpected
     key and shape difference is reported in ONE ``CheckpointMismatchError`` before anything is read.
     ``strict=False`` keeps ``like``'s value for missing keys and ignores unexpected ones (shapes must still
-    match). Tensors are cast to ``like``'s dtypes.
+    match). A ``Sharded``'s buffers may be absent (``module.state_dict()`` omits non-persistent ones): they
+    keep ``like``'s values. Tensors are cast to ``like``'s dtypes.
 
     The checkpoint is validated first: an fsdpfn checkpoint needs its completion marker and every file it
     lists (a ``CheckpointError`` names the missing piece); DCP's ``.metadata`` pickle is read with an
@@ -265,7 +238,8 @@ def load(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -> Any
     problems = _match(leaves, md, scalars, scope, strict)
     if problems:
         raise CheckpointMismatchError(
-            f"load: the checkpoint at {path!r} does not match like ({len(problems)} problems):\n  " + "\n  ".join(problems),
+            f"load: the checkpoint at {path!r} does not match like ({len(problems)} problems):\n  "
+            + "\n  ".join(problems),
             problems,
         )
     state: dict[str, Any] = {}
@@ -278,15 +252,16 @@ def load(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -> Any
             result[id(leaf)] = scalars[leaf.src]
         elif leaf.kind == "shard":
             local = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-            state[leaf.src] = shard_as_dtensor(local, leaf.plan.specs[leaf.fqn], leaf.plan.mesh)  # type: ignore[union-attr]
+            plan = leaf.plan
+            assert plan is not None
+            state[leaf.src] = shard_as_dtensor(local, plan.specs[leaf.fqn], plan.mesh)
             result[id(leaf)] = local
         elif leaf.kind == "zero_d":
             state[leaf.src] = result[id(leaf)] = torch.empty((), dtype=v.dtype, device=v.device)
         else:
             state[leaf.src] = result[id(leaf)] = torch.empty_like(v, memory_format=torch.contiguous_format)
     if state:
-        with _dcp_errors("load"):
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=not dist_ready())
+        dcp_load(state, path, md)
     for leaf in leaves:
         if leaf.kind == "zero_d" and leaf.src is not None:
             full = result[id(leaf)].reshape(1)

@@ -51,7 +51,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 _ALLOWED[("collections", "OrderedDict")] = __import__("collections").OrderedDict
 _ALLOWED.update({("torch.distributed.checkpoint.metadata", n): getattr(_md, n) for n in _MD_CLASSES if hasattr(_md, n)})
-_ALLOWED.update({("pathlib", n): getattr(pathlib, n) for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")})
+_PATHS = ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+_ALLOWED.update({("pathlib", n): getattr(pathlib, n) for n in _PATHS})
 _ALLOWED[("torch", "Size")] = torch.Size
 _ALLOWED[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # layout by name (a dict lookup)
 
@@ -132,7 +133,9 @@ def read_metadata(path: str | os.PathLike[str], filename: str = METADATA_FILE) -
         with open(file, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        raise CheckpointError(f"no DCP metadata file {file!r}: the save did not finish or this is not a checkpoint") from None
+        raise CheckpointError(
+            f"no DCP metadata file {file!r}: the save did not finish or this is not a checkpoint"
+        ) from None
     try:
         md = SafeUnpickler(io.BytesIO(data), source=file).load()
     except UnsafeCheckpointError:
@@ -151,10 +154,17 @@ class SafeFileSystemReader(FileSystemReader):
         >>> dcp.load(state, storage_reader=SafeFileSystemReader("ckpt"), planner=SafeLoadPlanner())  # doctest: +SKIP
     """
 
+    def __init__(self, path: str | os.PathLike[str], metadata: Any = None, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._fsdpfn_metadata = metadata  # already read (and checked) by the caller: parse it once
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         """DCP's ``Metadata`` (global, or ``__<rank>.metadata`` when DCP asks for a rank's own file)."""
         rank = kwargs.get("rank")
-        md = read_metadata(self.path, METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
+        if rank is None and self._fsdpfn_metadata is not None:
+            md = self._fsdpfn_metadata
+        else:
+            md = read_metadata(self.path, METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}")
         if getattr(md, "storage_meta", None) is None and hasattr(_md, "StorageMeta"):
             md.storage_meta = _md.StorageMeta()
         if getattr(md, "storage_meta", None) is not None and hasattr(self, "load_id"):
