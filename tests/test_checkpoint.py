@@ -501,3 +501,30 @@ def test_to_from_dtensor_and_zero_d_parameters(tmp_path):
         for k, p in want.items():
             spec = fsdpfn.ShardSpec(tuple(p.shape), world)
             assert torch.equal(fsdpfn.unshard_tensors([g[k] for g in got], spec), p.detach()), (world, k)
+
+
+class _WithCache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("cache", torch.arange(3.0), persistent=False)  # e.g. a rotary table
+        self.register_buffer("count", torch.tensor(2))
+
+    def forward(self, x):
+        return self.lin(x) + self.cache
+
+
+def _non_persistent_worker():
+    torch.manual_seed(0)
+    model = _WithCache()
+    params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    state = fsdpfn.full_state_dict(params, rank0_only=False)
+    fresh = _WithCache()
+    fresh.load_state_dict(state, strict=True)
+    return sorted(state), torch.equal(fresh.lin.weight, model.lin.weight)
+
+
+def test_full_state_dict_leaves_out_non_persistent_buffers_like_state_dict():
+    for keys, equal in spmd(2, _non_persistent_worker):
+        assert keys == sorted(_WithCache().state_dict())
+        assert equal

@@ -92,7 +92,7 @@ def full_state_dict(
         for alias in aliases.get(fqn, ()):
             got[alias] = got[fqn]
     for b in plan.buffers:
-        if isinstance(params[b], torch.Tensor):
+        if isinstance(params[b], torch.Tensor) and b not in plan.transient_buffers:  # as state_dict() does
             got[b] = _export(params[b], cpu)
     return {k: got[k] for k in _module_order(plan, got)}
 

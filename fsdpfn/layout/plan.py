@@ -75,6 +75,7 @@ class ShardPlan:
     offload_policy: Any = None
     module_type: str = ""
     ignored: tuple[str, ...] = ()
+    transient_buffers: frozenset[str] = frozenset()  # non-persistent buffers: not in state_dict()
     _by_name: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # derived objects, built once per plan
 

@@ -150,6 +150,11 @@ def shard(
         offload_policy=offload_policy,
         module_type=type(module).__name__,
         ignored=tuple(ignored_names),
+        transient_buffers=frozenset(
+            f"{prefix}.{name}" if prefix else name
+            for prefix, mod in module.named_modules()
+            for name in getattr(mod, "_non_persistent_buffers_set", ())
+        ),
     )
     if meta:
         shards, buffers = materialize_and_shard(module, plan, groups.device, init)
