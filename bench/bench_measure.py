@@ -1,0 +1,177 @@
+"""Timing, memory and cross-rank helpers for ``bench/step.py``, plus the result table.
+
+* Step time: wall clock of one step, the device synchronised before and after, the ranks aligned by a
+  barrier first (untimed); across ranks the slowest rank's time counts (a step ends for everyone when
+  its last collective does).
+* Peak memory: one separate, untimed step per variant. CPU: ``torch.distributed._tools.mem_tracker
+  .MemTracker`` with the variant's resident tensors (parameters or shards, optimizer state) and the batch
+  registered as external, so the peak is resident state + everything the step allocates. CUDA: the same
+  resident bytes + ``max_memory_allocated() - memory_allocated()`` around the step (every variant lives
+  on the same GPU, so the raw allocator peak would count the other variants too).
+* Collective time: the variant's logged collectives replayed with fresh buffers, back to back.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench_variants import Coll, Variant
+
+__all__ = ["sync", "barrier", "timed_step", "peak_step", "timed_replay", "storage_bytes", "reduce_max", "reduce_mean", "format_table"]
+
+MiB = 2**20
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def barrier(world: int) -> None:
+    """Align the ranks (untimed) so that one rank's lag does not land in the next variant's time."""
+    if world > 1:
+        dist.barrier()
+
+
+def timed_step(v: Variant, x: torch.Tensor, y: torch.Tensor, world: int) -> tuple[float, torch.Tensor]:
+    """``(seconds, loss)`` of one training step of ``v``."""
+    barrier(world)
+    sync(v.device)
+    t0 = time.perf_counter()
+    loss = v.step(x, y)
+    sync(v.device)
+    return time.perf_counter() - t0, loss
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a ``DTensor`` counts its local shard)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)
+        st = local.untyped_storage()
+        if st.nbytes():
+            seen[(str(local.device), st.data_ptr())] = st.nbytes()
+    return sum(seen.values())
+
+
+def peak_step(v: Variant, x: torch.Tensor, y: torch.Tensor, world: int) -> tuple[torch.Tensor, list[Coll], float, dict[str, float]]:
+    """One recorded training step of ``v``: ``(loss, collective log, peak MiB, breakdown)``.
+
+    ``breakdown`` (CPU only) is ``MemTracker``'s peak snapshot by category, in MiB."""
+    barrier(world)
+    if v.device.type == "cuda":
+        sync(v.device)
+        resident = storage_bytes(v.resident())
+        before = torch.cuda.memory_allocated(v.device)
+        torch.cuda.reset_peak_memory_stats(v.device)
+        loss, log = v.record(x, y)
+        sync(v.device)
+        peak = resident + torch.cuda.max_memory_allocated(v.device) - before
+        return loss, log, peak / MiB, {}
+    mt = _tracker()
+    mt.track_external(*v.resident(), x, y)
+    with mt, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+        loss, log = v.record(x, y)
+    snap = mt.get_tracker_snapshot("peak")
+    dev = max(snap.values(), key=lambda d: d.get("Total", 0), default={})
+    breakdown = {str(getattr(k, "value", k)): b / MiB for k, b in dev.items() if b}
+    return loss, log, dev.get("Total", 0) / MiB, breakdown
+
+
+def _tracker() -> Any:
+    """A ``MemTracker`` that installs no gradient hooks on module parameters.
+
+    ``MemTracker``'s module pre-forward hook registers a post-accumulate-grad hook on every parameter it
+    finds in the module; under ``fsdpfn.fsdp`` those are the gathered (non-leaf) tensors swapped in for
+    the call, and the registration raises. The hooks only label gradients as ``Grad`` instead of
+    ``Temp``; the totals (and so the peak) do not depend on them. Used for every variant alike."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _NoGradHookTracker(MemTracker):
+        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> tuple[int, int]:
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
+    return _NoGradHookTracker()
+
+
+def timed_replay(v: Variant, log: list[Coll], world: int) -> float:
+    """Seconds to issue and finish ``log`` once (fresh buffers, back to back, no compute)."""
+    barrier(world)
+    sync(v.device)
+    t0 = time.perf_counter()
+    v.replay(log)
+    sync(v.device)
+    return time.perf_counter() - t0
+
+
+def _all_reduce(values: list[float], op: Any, world: int) -> list[float]:
+    if world == 1 or not values:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return t.tolist()
+
+
+def reduce_max(values: list[float], world: int) -> list[float]:
+    """Element-wise maximum over the ranks (CPU tensor: gloo, also under ``cpu:gloo,cuda:nccl``)."""
+    return _all_reduce(values, dist.ReduceOp.MAX, world)
+
+
+def reduce_mean(values: list[float], world: int) -> list[float]:
+    """Element-wise mean over the ranks."""
+    return [v / world for v in _all_reduce(values, dist.ReduceOp.SUM, world)]
+
+
+def summarize(times: list[float]) -> dict[str, Any]:
+    """Median, min, max (and every sample) of a list of seconds."""
+    return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times), "step_s_all": times}
+
+
+def add_ratios(variants: dict[str, dict[str, Any]], sharded: tuple[str, ...]) -> None:
+    """``step_vs_torch``, ``peak_vs_torch`` and ``step_vs_floor`` for every measured sharded variant."""
+    torch_v = variants.get("torch", {})
+    local = variants.get("local", {})
+    for name in sharded:
+        r = variants.get(name)
+        if not r or "skipped" in r:
+            continue
+        if "step_s" in torch_v:
+            r["step_vs_torch"] = r["step_s"] / torch_v["step_s"]
+            r["peak_vs_torch"] = r["peak_mib"] / torch_v["peak_mib"] if torch_v["peak_mib"] else None
+        if "step_s" in local:
+            floor = max(local["step_s"], r.get("comm_s", 0.0))
+            r["step_floor_s"] = floor
+            r["step_vs_floor"] = r["step_s"] / floor
+
+
+def _fmt(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human-readable summary printed at the end of a run."""
+    head = (f"model {result['model']} ({result['params'] / 1e6:.2f}M params, batch {result['batch_per_rank']}/rank, "
+            f"{result['dtype']}), world {result['world']}, {result['device']}, torch {result['torch_version']}, "
+            f"{result['steps']} measured steps after {result['warmup']} warm-up")
+    cols = f"{'variant':<11} {'step ms median [min-max]':>28} {'peak MiB':>9} {'comm ms':>8} {'step/torch':>10} {'peak/torch':>10} {'step/floor':>10}  final loss"
+    lines = [head, cols, "-" * len(cols)]
+    for name, r in result["variants"].items():
+        if "skipped" in r:
+            lines.append(f"{name:<11} skipped: {r['skipped']}")
+            continue
+        step = f"{r['step_s'] * 1e3:.2f} [{r['step_s_min'] * 1e3:.2f}-{r['step_s_max'] * 1e3:.2f}]"
+        comm = r.get("comm_s")
+        lines.append(
+            f"{name:<11} {step:>28} {r['peak_mib']:>9.1f} {_fmt(comm * 1e3 if comm is not None else None, '8.2f'):>8} "
+            f"{_fmt(r.get('step_vs_torch'), '10.3f'):>10} {_fmt(r.get('peak_vs_torch'), '10.3f'):>10} "
+            f"{_fmt(r.get('step_vs_floor'), '10.3f'):>10}  {r['final_loss']:.6g}"
+        )
+    return "\n".join(lines)

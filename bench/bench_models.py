@@ -1,0 +1,172 @@
+"""Benchmark models and their deterministic data.
+
+* ``compute``: 8 residual MLP blocks, Linear(512->2048)-GELU-Linear(2048->512), batch 64 per rank.
+* ``overhead``: 48 residual MLP blocks of width 64 (Linear(64->256)-GELU-Linear(256->64)), batch 32
+  per rank: so little compute per unit that the per-unit cost of the sharding machinery shows.
+* ``gpt1b``: a ~1B-parameter pre-norm GPT (16 layers, d_model 2048, 16 heads, seq 1024, vocab 50304,
+  untied head), batch 4 per rank: for a GPU only.
+
+Every model keeps its units in ``model.blocks`` (a ``ModuleList``), so the unit plan is the same
+for every variant: ``blocks.0``, ``blocks.1``, ... plus the root.
+
+Data is a pure function of ``(seed, step, rank)``, so every variant sees the same sequence, and the
+global-batch reference can regenerate every rank's batch on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ModelSpec", "MODELS", "build_model", "make_batch", "loss_fn", "spec_for"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of one benchmark model and its per-rank batch."""
+
+    name: str
+    kind: str  # "mlp" or "gpt"
+    blocks: int
+    width: int
+    hidden: int
+    batch: int
+    heads: int = 0
+    seq: int = 0
+    vocab: int = 0
+    gpu_only: bool = False
+
+
+MODELS: dict[str, ModelSpec] = {
+    "compute": ModelSpec("compute", "mlp", blocks=8, width=512, hidden=2048, batch=64),
+    "overhead": ModelSpec("overhead", "mlp", blocks=48, width=64, hidden=256, batch=32),
+    "gpt1b": ModelSpec("gpt1b", "gpt", blocks=16, width=2048, hidden=8192, batch=4, heads=16, seq=1024, vocab=50304, gpu_only=True),
+}
+
+# --tiny: the same structure, small enough for a smoke test that takes a few seconds.
+TINY: dict[str, ModelSpec] = {
+    "compute": ModelSpec("compute", "mlp", blocks=3, width=16, hidden=32, batch=8),
+    "overhead": ModelSpec("overhead", "mlp", blocks=4, width=8, hidden=16, batch=4),
+    "gpt1b": ModelSpec("gpt1b", "gpt", blocks=2, width=32, hidden=128, batch=2, heads=2, seq=16, vocab=64, gpu_only=True),
+}
+
+
+def spec_for(name: str, tiny: bool = False) -> ModelSpec:
+    """The ``ModelSpec`` called ``name`` (its tiny version with ``tiny``)."""
+    return (TINY if tiny else MODELS)[name]
+
+
+class MLPBlock(nn.Module):
+    """``x + fc2(gelu(fc1(x)))``."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class MLPStack(nn.Module):
+    """A stack of residual MLP blocks; the root owns no parameters."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(spec.width, spec.hidden) for _ in range(spec.blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm transformer block: causal self-attention (SDPA), then a GELU MLP."""
+
+    def __init__(self, dim: int, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``blocks`` GPT blocks, final norm, untied head (root unit)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.tok = nn.Embedding(spec.vocab, spec.width)
+        self.pos = nn.Embedding(spec.seq, spec.width)
+        self.blocks = nn.ModuleList(GPTBlock(spec.width, spec.hidden, spec.heads) for _ in range(spec.blocks))
+        self.norm = nn.LayerNorm(spec.width)
+        self.head = nn.Linear(spec.width, spec.vocab, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * spec.blocks) if name.endswith(("proj.weight", "down.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def build_model(spec: ModelSpec, seed: int) -> nn.Module:
+    """The model with its initial weights, a pure function of ``seed`` (built on CPU, fp32)."""
+    torch.manual_seed(seed)
+    return MLPStack(spec) if spec.kind == "mlp" else GPT(spec)
+
+
+def _teacher(spec: ModelSpec, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 7919 + 17)
+    return torch.randn(spec.width, spec.width, generator=g) / math.sqrt(spec.width)
+
+
+def make_batch(spec: ModelSpec, seed: int, step: int, rank: int, teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch of step ``step`` (on CPU): a pure function of its arguments.
+
+    MLP models: ``x ~ N(0, 1)`` of shape ``(batch, width)`` and the fixed target ``tanh(x @ T)`` (``T`` a
+    fixed random teacher matrix). GPT: random tokens ``(batch, seq)`` and their shifted targets.
+    """
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    if spec.kind == "mlp":
+        x = torch.randn(spec.batch, spec.width, generator=g)
+        t = teacher if teacher is not None else _teacher(spec, seed)
+        return x, torch.tanh(x @ t)
+    tokens = torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def make_batches(spec: ModelSpec, seed: int, steps: int, ranks: list[int], device: torch.device) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``out[step][i]`` = the batch of rank ``ranks[i]`` at ``step``, moved to ``device``."""
+    teacher = _teacher(spec, seed) if spec.kind == "mlp" else None
+    return [[tuple(t.to(device) for t in make_batch(spec, seed, s, r, teacher)) for r in ranks] for s in range(steps)]  # type: ignore[misc]
+
+
+def loss_fn(spec: ModelSpec, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """MSE (MLP models) or token cross-entropy (GPT), always computed in fp32, mean over the batch."""
+    if spec.kind == "mlp":
+        return F.mse_loss(out.float(), target.float())
+    return F.cross_entropy(out.float().flatten(0, 1), target.flatten())
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of (untied) parameters."""
+    return sum(p.numel() for p in model.parameters())

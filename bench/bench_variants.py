@@ -1,0 +1,335 @@
+"""The benchmarked training steps: ``torch`` (FSDP2), ``functional`` (fsdpfn), ``local`` (no sharding),
+``compat`` (``fsdpfn.compat.fully_shard``, once it exists) and the untimed global-batch ``reference``.
+
+Each variant owns a deep copy of the same initial model and exposes
+
+* ``step(x, y) -> loss``: one full training step (forward, backward, reduction, AdamW update);
+* ``resident()``: the tensors it keeps between steps (parameters or shards, optimizer state), which the
+  memory measurement counts on top of what the step itself allocates;
+* ``record(x, y) -> (loss, log)``: one real step that also logs every collective it issued;
+* ``replay(log)``: the same collectives again, with fresh buffers, back to back, no compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+import fsdpfn
+import fsdpfn.optim
+from bench_models import ModelSpec, loss_fn
+
+__all__ = ["Coll", "Variant", "build_variant", "compat_available", "SHARDED", "ALL_VARIANTS"]
+
+ALL_VARIANTS = ("torch", "functional", "local", "compat")
+SHARDED = ("torch", "functional", "compat")
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+WINDOW = 2  # collectives in flight at once during a replay (a step overlaps about as many)
+
+
+@dataclass(frozen=True)
+class Coll:
+    """One collective of a step: ``kind`` is ``all_gather`` or ``reduce_scatter``; sizes in elements."""
+
+    kind: str
+    in_numel: int
+    out_numel: int
+    dtype: torch.dtype
+    group: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the larger (gathered / unreduced) side."""
+        return max(self.in_numel, self.out_numel) * self.dtype.itemsize
+
+
+def compat_available() -> bool:
+    """Whether ``fsdpfn.compat`` (the FSDP2-compatible layer) can be imported."""
+    try:
+        import fsdpfn.compat  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class Variant:
+    """Base class: a model copy, its optimizer and one training step."""
+
+    name = ""
+    sharded = False
+
+    def __init__(self, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype):
+        self.spec, self.mesh, self.device, self.dtype = spec, mesh, device, dtype
+        self.model = copy.deepcopy(base).to(device)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def resident(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def record(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[Coll]]:
+        return self.step(x, y), []
+
+    def replay(self, log: list[Coll]) -> None:
+        _replay_dist(log, self.device)
+
+
+class _ModuleVariant(Variant):
+    """A plain ``nn.Module`` + ``torch.optim.AdamW(foreach=True)`` step (``local``, ``torch``, ``compat``)."""
+
+    def _init_opt(self) -> None:
+        self.opt = torch.optim.AdamW(self.model.parameters(), foreach=True, **ADAMW)  # type: ignore[arg-type]
+
+    def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return loss_fn(self.spec, self.model(x), y)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self._forward_loss(x, y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.detach()
+
+    def resident(self) -> list[torch.Tensor]:
+        state = [v for s in self.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return [*self.model.parameters(), *self.model.buffers(), *state]
+
+
+class Local(_ModuleVariant):
+    """No sharding and no communication: each rank trains its own replica on its own batch.
+
+    With ``bf16`` the forward runs under ``torch.autocast`` (fp32 weights, bf16 matmuls)."""
+
+    name = "local"
+
+    def __init__(self, *a: Any):
+        super().__init__(*a)
+        self._init_opt()
+
+    def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx = torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32 else contextlib.nullcontext()
+        with ctx:
+            out = self.model(x)
+        return loss_fn(self.spec, out, y)
+
+
+class Reference(Local):
+    """``local`` on the global batch (every rank's batch), computed redundantly on each rank. Untimed.
+
+    The step accumulates the gradients of the per-rank batches one after another (each loss divided by
+    the number of ranks) and then updates once: for a mean-reduced loss over equal per-rank batches
+    that is the step on their concatenation, with one rank's activations in memory instead of all of
+    them. Its loss is the mean of the per-rank losses and its gradient the mean of the per-rank
+    gradients, exactly what the sharded variants compute with ``avg`` reduction, so their losses
+    must agree with it."""
+
+    name = "reference"
+
+    def global_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One update on every rank's batch; returns the mean of the per-batch losses."""
+        total = torch.zeros((), device=self.device)
+        for x, y in batches:
+            loss = self._forward_loss(x, y) / len(batches)
+            loss.backward()
+            total += loss.detach()
+        self.opt.step()
+        self.opt.zero_grad()
+        return total
+
+
+class TorchFSDP(_ModuleVariant):
+    """``fully_shard`` on every block and on the root (``torch.distributed.fsdp`` or ``fsdpfn.compat``)."""
+
+    name = "torch"
+    sharded = True
+
+    def __init__(self, *a: Any):
+        super().__init__(*a)
+        fully_shard, mp_cls = self._api()
+        mp = mp_cls(param_dtype=self.dtype, reduce_dtype=torch.float32) if self.dtype != torch.float32 else mp_cls()
+        for block in self.model.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=self.mesh, mp_policy=mp)
+        fully_shard(self.model, mesh=self.mesh, mp_policy=mp)
+        self._init_opt()
+
+    def _api(self) -> tuple[Callable[..., Any], type]:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        return fully_shard, MixedPrecisionPolicy
+
+    def record(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[Coll]]:
+        with _record_dist() as log:
+            loss = self.step(x, y)
+        return loss, log
+
+
+class Compat(TorchFSDP):
+    """``fsdpfn.compat.fully_shard``: the FSDP2-compatible shell over fsdpfn's core."""
+
+    name = "compat"
+
+    def _api(self) -> tuple[Callable[..., Any], type]:
+        from fsdpfn.compat import MixedPrecisionPolicy, fully_shard  # type: ignore[import-not-found]
+
+        return fully_shard, MixedPrecisionPolicy
+
+
+class Functional(Variant):
+    """``fsdpfn.shard`` (one unit per block) + ``fsdp`` + ``value_and_grad`` + ``fsdpfn.optim.adamw``."""
+
+    name = "functional"
+    sharded = True
+
+    def __init__(self, *a: Any):
+        super().__init__(*a)
+        mp = fsdpfn.MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) if self.dtype != torch.float32 else None
+        units = [f"blocks.{i}" for i in range(len(self.model.blocks))]  # type: ignore[arg-type]
+        self.params = fsdpfn.shard(self.model, self.mesh, units=units, mp_policy=mp)
+        # shard() leaves a real module untouched; move it to meta so the full weights are not kept
+        # alive next to the shards (apply swaps the gathered tensors in for every call anyway).
+        self.model.to("meta")
+        apply = fsdpfn.fsdp(self.model)
+        spec = self.spec
+        self.value_and_grad = fsdpfn.value_and_grad(lambda p, x, y: loss_fn(spec, apply(p, x), y))
+        self.opt = fsdpfn.optim.adamw(**ADAMW)
+        self.state = self.opt.init(self.params)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss, grads = self.value_and_grad(self.params, x, y)
+        self.params, self.state = self.opt.update(grads, self.state, self.params)
+        return loss
+
+    def resident(self) -> list[torch.Tensor]:
+        leaves = [*self.params.values(), *tree_leaves(self.state)]
+        return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+    def record(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[Coll]]:
+        """A real step with ``comm.stats.recording`` on; the log becomes ``Coll`` records."""
+        plan = self.params.plan
+        stats = plan.comm.stats
+        stats.reset()
+        stats.recording = True
+        try:
+            loss = self.step(x, y)
+        finally:
+            stats.recording = False
+        world = plan.comm.world
+        log = []
+        for kind, label, nbytes in stats.log:
+            if kind == "all_gathers":
+                log.append(Coll("all_gather", nbytes // world, nbytes, torch.uint8))
+            elif kind == "reduce_scatters":
+                dtype = _reduce_dtype(plan, label, nbytes, world)
+                n = nbytes // dtype.itemsize
+                log.append(Coll("reduce_scatter", n, n // world, dtype))
+            else:
+                raise RuntimeError(f"functional step issued an unexpected collective {kind!r} ({label})")
+        stats.log.clear()
+        return loss, log
+
+    def replay(self, log: list[Coll]) -> None:
+        """Replay through fsdpfn's own core (``plan.comm``), fresh buffers per collective, ``WINDOW`` in flight."""
+        comm = self.params.plan.comm
+        pending: deque[Any] = deque()
+        for c in log:
+            buf = torch.empty(c.in_numel, dtype=c.dtype, device=self.device)
+            if c.kind == "all_gather":
+                pending.append(comm.all_gather(buf))
+            else:
+                pending.append(comm.reduce_scatter(buf.view(comm.world, -1)))
+            if len(pending) > WINDOW:
+                pending.popleft().wait()
+        while pending:
+            pending.popleft().wait()
+
+
+def _reduce_dtype(plan: Any, label: str, nbytes: int, world: int) -> torch.dtype:
+    """The reduce dtype of the bucket of unit ``label`` whose full size is ``nbytes``."""
+    for unit in plan.units:
+        if unit.label == label or unit.name == label:
+            for lay in unit.reduce:
+                if world * lay.numel * lay.dtype.itemsize == nbytes:
+                    return lay.dtype
+    return torch.float32
+
+
+@contextlib.contextmanager
+def _record_dist() -> Iterator[list[Coll]]:
+    """Log every ``all_gather_single``/``reduce_scatter_single`` (and their ``*_tensor`` names) issued
+    through ``torch.distributed`` or through fsdpfn's core (which imports them under its own names)
+    while the context is open."""
+    log: list[Coll] = []
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            out = args[0] if len(args) > 0 else kwargs.get("output_tensor", kwargs.get("output"))
+            inp = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
+            gpos = 2 if kind == "all_gather" else 3  # (out, in, group) / (out, in, op, group)
+            group = args[gpos] if len(args) > gpos else kwargs.get("group")
+            log.append(Coll(kind, inp.numel(), out.numel(), inp.dtype, group))
+            return fn(*args, **kwargs)
+
+        return inner
+
+    kinds: dict[Any, str] = {}
+    for attr, kind in (("all_gather_single", "all_gather"), ("all_gather_into_tensor", "all_gather"),
+                       ("reduce_scatter_single", "reduce_scatter"), ("reduce_scatter_tensor", "reduce_scatter")):
+        fn = getattr(dist, attr, None)
+        if fn is not None:
+            kinds[fn] = kind
+            patched.append((dist, attr, fn))
+    # fsdpfn's core binds the torch functions to its own names at import: patch those aliases too.
+    for mod in [m for name, m in list(sys.modules.items()) if name.startswith("fsdpfn.core") and m is not None]:
+        for attr, fn in list(vars(mod).items()):
+            if callable(fn) and fn in kinds:
+                patched.append((mod, attr, fn))
+    for mod, attr, fn in patched:
+        setattr(mod, attr, wrap(kinds[fn], fn))
+    try:
+        yield log
+    finally:
+        for mod, attr, fn in reversed(patched):
+            setattr(mod, attr, fn)
+
+
+def _replay_dist(log: list[Coll], device: torch.device) -> None:
+    """Issue ``log`` with ``torch.distributed`` directly: fresh buffers per collective, ``WINDOW`` in flight."""
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    pending: deque[Any] = deque()
+    for c in log:
+        # Buffers are allocated per collective, as the real step (and fsdpfn's Comm) does: allocating
+        # the whole step's buffers up front first-touches hundreds of MiB and doubled the time here.
+        inp = torch.empty(c.in_numel, dtype=c.dtype, device=device)
+        out = torch.empty(c.out_numel, dtype=c.dtype, device=device)
+        if c.kind == "all_gather":
+            work = ag(out, inp, group=c.group, async_op=True)
+        else:
+            work = rs(out, inp, op=dist.ReduceOp.SUM, group=c.group, async_op=True)
+        pending.append((work, inp, out))  # the buffers live until the work is waited for
+        if len(pending) > WINDOW:
+            w = pending.popleft()[0]
+            if w is not None:
+                w.wait()
+    while pending:
+        w = pending.popleft()[0]
+        if w is not None:
+            w.wait()
+
+
+def build_variant(name: str, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype) -> Variant:
+    """Instantiate the variant called ``name`` on a deep copy of ``base``."""
+    cls = {"torch": TorchFSDP, "functional": Functional, "local": Local, "compat": Compat, "reference": Reference}[name]
+    return cls(base, spec, mesh, device, dtype)

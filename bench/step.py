@@ -1,0 +1,229 @@
+"""Benchmark one training step: fsdpfn's functional layer against torch's FSDP2, in the same run.
+
+    python bench/step.py --model overhead --json out.json                         # world 1
+    torchrun --nproc-per-node 2 bench/step.py --model compute --json out.json --check
+
+Variants (``--variants``, comma list; default all), interleaved after warm-up (A B C D A B C D ...) so
+machine noise hits all alike:
+
+* ``torch``: ``torch.distributed.fsdp.fully_shard`` on every block and the root, ``torch.optim.AdamW(foreach=True)``.
+* ``functional``: ``fsdpfn.shard(units=blocks) + fsdpfn.fsdp + fsdpfn.value_and_grad + fsdpfn.optim.adamw``.
+* ``local``: no sharding, no communication, each rank on its own batch: the compute floor.
+* ``compat``: ``fsdpfn.compat.fully_shard`` wrapped like ``torch``; skipped while ``fsdpfn.compat`` is missing.
+
+Every variant starts from the same weights and sees the same batches (a pure function of seed, step
+and rank). An untimed ``reference`` (``local`` on the global batch: every rank's batch, gradients accumulated,
+computed redundantly on each rank) gives the loss every sharded variant must reproduce (``--check``).
+See bench/README.md for every field of the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fsdpfn
+from bench_measure import add_ratios, format_table, peak_step, reduce_max, reduce_mean, summarize, timed_replay, timed_step
+from bench_models import MODELS, count_params, make_batches, build_model, spec_for
+from bench_variants import ALL_VARIANTS, SHARDED, Variant, build_variant, compat_available
+
+COMPAT_MISSING = "fsdpfn.compat not available"
+REPLAYS = 5  # collective replays per sharded variant (median)
+
+
+def machine_load() -> dict[str, float]:
+    """The 1-minute load average and, where the kernel has PSI, the share of time (%) that runnable
+    tasks waited for a CPU over the last 60 s: how busy the machine was with other work."""
+    out: dict[str, float] = {}
+    try:
+        out["loadavg_1m"] = float(open("/proc/loadavg").read().split()[0])
+        some = open("/proc/pressure/cpu").readline().split()
+        out["cpu_pressure_avg60"] = float(dict(kv.split("=") for kv in some[1:])["avg60"])
+    except (OSError, ValueError, KeyError, IndexError):
+        pass
+    return out
+
+
+def fsdpfn_commit() -> str:
+    """``git describe`` of the fsdpfn checkout being measured (``-dirty`` when it has local changes)."""
+    import pathlib
+    import subprocess
+
+    root = pathlib.Path(fsdpfn.__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="overhead")
+    p.add_argument("--steps", type=int, default=20, help="measured steps per variant (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
+    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help=f"comma list of {', '.join(ALL_VARIANTS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write the results here (rank 0)")
+    p.add_argument("--check", action="store_true", help="exit 1 if a sharded variant's final loss differs from the reference")
+    p.add_argument("--rtol", type=float, default=None, help="--check tolerance (default 1e-4 in fp32, 2e-2 in bf16)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
+                   help="compute dtype (default fp32; bf16 for gpt1b): bf16 = param_dtype bf16, reduce_dtype fp32")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank (default: torch's choice)")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tiny models, for the smoke test
+    args = p.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in ALL_VARIANTS]
+    if unknown or not args.variants:
+        p.error(f"--variants: unknown {unknown}; choose from {', '.join(ALL_VARIANTS)}")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    spec = spec_for(args.model, args.tiny)
+    if spec.gpu_only and device_type != "cuda" and not args.tiny:
+        print(f"bench/step.py: --model {args.model} is a ~1B-parameter transformer meant for a GPU; it would take "
+              "hours (and ~16 GiB per replica) on a CPU. Use --model compute or --model overhead here.", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if (args.dtype or ("bf16" if args.model == "gpt1b" else "fp32")) == "bf16" else torch.float32
+    rtol = args.rtol if args.rtol is not None else (1e-4 if dtype == torch.float32 else 2e-2)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = machine_load()
+    mesh = fsdpfn.init_mesh(device=device_type)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    lead = rank == 0
+    say = (lambda *a: print(*a, flush=True)) if lead else (lambda *a: None)
+
+    results: dict[str, dict[str, Any]] = {}
+    names = []
+    for name in args.variants:
+        if name == "compat" and not compat_available():
+            say(f"note: skipping variant 'compat': {COMPAT_MISSING} (import fsdpfn.compat failed)")
+            results[name] = {"skipped": COMPAT_MISSING}
+        else:
+            names.append(name)
+
+    base = build_model(spec, args.seed)
+    n_params = count_params(base)
+    variants: dict[str, Variant] = {n: build_variant(n, base, spec, mesh, device, dtype) for n in names}
+    # The global-batch reference: at world 1 it is `local` itself (same batch), so reuse it when timed.
+    reuse_local = world == 1 and "local" in variants
+    reference: Any = None if reuse_local else build_variant("reference", base, spec, mesh, device, dtype)
+    del base
+
+    rounds = args.warmup + 1 + args.steps  # warm-up, one recorded/memory step, measured steps
+    say(f"{args.model}: {n_params / 1e6:.2f}M params, batch {spec.batch}/rank, world {world}, {device}, "
+        f"{str(dtype).removeprefix('torch.')}; variants {', '.join(names)}; {args.warmup} warm-up + 1 probe + {args.steps} measured")
+    batches = make_batches(spec, args.seed, rounds, list(range(world)), device)
+
+    def reference_step(step: int) -> torch.Tensor | None:
+        return reference.global_step(batches[step]) if reference is not None else None
+
+    times: dict[str, list[float]] = {n: [] for n in names}
+    last_loss: dict[str, torch.Tensor] = {}
+    ref_loss: torch.Tensor | None = None
+    peaks: dict[str, float] = {}
+    breakdown: dict[str, dict[str, float]] = {}
+    logs: dict[str, list[Any]] = {}
+    for step in range(rounds):
+        x, y = batches[step][rank]
+        probe = step == args.warmup
+        for n, v in variants.items():
+            if probe:
+                last_loss[n], logs[n], peaks[n], breakdown[n] = peak_step(v, x, y, world)
+            else:
+                t, last_loss[n] = timed_step(v, x, y, world)
+                if step > args.warmup:
+                    times[n].append(t)
+        ref_loss = reference_step(step) if reference is not None else last_loss.get("local")
+        if probe:  # collectives alone, right after the recorded step
+            comm: dict[str, list[float]] = {n: [] for n in names if variants[n].sharded}
+            for _ in range(REPLAYS):
+                for n in comm:
+                    comm[n].append(timed_replay(variants[n], logs[n], world))
+        if lead and (step + 1) % max(1, rounds // 5) == 0:
+            print(f"  round {step + 1}/{rounds}", flush=True)
+
+    # --- aggregate over ranks (untimed) -------------------------------------------------------
+    losses = reduce_mean([float(last_loss[n]) for n in names], world)
+    ref_value = float(ref_loss) if ref_loss is not None else float("nan")
+    for i, n in enumerate(names):
+        per_step = reduce_max(times[n], world)
+        r: dict[str, Any] = summarize(per_step)
+        r["peak_mib"] = reduce_max([peaks[n]], world)[0]
+        if breakdown[n]:
+            r["peak_breakdown_mib"] = breakdown[n]  # rank 0's, by MemTracker category
+        if n == "local":
+            r["final_loss"] = ref_value
+            r["final_loss_own_batch"] = losses[i]
+        else:
+            r["final_loss"] = losses[i]
+        if variants[n].sharded:
+            r["comm_s"] = sorted(reduce_max(comm[n], world))[len(comm[n]) // 2]
+            log = logs[n]
+            r["collectives"] = {
+                "all_gather": sum(c.kind == "all_gather" for c in log),
+                "reduce_scatter": sum(c.kind == "reduce_scatter" for c in log),
+                "mib": sum(c.nbytes for c in log) / 2**20,
+            }
+        results[n] = r
+    ordered = {n: results[n] for n in args.variants}
+    add_ratios(ordered, SHARDED)
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "world": world,
+        "torch_version": torch.__version__,
+        "fsdpfn_commit": fsdpfn_commit(),
+        "model": args.model,
+        "tiny": args.tiny,
+        "params": n_params,
+        "batch_per_rank": spec.batch,
+        "dtype": str(dtype).removeprefix("torch."),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "threads": torch.get_num_threads(),
+        "load": {"before": load_before, "after": machine_load()},
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "seed": args.seed,
+        "reference_final_loss": ref_value,
+        "variants": ordered,
+    }
+    failures = []
+    for n in names:
+        got = ordered[n]
+        if variants[n].sharded and abs(got["final_loss"] - ref_value) > rtol * abs(ref_value) + 1e-8:
+            failures.append(f"variant {n!r}: final loss {got['final_loss']:.8g} differs from the global-batch "
+                            f"reference {ref_value:.8g} (rtol {rtol:g})")
+    result["check"] = {"rtol": rtol, "ok": not failures, "failures": failures}
+    if lead:
+        print(format_table(result), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+            print(f"wrote {args.json}", flush=True)
+        for msg in failures:
+            print(f"{'CHECK FAILED' if args.check else 'warning'}: {msg}", file=sys.stderr, flush=True)
+    return 1 if (args.check and failures) else 0
+
+
+if __name__ == "__main__":
+    code = main()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
