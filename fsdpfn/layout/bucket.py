@@ -89,9 +89,13 @@ class BucketLayout:
         nb = len(batch)
         if device is None:
             device = next((s.device for s in shards if s is not None), torch.device("cpu"))
-        out = torch.zeros(*batch, self.numel, dtype=self.dtype, device=device)
+        # every element is written below (copies, then zeros for padding and None), so no zero-fill
+        out = torch.empty(*batch, self.numel, dtype=self.dtype, device=device)
         dsts, srcs = [], []
         for fqn, spec, off, shard in zip(self.fqns, self.specs, self.offsets, shards):
+            real = spec.local_rows(rank) * spec.row_numel if shard is not None else 0
+            if real < spec.padded_numel:
+                out[..., off + real : off + spec.padded_numel].zero_()
             if shard is None:
                 continue
             expected = batch + spec.local_shape(rank)
@@ -143,9 +147,11 @@ class BucketLayout:
         nb = len(batch)
         if device is None:
             device = next((f.device for f in fulls if f is not None), torch.device("cpu"))
-        out = torch.zeros(self.world, *batch, self.numel, dtype=self.dtype, device=device)
+        out = torch.empty(self.world, *batch, self.numel, dtype=self.dtype, device=device)
         for fqn, spec, off, full in zip(self.fqns, self.specs, self.offsets, fulls):
+            seg = out[..., off : off + spec.padded_numel]
             if full is None:
+                seg.zero_()
                 continue
             if tuple(full.shape) != batch + spec.shape:
                 raise ValueError(
@@ -155,13 +161,16 @@ class BucketLayout:
             if chunk == 0 or spec.row_numel == 0:
                 continue
             src = full.reshape(*batch, 1) if not spec.shape else full.movedim(nb + spec.dim, nb)
-            dst = out[..., off : off + spec.padded_numel].view(self.world, *batch, chunk, *spec.other_dims)
+            dst = seg.view(self.world, *batch, chunk, *spec.other_dims)
             q, rem = divmod(rows, chunk)
             if q:
                 body = src.narrow(nb, 0, q * chunk).reshape(*batch, q, chunk, *spec.other_dims)
                 dst[:q].copy_(body.movedim(nb, 0))
             if rem:
                 dst[q].narrow(nb, 0, rem).copy_(src.narrow(nb, q * chunk, rem))
+                dst[q].narrow(nb, rem, chunk - rem).zero_()  # padding
+            if q + (rem > 0) < self.world:
+                dst[q + (rem > 0) :].zero_()  # ranks that own no rows
         return out
 
     def unpack_shards(self, flat: torch.Tensor, rank: int, *, batch_ndim: int = 0) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -57,22 +58,22 @@ class ShardSpec:
         object.__setattr__(self, "dim", self.dim % ndim)
 
     # --- sizes --------------------------------------------------------------------------------
-    @property
+    @cached_property
     def rows(self) -> int:
         """Size of the sharded dimension (1 for a 0-d tensor)."""
         return self.shape[self.dim] if self.shape else 1
 
-    @property
+    @cached_property
     def chunk(self) -> int:
         """Rows per rank before trimming: ``ceil(rows / world)``."""
         return math.ceil(self.rows / self.world)
 
-    @property
+    @cached_property
     def row_numel(self) -> int:
         """Elements in one row (the product of every dimension but ``dim``)."""
         return math.prod(self.other_dims)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         """Elements of the full tensor."""
         return math.prod(self.shape)
@@ -96,17 +97,17 @@ class ShardSpec:
         """Elements of ``rank``'s unpadded shard."""
         return self.local_rows(rank) * self.row_numel
 
-    @property
+    @cached_property
     def padded_local_shape(self) -> tuple[int, ...]:
         """Shape of the padded shard, the same on every rank."""
         return self._with_rows(self.chunk)
 
-    @property
+    @cached_property
     def padded_numel(self) -> int:
         """Elements of the padded shard, the same on every rank."""
         return self.chunk * self.row_numel
 
-    @property
+    @cached_property
     def other_dims(self) -> tuple[int, ...]:
         """The dimensions other than ``dim``, in order (the shape of one row)."""
         return self.shape[: self.dim] + self.shape[self.dim + 1 :]
