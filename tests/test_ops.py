@@ -220,3 +220,26 @@ def _bad_unshard(case):
 def test_bad_input_to_ops_names_the_leaf(case, exc, match):
     with pytest.raises(exc, match=match):
         spmd(2, _bad_unshard, case)
+
+
+def _batched_chain():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    model[1].weight.requires_grad_(False)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    from fsdpfn.ops.api import gather_collective
+
+    g = gather_collective(params.plan, params.plan.units, 0.25)
+    gb = g.batched()
+    r, g2 = g.adjoint, g.adjoint.adjoint
+    rb, g2b = gb.adjoint, gb.adjoint.adjoint
+    return (
+        gb.batch_ndim == rb.batch_ndim == g2b.batch_ndim == 1,
+        rb.fqns == r.fqns and g2b.fqns == g2.fqns,  # the reduce's adjoint is gather' (trainable only)
+        g2b.scale == g2.scale == 0.25,  # ... which carries the reduction's scale
+        g2b.adjoint is rb,
+    )
+
+
+def test_batched_collectives_keep_the_adjoint_chain():
+    for checks in spmd(2, _batched_chain):
+        assert all(checks), checks

@@ -44,14 +44,16 @@ class Buckets:
     _batched: dict[int, Buckets] = field(default_factory=dict, repr=False)
 
     def batched(self) -> Buckets:
-        """The same collective over tensors with one more leading batch dimension (for ``vmap``)."""
+        """The same collective over tensors with one more leading batch dimension (for ``vmap``).
+
+        The adjoint chain (gather -> reduce -> gather' -> reduce ...) is batched alike; the per-object
+        cache ends the recursion at the cycle."""
         nb = self.batch_ndim + 1
         got = self._batched.get(nb)
         if got is None:
             got = self._batched[nb] = replace(self, batch_ndim=nb, adjoint=None, _batched={})
             if self.adjoint is not None:
-                adj = replace(self.adjoint, batch_ndim=nb, adjoint=got, _batched={})
-                object.__setattr__(got, "adjoint", adj)
+                object.__setattr__(got, "adjoint", self.adjoint.batched())
         return got
 
     def launch(self, tensors: Sequence[torch.Tensor | None]) -> list[Handle]:
