@@ -286,3 +286,18 @@ def test_reshard_and_prefetch_modes_give_identical_results():
             assert torch.equal(loss, base_loss)
             for n in base_grads:
                 assert torch.equal(grads[n], base_grads[n]) and torch.equal(only[n], base_grads[n])
+
+
+def _stale_after_use():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    apply = fsdpfn.fsdp(model)
+    apply(params, torch.ones(1, 3))  # validated once ...
+    model[1] = nn.Linear(4, 3)  # ... then the module changes under the same params
+    apply(params, torch.ones(1, 3))
+
+
+def test_a_module_changed_after_a_call_is_still_caught():
+    with pytest.raises(ValueError, match=r"leaf '1.weight' was sharded as \(2, 4\).*now \(3, 4\).*stale"):
+        spmd(2, _stale_after_use)

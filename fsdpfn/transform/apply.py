@@ -127,8 +127,10 @@ class Apply:
 
     # --- validation ---------------------------------------------------------------------------------
     def _validate(self, plan: ShardPlan) -> None:
+        # re-checked whenever the module's parameters change (replaced, reshaped, recast) since last time
+        signature = tuple((id(p), p.shape, p.dtype) for p in self.module.parameters())
         key = ("validated", id(self.module))
-        if plan.memo.get(key):
+        if plan.memo.get(key) == signature:
             return
         module_params = dict(self.module.named_parameters(remove_duplicate=False))
         for fqn in plan.params:
@@ -151,7 +153,7 @@ class Apply:
         missing = [b for b in plan.buffers if b not in module_buffers]
         if missing:
             raise ValueError(f"apply: params has buffers {missing} that the module does not have")
-        plan.memo[key] = True
+        plan.memo[key] = signature
 
     # --- swapping --------------------------------------------------------------------------------
     def _target(self, fqn: str, kind: str) -> tuple[dict[str, Any], str]:
