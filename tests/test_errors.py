@@ -42,6 +42,12 @@ def _changed(model):
     return model
 
 
+def _cuda_mesh():
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh("cuda", list(range(torch.distributed.get_world_size())), _init_backend=False)
+
+
 def _nested(model, params, apply):
     class Inner(nn.Module):
         def forward(self, x):
@@ -71,6 +77,7 @@ TRIGGERS = {
     "mesh-shape": (lambda m, p, a: fsdpfn.init_mesh((3,)), ValueError, r"covers 3 ranks but the world has 2"),
     "mesh-device": (lambda m, p, a: fsdpfn.init_mesh(device="xla"), ValueError, r"device 'xla' is not supported"),
     "mesh-no-gpu": (lambda m, p, a: fsdpfn.init_mesh(device="cuda"), ValueError, r"no GPU is visible"),
+    "param-device": (lambda m, p, a: fsdpfn.shard(m, _cuda_mesh()), ValueError, r"parameter 'blocks.0.weight' is on cpu but the mesh is on cuda; move the module"),
     "shard-module": (lambda m, p, a: fsdpfn.shard(torch.zeros(2), fsdpfn.init_mesh()), TypeError, r"expected an nn.Module"),
     "units-missing": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["block.1"]), ValueError, r"no submodule 'block.1'; did you mean 'blocks.1'"),
     "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3), TypeError, r"units must be a list of submodule names"),

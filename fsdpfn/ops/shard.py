@@ -100,6 +100,13 @@ def shard(
         raise NotImplementedError("shard: offload_policy=CPUOffloadPolicy is not supported by the functional layer yet")
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"shard: offload_policy must be a fsdpfn.OffloadPolicy, got {type(offload_policy).__name__}")
+    mesh_device = getattr(mesh, "device_type", None)
+    for fqn, p in module.named_parameters():  # before any group is touched: a wrong mesh fails fast
+        if mesh_device is not None and p.device.type != mesh_device and not p.is_meta:
+            raise ValueError(
+                f"shard: parameter {fqn!r} is on {p.device} but the mesh is on {mesh_device}; "
+                f"move the module with module.to({mesh_device!r}) or build the mesh for {p.device.type}"
+            )
     comm = Comm(mesh)
     groups = comm.groups
     unit_names = resolve_units(module, units)
@@ -120,11 +127,6 @@ def shard(
             continue
         owners[id(p)] = fqn
         names[fqn] = [fqn]
-        if p.device.type != groups.device_type and not p.is_meta:
-            raise ValueError(
-                f"shard: parameter {fqn!r} is on {p.device} but the mesh is on {groups.device_type}; "
-                f"move the module with module.to({groups.device_type!r}) or build the mesh for {p.device.type}"
-            )
         found[fqn] = p
     infos = [
         ParamInfo(fqn, tuple(p.shape), p.dtype, p.requires_grad, _owner(names[fqn], unit_names))
