@@ -126,9 +126,7 @@ def to_dtensor(params: Sharded[Any]) -> dict[str, torch.Tensor]:
         raise TypeError(f"to_dtensor: leaves {bad} are not tensors or None")
     zero = [k for k, kind in kinds.items() if kind == "zero_d"]
     zero_full = dict(zip(zero, zero_d_values(plan, [params[k] for k in zero])))
-    aliases: dict[str, list[str]] = {}
-    for alias, owner in plan.aliases.items():
-        aliases.setdefault(owner, []).append(alias)
+    aliases = plan.tied
     out: dict[str, torch.Tensor] = {}
     for k, v in params.items():
         kind = kinds[k]
@@ -186,9 +184,7 @@ def from_dtensor(state: Mapping[str, Any], like: Sharded[Any]) -> Sharded[Any]:
     if not isinstance(state, Mapping):
         raise TypeError(f"from_dtensor: state must be a mapping of name to tensor, got {type(state).__name__}")
     plan = like.plan
-    names: dict[str, list[str]] = {k: [k] for k in plan.keys}
-    for alias, owner in plan.aliases.items():
-        names[owner].append(alias)
+    names = {k: plan.names(k) for k in plan.keys}
     known = {n for ns in names.values() for n in ns}
     problems = [f"unexpected key {k!r}" for k in state if k not in known]
     picked: dict[str, tuple[str, Any]] = {}

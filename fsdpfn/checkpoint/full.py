@@ -28,13 +28,6 @@ def _check(tree: Any, what: str) -> ShardPlan:
     return tree.plan
 
 
-def _aliases(plan: ShardPlan) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for alias, owner in plan.aliases.items():
-        out.setdefault(owner, []).append(alias)
-    return out
-
-
 def _gather_unit(params: Sharded[torch.Tensor], unit: UnitPlan) -> dict[str, torch.Tensor]:
     """The unit's full parameters in their own dtypes: ``unshard`` unless mixed precision would gather
     them in another dtype, then an exact-dtype bucket gather (one collective per dtype)."""
@@ -78,7 +71,7 @@ def full_state_dict(
     """
     plan = _check(params, "full_state_dict")
     keep = not rank0_only or is_root(plan.comm)
-    aliases = _aliases(plan)
+    aliases = plan.tied
     got: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for unit in plan.units:
@@ -121,7 +114,7 @@ def _problems(state: Any, like: Sharded[Any]) -> list[str]:
     if not isinstance(state, Mapping):
         return [f"state must be a mapping of name to full tensor, got {type(state).__name__}"]
     plan = like.plan
-    aliases = _aliases(plan)
+    aliases = plan.tied
     known = set(plan.params) | set(plan.aliases) | set(plan.buffers)
     problems = [f"unexpected key {k!r}" for k in state if k not in known]
     for fqn in plan.params:
@@ -143,7 +136,7 @@ def _problems(state: Any, like: Sharded[Any]) -> list[str]:
     return problems
 
 
-def _full_of(state: Mapping[str, Any], fqn: str, aliases: dict[str, list[str]]) -> torch.Tensor:
+def _full_of(state: Mapping[str, Any], fqn: str, aliases: Mapping[str, tuple[str, ...]]) -> torch.Tensor:
     return next(state[n] for n in (fqn, *aliases.get(fqn, ())) if n in state)
 
 
@@ -181,7 +174,7 @@ def load_full_state_dict(
         root_run(plan.comm, lambda: check())
     else:
         check()
-    aliases = _aliases(plan)
+    aliases = plan.tied
     leaves: dict[str, Any] = {}
     device = plan.comm.groups.device if plan.comm is not None else torch.device("cpu")
     with torch.no_grad():

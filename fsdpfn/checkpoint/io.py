@@ -78,9 +78,7 @@ def _flatten(tree: Any, what: str) -> tuple[list[Any], Any, list[_Leaf], set[str
         prefix = ".".join(_entry_name(e) for e in path)
         if isinstance(value, Sharded):
             plan = value.plan
-            aliases: dict[str, list[str]] = {}
-            for alias, owner in plan.aliases.items():
-                aliases.setdefault(owner, []).append(alias)
+            aliases = plan.tied
             sub = []
             for fqn, v in value.items():
                 key = _join(prefix, fqn)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -86,6 +87,18 @@ class ShardPlan:
     def keys(self) -> tuple[str, ...]:
         """Every leaf name: parameters first, then buffers."""
         return self.params + self.buffers
+
+    @cached_property
+    def tied(self) -> Mapping[str, tuple[str, ...]]:
+        """For every parameter with tied names: the other names it goes by (``aliases`` inverted)."""
+        out: dict[str, tuple[str, ...]] = {}
+        for alias, owner in self.aliases.items():
+            out[owner] = (*out.get(owner, ()), alias)
+        return out
+
+    def names(self, fqn: str) -> tuple[str, ...]:
+        """Every name of parameter ``fqn``: itself first, then its tied aliases."""
+        return (fqn, *self.tied.get(fqn, ()))
 
     def unit(self, name: str) -> UnitPlan:
         """The unit called ``name`` (``""`` for the root)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fsdpfn.layout import Sharded, ShardPlan, UnitPlan, Unreduced
+from fsdpfn.layout import Sharded, ShardPlan, UnitPlan, Unreduced, shard_tensor
 from fsdpfn.layout.plan import ParamInfo, bucket_by_dtype
 from fsdpfn.ops.functions import Buckets, apply_buckets, collective_pair, reduce_collective
 
@@ -131,9 +131,7 @@ def reshard(full: Mapping[str, torch.Tensor], like: Sharded[Any]) -> Sharded[tor
         spec = plan.specs[fqn]
         if tuple(t.shape) != spec.shape:
             raise ValueError(f"reshard: {fqn!r} has shape {tuple(t.shape)}, the plan says {spec.shape}")
-        start, stop = spec.bounds(plan.rank)
-        rows = t.reshape(1) if not spec.shape else t
-        leaves[fqn] = rows.narrow(spec.dim, start, stop - start).clone(memory_format=torch.contiguous_format)
+        leaves[fqn] = shard_tensor(t, spec, plan.rank)  # narrow + clone: differentiable
     for fqn in plan.buffers:
         leaves[fqn] = full.get(fqn, like[fqn])
     return Sharded._from_children([leaves[k] for k in plan.keys], plan)
@@ -207,12 +205,7 @@ def _reduce_collective(plan: ShardPlan, scale: float, dtype: torch.dtype | None)
 
 
 def _lookup(full: Mapping[str, Any], fqn: str, plan: ShardPlan) -> Any:
-    if fqn in full:
-        return full[fqn]
-    for alias, owner in plan.aliases.items():
-        if owner == fqn and alias in full:
-            return full[alias]
-    return None
+    return next((full[n] for n in plan.names(fqn) if n in full), None)
 
 
 def accumulate(acc: Unreduced | None, grads: Unreduced) -> Unreduced:

@@ -51,9 +51,7 @@ def materialize_and_shard(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This rank's shards of every parameter (and the buffers), materialising one unit at a time."""
     names = {m: n for n, m in module.named_modules()}
-    all_names: dict[str, list[str]] = {f: [f] for f in plan.params}
-    for alias, owner in plan.aliases.items():
-        all_names[owner].append(alias)
+    all_names = {f: plan.names(f) for f in plan.params}
     pending: dict[nn.Module, set[str]] = {}  # module -> its direct parameters not yet sharded
     for fqn in plan.params:
         for name in all_names[fqn]:

@@ -169,7 +169,7 @@ class Apply:
         names = plan.memo.get(("swap", unit))
         if names is None:
             owned = plan.unit(unit).fqns
-            names = plan.memo[("swap", unit)] = [(a, o) for o in owned for a in [o, *(k for k, v in plan.aliases.items() if v == o)]]
+            names = plan.memo[("swap", unit)] = [(a, o) for o in owned for a in plan.names(o)]
         out: _Swap = []
         for name, owner in names:
             table, attr = self._target(name, "p")
