@@ -77,6 +77,7 @@ class ShardPlan:
     module_type: str = ""
     ignored: tuple[str, ...] = ()
     transient_buffers: frozenset[str] = frozenset()  # non-persistent buffers: not in state_dict()
+    unit_policies: Mapping[str, Any] = field(default_factory=dict)  # per-unit mixed precision (compat)
     _by_name: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # derived objects, built once per plan
 
@@ -108,6 +109,10 @@ class ShardPlan:
             known = ", ".join(repr(u.name) for u in self.units)
             raise KeyError(f"no unit {name!r} in this plan; units are {known}") from None
 
+    def policy(self, unit: str) -> Any:
+        """The mixed-precision policy of unit ``unit`` (the plan's own unless the unit has one)."""
+        return self.unit_policies.get(unit, self.mp_policy)
+
     def describe(self) -> str:
         """A short human-readable summary, used by ``repr``."""
         return (
@@ -126,12 +131,14 @@ def build_plan(
     gather_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
     reduce_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
     aliases: Mapping[str, str] | None = None,
+    unit_dtypes: Mapping[str, tuple[Callable[[torch.dtype], torch.dtype], Callable[[torch.dtype], torch.dtype]]] | None = None,
     **extra: Any,
 ) -> ShardPlan:
     """Build a plan: shard every parameter on dim 0 and bucket each unit's members by dtype.
 
     ``gather_dtype``/``reduce_dtype`` map a parameter's own dtype to the dtype its bucket moves in
-    (mixed precision). Units keep the order of ``unit_names``; a unit that owns nothing is dropped.
+    (mixed precision); ``unit_dtypes[unit]`` overrides the pair for one unit. Units keep the order of
+    ``unit_names``; a unit that owns nothing is dropped.
 
     Example:
         >>> infos = [ParamInfo("w", (4, 3), torch.float32, True, "")]
@@ -145,9 +152,10 @@ def build_plan(
         members = [i for i in infos if i.unit == name]
         if not members:
             continue
-        gather = bucket_by_dtype(members, specs, gather_dtype)
+        to_gather, to_reduce = (unit_dtypes or {}).get(name, (gather_dtype, reduce_dtype))
+        gather = bucket_by_dtype(members, specs, to_gather)
         trainable = [i for i in members if i.requires_grad]
-        units.append(UnitPlan(name, tuple(i.fqn for i in members), gather, bucket_by_dtype(trainable, specs, reduce_dtype)))
+        units.append(UnitPlan(name, tuple(i.fqn for i in members), gather, bucket_by_dtype(trainable, specs, to_reduce)))
     return ShardPlan(
         params=tuple(i.fqn for i in infos),
         buffers=tuple(buffers),

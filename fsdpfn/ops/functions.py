@@ -144,12 +144,16 @@ class CallInfo:
 
     ``pending``: handles of this very collective launched earlier (prefetch). ``sink``: when set, the
     backward does not reduce: it adds the incoming full gradients into ``sink[fqn]`` (in ``sink_dtypes``)
-    and passes no gradient to the shards (deferred reduction).
+    and passes no gradient to the shards (deferred reduction). ``carry``: full gradients accumulated
+    earlier into a sink; the backward adds (and removes) them before it reduces. ``keep_none``: a member
+    that received no gradient on this rank gets ``None`` instead of its (still reduced) shard gradient.
     """
 
     pending: Sequence[Handle] | None = None
     sink: dict[str, torch.Tensor] | None = None
     sink_dtypes: dict[str, torch.dtype] | None = None
+    carry: dict[str, torch.Tensor] | None = None
+    keep_none: bool = False
 
 
 class _BucketCollective(torch.autograd.Function):
@@ -166,6 +170,8 @@ class _BucketCollective(torch.autograd.Function):
         info = inputs[1]
         ctx.sink = info.sink if info is not None else None
         ctx.sink_dtypes = info.sink_dtypes if info is not None else None
+        ctx.carry = info.carry if info is not None else None
+        ctx.keep_none = info is not None and info.keep_none
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -180,10 +186,18 @@ class _BucketCollective(torch.autograd.Function):
         adj = b.adjoint
         assert adj is not None, "collective without an adjoint"
         by_name = dict(zip(b.fqns, grads))
+        if ctx.carry is not None:  # gradients accumulated without reduction in earlier backwards
+            for f in b.fqns:
+                acc = ctx.carry.pop(f, None)
+                if acc is not None:
+                    g = by_name.get(f)
+                    by_name[f] = acc if g is None else acc + g
         # Even when no gradient reached this rank the collective runs: the peers may have one.
         picked = [by_name.get(f) for f in adj.fqns]
         out = apply_buckets(adj, picked)
         res = dict(zip(adj.fqns, out))
+        if ctx.keep_none:
+            return (None, None, *(res.get(f) if by_name.get(f) is not None else None for f in b.fqns))
         return (None, None, *(res.get(f) for f in b.fqns))
 
     @staticmethod

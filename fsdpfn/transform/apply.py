@@ -75,6 +75,24 @@ class Apply:
 
     # --- the call ---------------------------------------------------------------------------------
     def __call__(self, params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        return self.run(params, self.module, args, kwargs)
+
+    def new_call(self, params: Sharded[torch.Tensor], functorch: bool) -> Call:
+        """The bookkeeping of one call on ``params`` (``torch.func`` transforms disable prefetch/reshard)."""
+        plan = params.plan
+        mode = params._mode
+        return Call(
+            params,
+            scale=mode.scale if mode is not None and mode.scale is not None else reduce_scale(plan, self.reduce_op, self.divide_by),
+            sink=mode.sink if mode is not None else None,
+            reshard=self.reshard_after_forward and not functorch,
+            prefetch=0 if functorch else self.prefetch,
+            order_hint=plan.memo.get(("order", id(self)), [u.name for u in plan.units]),
+        )
+
+    def run(self, params: Sharded[torch.Tensor], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)`` with the module's parameters taken from ``params`` (``fn`` is usually
+        the module itself; any function that runs its units works)."""
         if not isinstance(params, Sharded):
             raise TypeError(
                 f"apply: the first argument must be the fsdpfn.Sharded from fsdpfn.shard(...), got {type(params).__name__}"
@@ -87,15 +105,7 @@ class Apply:
                 "a module cannot run inside its own sharded forward"
             )
         functorch = _functorch_active()
-        mode = params._mode
-        call = Call(
-            params,
-            scale=mode.scale if mode is not None and mode.scale is not None else reduce_scale(plan, self.reduce_op, self.divide_by),
-            sink=mode.sink if mode is not None else None,
-            reshard=self.reshard_after_forward and not functorch,
-            prefetch=0 if functorch else self.prefetch,
-            order_hint=plan.memo.get(("order", id(self)), [u.name for u in plan.units]),
-        )
+        call = self.new_call(params, functorch)
         call.remat = self.reshard_after_forward and functorch and _only_grad_transforms()
         self._install_hooks(plan)
         swapped: _Swap = []
@@ -107,8 +117,8 @@ class Apply:
                 if any(u.name == "" for u in plan.units):
                     swapped += self._swap(plan, call.gather(""), "")
                 swapped += self._swap_buffers(params)
-                args, kwargs = _cast_inputs(plan, args, kwargs)
-                out = self.module(*args, **kwargs)
+                args, kwargs = _cast_inputs(plan, args, kwargs, "")
+                out = fn(*args, **kwargs)
         finally:
             self._restore(swapped)
             for mod, had, old in overridden:
@@ -120,7 +130,7 @@ class Apply:
             call.finish_forward()
         plan.memo[("order", id(self))] = list(call.order)
         self._backward.add(call)
-        policy = plan.mp_policy
+        policy = plan.policy("")
         if policy is not None and policy.output_dtype is not None:
             out = _cast_floats(out, policy.output_dtype)
         return out
@@ -195,10 +205,14 @@ class Apply:
     def _install_hooks(self, plan: ShardPlan) -> None:
         for unit in plan.units:
             if unit.name and unit.name not in self._hooked:
-                mod = self.module.get_submodule(unit.name)
-                mod.register_forward_pre_hook(self._pre_hook(unit.name), with_kwargs=True)
-                mod.register_forward_hook(self._post_hook(unit.name), always_call=True)
+                for mod in self.unit_modules(unit.name):
+                    mod.register_forward_pre_hook(self._pre_hook(unit.name), with_kwargs=True)
+                    mod.register_forward_hook(self._post_hook(unit.name), always_call=True)
                 self._hooked.add(unit.name)
+
+    def unit_modules(self, name: str) -> list[nn.Module]:
+        """The modules whose forward runs unit ``name`` (its own submodule)."""
+        return [self.module.get_submodule(name)]
 
     def _pre_hook(self, name: str) -> Callable[..., Any]:
         def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -212,27 +226,32 @@ class Apply:
                     return None
                 full = call.gathered.get(name) or call.gather(name)
                 self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, full, name))
-                return _cast_inputs(call.plan, args, kwargs)
+                return _cast_inputs(call.plan, args, kwargs, name)
             if _in_backward():
                 call = self._recompute_call(name)
                 if call is not None:
                     values = call.values_for_recompute(name)
                     self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, values, name))
-                    return _cast_inputs(call.plan, args, kwargs)
+                    return _cast_inputs(call.plan, args, kwargs, name)
             self._unit_swaps.setdefault(name, []).append([])
             return None
 
         return hook
 
     def _post_hook(self, name: str) -> Callable[..., Any]:
-        def hook(_mod: nn.Module, _args: Any, _out: Any) -> None:
+        def hook(_mod: nn.Module, _args: Any, out: Any) -> Any:
             stack = self._unit_swaps.get(name)
             if stack:
                 self._restore(stack.pop())
             if self._forward:
                 call = self._forward[-1]
-                if call.reshard and name in call.gathered:
+                if call.reshards(name) and name in call.gathered:
                     call.release(name)
+                if call.plan.unit_policies:
+                    policy = call.plan.unit_policies.get(name)
+                    if policy is not None and policy.output_dtype is not None:
+                        return _cast_floats(out, policy.output_dtype)
+            return None
 
         return hook
 
@@ -265,7 +284,7 @@ class Apply:
                 leaves = list(flat)
                 for i, t in zip(where, tensors):
                     leaves[i] = t
-                a, kw = _cast_inputs(plan, *tree.tree_unflatten(leaves, in_tree))
+                a, kw = _cast_inputs(plan, *tree.tree_unflatten(leaves, in_tree), name)
                 swapped = [s for u in units for s in self._swap(plan, full, u.name)]
                 self._remat_depth += 1
                 try:
@@ -297,8 +316,8 @@ def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
     return tree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
 
 
-def _cast_inputs(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    policy = plan.mp_policy
+def _cast_inputs(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any], unit: str) -> Any:
+    policy = plan.policy(unit)
     if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
         return (args, kwargs) if kwargs is not None else args
     return _cast_floats(args, policy.param_dtype), _cast_floats(kwargs, policy.param_dtype)

@@ -97,8 +97,7 @@ class Call:
         """Differentiably gather unit ``name`` (waiting for its prefetch if one is in flight)."""
         unit = self.plan.unit(name)
         b = self._collective(unit)
-        info = CallInfo(self.pending.pop(name, None), self.sink, _reduce_dtypes(self.plan) if self.sink is not None else None)
-        outs = apply_buckets(b, self._shards(b), info)
+        outs = apply_buckets(b, self._shards(b), self.info(name))
         full = dict(zip(b.fqns, outs))
         self.gathered[name] = full
         self.tracks_grad[name] = any(o.requires_grad for o in outs)
@@ -108,18 +107,31 @@ class Call:
         if grad_fn is not None:
             grad_fn.metadata["fsdpfn_call"] = self  # keeps the call alive exactly as long as the graph
             grad_fn.register_prehook(lambda _grads, _n=name: self._release(_n))
-        if self.reshard and name:
+        if self.reshards(name):
             for fqn, t in full.items():
                 if t.numel():
                     self.storages[t.untyped_storage().data_ptr()] = (name, fqn)
         self._prefetch_forward(name)
         return full
 
+    def info(self, name: str) -> CallInfo:
+        """The per-call extras of unit ``name``'s gather: its prefetched handles, the deferral sink."""
+        return CallInfo(self.pending.pop(name, None), self.sink, _reduce_dtypes(self.plan) if self.sink is not None else None)
+
+    def reshards(self, name: str) -> bool:
+        """Whether unit ``name``'s gathered copy is dropped after its forward (never the root's here)."""
+        return self.reshard and bool(name)
+
+    def forward_prefetch(self, name: str) -> Sequence[str]:
+        """The units to start gathering when unit ``name`` is gathered in forward."""
+        return _window(self.order_hint, name, self.prefetch, ahead=True)
+
+    def backward_prefetch(self, name: str) -> Sequence[str]:
+        """The units to start re-gathering when unit ``name`` is re-gathered in backward (nearest first)."""
+        return _window(self.order, name, self.prefetch, ahead=False)
+
     def _prefetch_forward(self, name: str) -> None:
-        if self.prefetch <= 0 or name not in self.order_hint:
-            return
-        i = self.order_hint.index(name)
-        for nxt in self.order_hint[i + 1 : i + 1 + self.prefetch]:
+        for nxt in self.forward_prefetch(name):
             if nxt not in self.pending and nxt not in self.gathered:
                 self.pending[nxt] = self._launch(nxt)
 
@@ -135,7 +147,7 @@ class Call:
         """End of the forward: drop every gathered copy but what autograd saved; cancel stray prefetches."""
         self.in_forward = False
         for name in list(self.gathered):
-            if name and self.reshard:
+            if self.reshards(name):
                 self.release(name)
         for handles in self.pending.values():
             for h in handles:
@@ -172,10 +184,7 @@ class Call:
         return full
 
     def _prefetch_backward(self, name: str) -> None:
-        if self.prefetch <= 0 or name not in self.order:
-            return
-        i = self.order.index(name)
-        for prev in reversed(self.order[max(0, i - self.prefetch) : i]):
+        for prev in self.backward_prefetch(name):
             if prev in self.packed_units and prev not in self.regathered and prev not in self.pending_back:
                 self.pending_back[prev] = self._launch(prev)
 
@@ -197,3 +206,11 @@ def _reduce_dtypes(plan: Any) -> dict[str, torch.dtype]:
     if got is None:
         got = plan.memo[("reduce_dtypes",)] = {f: lay.dtype for u in plan.units for lay in u.reduce for f in lay.fqns}
     return got
+
+
+def _window(order: Sequence[str], name: str, size: int, *, ahead: bool) -> Sequence[str]:
+    """Up to ``size`` units after (``ahead``) or before ``name`` in ``order``, nearest first."""
+    if size <= 0 or name not in order:
+        return ()
+    i = order.index(name)
+    return order[i + 1 : i + 1 + size] if ahead else order[max(0, i - size) : i][::-1]
