@@ -263,6 +263,13 @@ class Comm:
 
         return self._launch("reduce", fn, keep=(), result=t, fp=fp)
 
+    def wait_event(self, event: Any) -> None:
+        """Order every later collective of this mesh after ``event`` (a CUDA event, e.g. recorded after
+        the optimizer step); on CPU, where collectives run on gloo's thread in program order, nothing to do."""
+        if event is None or self.groups.device_type != "cuda":
+            return
+        torch.cuda.current_stream().wait_event(event)  # each launch orders its side stream after this one
+
     def broadcast(self, t: torch.Tensor, *, label: str = "") -> Handle:
         """Overwrite contiguous ``t`` (any dtype, raw bytes) in place on every rank of the mesh with its
         value on the mesh's first rank (coordinate 0 in every dim): over the replicate group, then the

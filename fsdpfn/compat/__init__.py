@@ -1,0 +1,29 @@
+"""FSDP2's API on fsdpfn's machinery: change ``from torch.distributed.fsdp import ...`` to
+``from fsdpfn.compat import ...``.
+
+``fully_shard`` turns parameters into ``nn.Parameter(DTensor)`` shards exactly as torch's does (same
+placements, ``torch.chunk`` local shapes, state dicts and checkpoints interchangeable); forward and
+backward run on the same units, collectives and overlap as ``fsdpfn.fsdp``. What differs, and why, is
+listed in docs/compat.md.
+
+Example:
+    >>> from fsdpfn.compat import fully_shard, MixedPrecisionPolicy
+    >>> for block in model.blocks:                                     # doctest: +SKIP
+    ...     fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    >>> fully_shard(model)                                             # doctest: +SKIP
+"""
+
+from fsdpfn.compat.fully_shard import fully_shard
+from fsdpfn.compat.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+]

@@ -1,0 +1,260 @@
+"""``fully_shard``: FSDP2's entry point, sharding a module's parameters into ``DTensor``s in place.
+
+Nothing is communicated here: every rank holds the full parameters (or ``meta`` tensors) and keeps its
+``torch.chunk`` slice along dim 0. The module's class becomes ``FSDP<Original>`` (with the
+``FSDPModule`` methods), and its forward runs through the root's plan (see ``root.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
+from fsdpfn.compat.state import ManagedParam, UnitState, set_state, state_of
+from fsdpfn.core import init_mesh, mesh_groups
+from fsdpfn.layout import ShardSpec, shard_tensor
+from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["fully_shard"]
+
+_CLASSES: dict[tuple[type, type, str], type] = {}
+
+
+@overload
+def fully_shard(module: nn.Module, **kwargs: Any) -> FSDPModule: ...
+@overload
+def fully_shard(module: list[nn.Module], **kwargs: Any) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: Any,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: Any = MixedPrecisionPolicy(),
+    offload_policy: Any = OffloadPolicy(),
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+) -> Any:
+    """Shard ``module``'s parameters (those not already sharded by a call on a submodule) over ``mesh``
+    as ``nn.Parameter(DTensor)`` with ``(Shard(0),)`` placements (``(Replicate(), Shard(0))`` on a 2-D
+    HSDP mesh); one collective group per call. Same signature and behaviour as
+    ``torch.distributed.fsdp.fully_shard`` (torch 2.13); differences are listed in docs/compat.md.
+
+    Example:
+        >>> from fsdpfn.compat import fully_shard
+        >>> for block in model.blocks:                            # doctest: +SKIP
+        ...     fully_shard(block)
+        >>> fully_shard(model)                                    # doctest: +SKIP
+        >>> model(x).sum().backward()     # .grad are DTensors, averaged over ranks   # doctest: +SKIP
+    """
+    return _shard(
+        module,
+        kind="fully_shard",
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        shard_placement_fn=shard_placement_fn,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        dp_mesh_dims=dp_mesh_dims,
+    )
+
+
+def _shard(
+    module: Any,
+    *,
+    kind: str,
+    mesh: DeviceMesh | None,
+    reshard_after_forward: bool | int | None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None,
+    mp_policy: Any,
+    offload_policy: Any,
+    ignored_params: Iterable[nn.Parameter] | None,
+    dp_mesh_dims: Any,
+    placements: tuple[Any, ...] | None = None,
+    wrapper: type = FSDPModule,
+    prefix: str = "FSDP",
+) -> Any:
+    modules = _modules(module, kind)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(f"{kind}: dp_mesh_dims (an SPMD mesh with data-parallel dims) is not supported")
+    mesh = _default_mesh() if mesh is None else mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"{kind}: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"{kind} expects a 1D or 2D DeviceMesh but got {mesh.ndim}-D mesh {mesh}")
+    groups = mesh_groups(mesh)
+    _check_reshard(reshard_after_forward, groups.world, kind)
+    mp = _policy(mp_policy, kind)
+    offload = _offload(offload_policy, mesh, kind)
+    if placements is None:
+        placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    device = groups.device
+    ignored = {id(p) for p in (ignored_params or ())}
+
+    inner = _inner_states(modules)
+    taken = {id(m.param) for st in inner for m in st.managed}
+    managed: list[ManagedParam] = []
+    by_id: dict[int, ManagedParam] = {}
+    for root in modules:
+        for mod in root.modules():
+            for attr, p in list(mod._parameters.items()):
+                if p is None or id(p) in ignored or id(p) in taken:
+                    continue
+                if id(p) in by_id:
+                    by_id[id(p)].slots.append((mod, attr))
+                    continue
+                if isinstance(p, DTensor):
+                    raise ValueError(
+                        f"{kind}: parameter {attr!r} of {type(mod).__name__} is already a DTensor; shard a module "
+                        "whose parameters are plain tensors (is it managed by another fully_shard root?)"
+                    )
+                if shard_placement_fn is not None:
+                    chosen = shard_placement_fn(p)
+                    if chosen is not None and chosen != Shard(0):
+                        raise NotImplementedError(
+                            f"{kind}: shard_placement_fn returned {chosen} for parameter {attr!r} of "
+                            f"{type(mod).__name__}; fsdpfn.compat shards on dim 0 only (return None or Shard(0))"
+                        )
+                by_id[id(p)] = ManagedParam(p, [(mod, attr)])
+                managed.append(by_id[id(p)])
+    for m in managed:
+        m.param = _to_dtensor(m.param, mesh, placements, groups, device, kind)
+        for mod, attr in m.slots:
+            mod._parameters[attr] = m.param
+    if device.type != "meta":
+        for root in modules:
+            for mod in root.modules():
+                for name, b in list(mod._buffers.items()):
+                    if b is not None and not b.is_meta and b.device != device:
+                        mod._buffers[name] = b.to(device)
+
+    state = UnitState(
+        modules=tuple(modules),
+        mesh=mesh,
+        mp_policy=mp,
+        offload_policy=offload,
+        reshard_after_forward=reshard_after_forward,
+        placements=placements,
+        managed=managed,
+        kind=kind,
+    )
+    for st in inner:
+        if st.parent is None:
+            st.parent = state
+    for mod in modules:
+        set_state(mod, state)
+        cls = type(mod)
+        key = (cls, wrapper, prefix)
+        new_cls = _CLASSES.get(key)
+        if new_cls is None:
+            new_cls = _CLASSES[key] = type(f"{prefix}{cls.__name__}", (wrapper, cls), {"__deepcopy__": _unimplemented_deepcopy})
+        mod.__class__ = new_cls
+    return module
+
+
+def _modules(module: Any, kind: str) -> list[nn.Module]:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError(f"{kind}: got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise ValueError(f"{kind} expects nn.Module(s) but got {type(m).__name__}")
+        st = state_of(m)
+        if st is not None:
+            raise ValueError(
+                f"{kind}: {type(m).__name__} was already passed to {st.kind}; apply it once per module "
+                "(bottom-up: blocks first, then the root)"
+            )
+    return modules
+
+
+def _inner_states(modules: list[nn.Module]) -> list[UnitState]:
+    found: list[UnitState] = []
+    for root in modules:
+        for mod in root.modules():
+            st = state_of(mod)
+            if st is not None and all(st is not s for s in found):
+                found.append(st)
+    return found
+
+
+def _check_reshard(value: Any, world: int, kind: str) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise ValueError(f"{kind}: reshard_after_forward should be a bool, an int or None, got {type(value)}")
+    if value < 2 or value >= world or world % value:
+        raise ValueError(
+            f"{kind}: reshard_after_forward={value} must be a non-trivial divisor of the shard mesh size {world} "
+            "(not 1, not the size itself)"
+        )
+
+
+def _policy(policy: Any, kind: str) -> MixedPrecisionPolicy:
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    if type(policy).__name__ == "MixedPrecisionPolicy" and all(hasattr(policy, f) for f in fields):
+        return MixedPrecisionPolicy(**{f: getattr(policy, f) for f in fields})  # torch's own class
+    raise TypeError(f"{kind}: mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+
+
+def _offload(policy: Any, mesh: DeviceMesh, kind: str) -> OffloadPolicy:
+    name = type(policy).__name__
+    if name not in ("OffloadPolicy", "CPUOffloadPolicy"):
+        raise TypeError(f"{kind}: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got {name}")
+    if name == "CPUOffloadPolicy":
+        if mesh.device_type != "cpu":
+            raise NotImplementedError(
+                f"{kind}: CPUOffloadPolicy on a {mesh.device_type} mesh (shards in host memory, gathered to the "
+                "device) is not supported by fsdpfn.compat yet"
+            )
+        return CPUOffloadPolicy(pin_memory=getattr(policy, "pin_memory", True))
+    return OffloadPolicy()
+
+
+def _to_dtensor(p: nn.Parameter, mesh: DeviceMesh, placements: tuple[Any, ...], groups: Any, device: torch.device, kind: str) -> nn.Parameter:
+    shard_dims = [pl.dim for pl in placements if isinstance(pl, Shard)]
+    if p.is_meta:
+        if shard_dims:
+            spec = ShardSpec(tuple(p.shape), groups.world)
+            local = torch.empty(spec.local_shape(groups.rank), dtype=p.dtype, device="meta")
+        else:
+            local = torch.empty_like(p, device="meta")
+    else:
+        full = p.detach().to(device)
+        local = shard_tensor(full, ShardSpec(tuple(p.shape), groups.world), groups.rank) if shard_dims else full.clone()
+    local = local.contiguous()
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=_contiguous_stride(p.shape))
+    return nn.Parameter(dt, requires_grad=p.requires_grad)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+_MESHES: dict[Any, DeviceMesh] = {}
+
+
+def _default_mesh() -> DeviceMesh:
+    """A 1-D mesh over every rank (started from torchrun's environment, or a world of one)."""
+    key = dist.get_world_size() if dist.is_initialized() else None
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        mesh = init_mesh()
+        _MESHES[dist.get_world_size()] = mesh
+    return mesh

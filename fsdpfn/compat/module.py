@@ -1,0 +1,322 @@
+"""``FSDPModule``: the class ``fully_shard`` mixes into a module, with FSDP2's methods.
+
+Calling an ``FSDPModule`` routes the forward through its root's ``RootContext`` (lazy initialisation
+makes the first module called the root); the ``set_*`` methods change the knobs of the module's
+``UnitState``, which the next forward/backward reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal, NoReturn
+
+import torch
+from torch import nn
+
+from fsdpfn.compat.root import RootContext, lazy_root
+from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
+from fsdpfn.ops.api import gather_collective
+
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
+
+
+def _state(module: Any) -> UnitState:
+    st = state_of(module)
+    if st is None:  # pragma: no cover - only reachable by calling the methods unbound
+        raise RuntimeError(f"{type(module).__name__} is not a fully_shard module")
+    return st
+
+
+def _fsdp_modules(module: nn.Module, recurse: bool) -> list[nn.Module]:
+    mods = list(module.modules()) if recurse else [module]
+    return [m for m in mods if state_of(m) is not None]
+
+
+def _check_bool(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be a bool, got {value!r}")
+    return value
+
+
+def dispatch(module: nn.Module, fn: Callable[..., Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run ``module``'s forward (``fn=None``) or a registered forward method ``fn`` under FSDP."""
+    st = _state(module)
+    ctx = st.root if st.root is not None else RootContext(module, st)
+    if not ctx.running:
+        return ctx.run(lambda *a, **k: dispatch(module, fn, a, k), args, kwargs)
+    if fn is None:
+        return nn.Module.__call__(module, *args, **kwargs)  # the unit hooks gather around forward
+    if st is ctx.state:
+        return fn(*args, **kwargs)  # the root unit is gathered for the whole call
+    return ctx.apply.run_unit(st.name, module, fn, args, kwargs)
+
+
+class UnshardHandle:
+    """A handle on an ``FSDPModule.unshard(async_op=True)``; ``wait()`` (idempotent) registers the
+    unsharded parameters on the module.
+
+    Example:
+        >>> handle = model.layers[1].unshard(async_op=True)     # doctest: +SKIP
+        >>> handle.wait()                                        # doctest: +SKIP
+    """
+
+    def __init__(self, state: UnitState | None = None):
+        self._state = state
+
+    def wait(self) -> None:
+        """Wait for the all-gather and register the full parameters on the module (once)."""
+        st, self._state = self._state, None
+        if st is None or st.unsharded is None or st.unsharded[1] is not None:
+            return
+        handles, _, b = st.unsharded
+        full = dict(zip(b.fqns, b.finish(handles)))
+        st.unsharded = (handles, full, b)
+        for fqn, m in st.root.managed.items():
+            if fqn in full:
+                unsharded = nn.Parameter(full[fqn], requires_grad=m.param.requires_grad)
+                for mod, attr in m.slots:
+                    mod._parameters[attr] = unsharded
+
+
+def _unimplemented_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
+    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
+
+
+class FSDPModule:
+    """The mixin ``fully_shard`` adds (class name ``FSDP<Original>``): FSDP2's ``FSDPModule`` API.
+
+    Example:
+        >>> model = fully_shard(model)                            # doctest: +SKIP
+        >>> isinstance(model, FSDPModule), type(model).__name__   # (True, 'FSDPTransformer')  # doctest: +SKIP
+        >>> model.set_requires_gradient_sync(False)                # gradient accumulation  # doctest: +SKIP
+    """
+
+    _orig_cls_mro_index: int = 2
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Containers that build a new instance of their own class (Sequential slicing) get the original.
+        orig = cls.__mro__[cls._orig_cls_mro_index]
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return dispatch(self, None, args, kwargs)  # type: ignore[arg-type]
+
+    # --- unshard / reshard ------------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters (not recursive) and register the full tensors on it.
+
+        ``async_op=True`` returns an ``UnshardHandle``; the module's next forward waits for it itself.
+        """
+        st = _state(self)
+        top = st.top()
+        ctx = lazy_root(top, top.modules[0])
+        if st.unsharded is None and any(u.name == st.name for u in ctx.plan.units):
+            params = ctx.params()
+            b = gather_collective(ctx.plan, (ctx.plan.unit(st.name),), ctx.scale(st.name))
+            st.unsharded = (b.launch([params[f].detach() for f in b.fqns]), None, b)
+        handle = UnshardHandle(st if st.unsharded is not None else None)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Drop the unsharded parameters (of an explicit ``unshard``) and register the sharded ones
+        again (not recursive)."""
+        st = _state(self)
+        if st.unsharded is not None:
+            drop_unsharded(st)
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward: forget the iteration's in-flight state (explicit
+        unshards, gradients accumulated while sync was off). Call it on the root module."""
+        st = _state(self)
+        if st.root is not None and st.root.state is not st:
+            raise RuntimeError(
+                f"reset_iter_state must be called on the root FSDP module ({type(st.root.module).__name__}), "
+                f"not on {type(self).__name__}"
+            )
+        states = st.root.states.values() if st.root is not None else [st]
+        for s in states:
+            if s.unsharded is not None:
+                drop_unsharded(s)
+            s.acc.clear()
+        if st.root is not None:
+            st.root.running = False
+
+    # --- gradient knobs -----------------------------------------------------------------------------
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for compatibility: fsdpfn finishes every reduction inside backward, so there is no
+        pending work the last backward would have to wait for."""
+        _state(self).is_last_backward = _check_bool(is_last_backward, "is_last_backward")
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """``False``: backward communicates nothing and accumulates full gradients (in the reduce dtype)
+        on each rank; the next backward with ``True`` reduces them together with its own.
+
+        Example:
+            >>> model.set_requires_gradient_sync(False); model(x1).sum().backward()   # doctest: +SKIP
+            >>> model.set_requires_gradient_sync(True); model(x2).sum().backward()    # doctest: +SKIP
+        """
+        value = _check_bool(requires_gradient_sync, "requires_gradient_sync")
+        for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
+            _state(m).requires_gradient_sync = value
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` skips the all-reduce over replicas. fsdpfn then defers the whole reduction
+        (as with ``set_requires_gradient_sync(False)``) until a backward with the all-reduce enabled;
+        the gradients are the same, see docs/compat.md."""
+        value = _check_bool(requires_all_reduce, "requires_all_reduce")
+        for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
+            _state(m).requires_all_reduce = value
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether the module drops its gathered parameters after forward (re-gathering in backward)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
+        for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
+            _state(m).reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Accepted for compatibility: fsdpfn always frees gathered parameters when a unit's gradient
+        reduction starts (a later forward gathers again, so no stale copy can be used)."""
+        value = _check_bool(reshard_after_backward, "reshard_after_backward")
+        for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
+            _state(m).reshard_after_backward = value
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Accepted for compatibility: fsdpfn re-gathers a unit in backward only when a saved tensor
+        needs it, which is what ``False`` asks for where it is safe."""
+        _state(self).unshard_in_backward = _check_bool(unshard_in_backward, "unshard_in_backward")
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Gradients become the sum over data-parallel ranks divided by ``factor`` (instead of the mean).
+
+        Example:
+            >>> model.set_gradient_divide_factor(1.0)   # sum, not mean   # doctest: +SKIP
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
+        _state(self).divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: fsdpfn's collectives always sum and scale afterwards, so this changes nothing."""
+        _state(self).force_sum = _check_bool(enable, "enable")
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """``True``: parameters that got no gradient on this rank still receive the reduced gradient
+        (zeros where no rank had one) instead of ``None``."""
+        value = _check_bool(reduce_scatter_unused_params, "reduce_scatter_unused_params")
+        for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
+            _state(m).reduce_scatter_unused = value
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """Accepted for compatibility: fsdpfn holds one reduce-scatter input per unit, freed when it ends."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
+
+    # --- prefetch and events ----------------------------------------------------------------------
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Gather these modules' parameters as soon as this module's are gathered in forward."""
+        _state(self).forward_prefetch = [_state_of_listed(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Re-gather these modules' parameters as soon as this module's are re-gathered in backward."""
+        _state(self).backward_prefetch = [_state_of_listed(m) for m in modules]
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next forward's all-gathers wait for ``event`` (recorded after the optimizer step) instead
+        of the whole current stream. On CPU there is nothing to order."""
+        _state(self).post_optim_event = event
+
+    # --- communication customisation: not supported -----------------------------------------------
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Not supported: raises ``NotImplementedError``."""
+        raise NotImplementedError("set_custom_all_gather: custom all-gather implementations are not supported by fsdpfn.compat")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Not supported: raises ``NotImplementedError``."""
+        raise NotImplementedError(
+            "set_custom_reduce_scatter: custom reduce-scatter implementations are not supported by fsdpfn.compat"
+        )
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
+        """Not supported: raises ``NotImplementedError``."""
+        raise NotImplementedError("set_all_reduce_hook: all-reduce hooks are not supported by fsdpfn.compat")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Not supported for ``True``: raises ``NotImplementedError``."""
+        if enable:
+            raise NotImplementedError("set_separate_reduce_scatter_group: a separate reduce-scatter group is not supported")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported for ``True``: raises ``NotImplementedError``."""
+        if enable:
+            raise NotImplementedError(
+                "set_allocate_memory_from_process_group_for_comm: process-group memory allocation is not supported"
+            )
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Not supported: raises ``NotImplementedError``."""
+        raise NotImplementedError("set_symm_mem_for_comm: symmetric-memory collectives are not supported by fsdpfn.compat")
+
+    # --- nn.Module integration ----------------------------------------------------------------------
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # module.to(...) & co.: register the sharded parameters first, then follow the converted ones.
+        st = _state(self)
+        if st.unsharded is not None:
+            drop_unsharded(st)
+        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        for m in st.managed:
+            mod, attr = m.slots[0]
+            current = mod._parameters.get(attr)
+            if current is not None and current is not m.param:
+                m.param = current
+                for mo, at in m.slots:
+                    mo._parameters[at] = current
+        return out
+
+
+def _state_of_listed(module: Any) -> UnitState:
+    st = state_of(module) if isinstance(module, nn.Module) else None
+    if st is None:
+        raise ValueError(f"Expects FSDPModule but got {type(module)}: {module}")
+    return st
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` gather and reshard like ``forward`` (e.g. ``generate``). A no-op
+    for a module that is not an ``FSDPModule``.
+
+    Example:
+        >>> register_fsdp_forward_method(model, "generate")   # doctest: +SKIP
+    """
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    orig = getattr(module, method_name)
+
+    @functools.wraps(orig)
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return dispatch(self, orig, args, kwargs)
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """Accepted for compatibility: all units under one fsdpfn root already share one ``Comm`` (and its
+    streams). Validates that every entry is an ``FSDPModule``."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")
+    if len({id(_state(m).top()) for m in modules}) > 1:
+        warnings.warn("share_comm_ctx: these modules belong to different roots; each root keeps its own Comm", stacklevel=2)

@@ -1,0 +1,269 @@
+"""The root of a ``fully_shard`` tree: one plan over all its units, run by ``fsdpfn.transform``.
+
+Lazy initialisation (the first forward, ``unshard`` or ``state_dict``-free call that needs it) makes
+the module whose forward runs first the root: every ``fully_shard`` state below it becomes a unit of
+one ``ShardPlan`` (unit name = the state's module FQN relative to the root, ``""`` for the root's own
+parameters) sharing one ``Comm``. Each forward builds the ``Sharded`` tree from the ``DTensor``
+parameters' local shards (``to_local()``, so autograd carries the reduced shard gradients back into the
+parameters' ``.grad``) and runs the module through ``Apply.run``. The per-unit knobs of ``FSDPModule``
+(resharding, gradient sync, divide factor, explicit prefetch) are read live by ``CompatCall``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
+from fsdpfn.core import Comm
+from fsdpfn.layout import ParamInfo, Sharded, build_plan
+from fsdpfn.ops.api import gather_collective
+from fsdpfn.ops.functions import Buckets, CallInfo
+from fsdpfn.transform.apply import Apply
+from fsdpfn.transform.call import Call, _reduce_dtypes
+
+__all__ = ["RootContext", "lazy_root"]
+
+
+class CompatCall(Call):
+    """One forward of a compat root: the unit knobs come from the ``UnitState``s."""
+
+    def __init__(self, ctx: RootContext, params: Sharded[torch.Tensor], order_hint: Sequence[str]):
+        self.ctx = ctx
+        super().__init__(params, scale=1.0, reshard=ctx.any_reshard(), prefetch=1, order_hint=order_hint)
+
+    def _collective(self, unit: Any) -> Buckets:
+        return gather_collective(self.plan, (unit,), self.ctx.scale(unit.name))
+
+    def info(self, name: str) -> CallInfo:
+        st = self.ctx.states[name]
+        pending = self.pending.pop(name, None)
+        keep_none = not st.reduce_scatter_unused
+        if not st.requires_gradient_sync or (not st.requires_all_reduce and self.plan.replicas > 1):
+            return CallInfo(pending, sink=st.acc, sink_dtypes=_reduce_dtypes(self.plan), keep_none=keep_none)
+        return CallInfo(pending, carry=st.acc if st.acc else None, keep_none=keep_none)
+
+    def reshards(self, name: str) -> bool:
+        return self.ctx.reshards(name)
+
+    def forward_prefetch(self, name: str) -> Sequence[str]:
+        explicit = self.ctx.states[name].forward_prefetch
+        if explicit is not None:
+            return self.ctx.names_of(explicit)
+        return super().forward_prefetch(name)
+
+    def backward_prefetch(self, name: str) -> Sequence[str]:
+        explicit = self.ctx.states[name].backward_prefetch
+        if explicit is not None:
+            return self.ctx.names_of(explicit)
+        return super().backward_prefetch(name)
+
+
+class CompatApply(Apply):
+    """``Apply`` whose calls are ``CompatCall``s and whose units may span several modules."""
+
+    def __init__(self, ctx: RootContext):
+        super().__init__(ctx.module, reshard_after_forward=True, prefetch=1, reduce_op="avg", divide_by=None)
+        self.ctx = ctx
+
+    def new_call(self, params: Sharded[torch.Tensor], functorch: bool) -> Call:
+        plan = params.plan
+        call = CompatCall(self.ctx, params, plan.memo.get(("order", id(self)), [u.name for u in plan.units]))
+        if functorch:  # torch.func transforms: no prefetch, no packing of saved tensors
+            call.prefetch, call.reshard = 0, False
+        for name, st in self.ctx.states.items():  # an explicit unshard() already launched the gather
+            if st.unsharded is not None:
+                call.pending[name] = st.unsharded[0]
+        return call
+
+    def _validate(self, plan: Any) -> None:
+        pass  # RootContext.params checks every DTensor parameter before each call
+
+    def unit_modules(self, name: str) -> list[nn.Module]:
+        return list(self.ctx.states[name].modules)
+
+    def run_unit(self, name: str, module: nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``fn`` (a method of ``module``) as if it were the unit's forward: gathered around it."""
+        got = self._pre_hook(name)(module, args, kwargs)
+        if got is not None:
+            args, kwargs = got
+        out = None
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            cast = self._post_hook(name)(module, args, out)
+        return out if cast is None else cast
+
+
+class RootContext:
+    """The plan, ``Apply`` and parameter bookkeeping of one root module."""
+
+    def __init__(self, module: nn.Module, state: UnitState):
+        self.module = module
+        self.state = state
+        self.running = False
+        self.comm: Comm | None = None
+        self.states: dict[str, UnitState] = {}
+        self._build()
+
+    # --- set-up -----------------------------------------------------------------------------------
+    def _build(self) -> None:
+        """Collect the states below the root and make one plan over them."""
+        module_names = {}
+        for fqn, mod in self.module.named_modules(remove_duplicate=False):
+            module_names.setdefault(id(mod), fqn)
+        states: dict[str, UnitState] = {}
+        for fqn, mod in self.module.named_modules():
+            st = state_of(mod)
+            if st is None or any(s is st for s in states.values()):
+                continue
+            if st.root is not None and st.root is not self:
+                raise RuntimeError(
+                    f"FSDP state has already been lazily initialized for {fqn!r} ({type(mod).__name__}): it ran (forward "
+                    f"or unshard) as a root of its own before the root module {type(self.module).__name__}. FSDP "
+                    "requires running forward through the root module first"
+                )
+            states[fqn] = st
+        mesh = self.state.mesh
+        for name, st in states.items():
+            if st.mesh != mesh:
+                raise NotImplementedError(
+                    f"fully_shard: module {name!r} was sharded on a different mesh than the root "
+                    f"{type(self.module).__name__}; fsdpfn.compat runs one mesh per root"
+                )
+            if st.kind != self.state.kind:
+                raise NotImplementedError(
+                    f"{st.kind} on {name!r} under {self.state.kind} on the root: mixing fully_shard and replicate "
+                    "in one module tree is not supported"
+                )
+        slot_of = {}
+        for name, st in states.items():
+            for m in st.managed:
+                for mod, attr in m.slots:
+                    slot_of[(id(mod), attr)] = (name, m)
+        infos, aliases, ignored = [], {}, []
+        owner_name: dict[int, str] = {}
+        self.managed: dict[str, Any] = {}
+        for fqn, p in self.module.named_parameters(remove_duplicate=False):
+            path, _, attr = fqn.rpartition(".")
+            mod = self.module.get_submodule(path)
+            hit = slot_of.get((id(mod), attr))
+            if hit is None:
+                ignored.append(fqn)
+                continue
+            unit, m = hit
+            if id(m) in owner_name:
+                aliases[fqn] = owner_name[id(m)]
+                continue
+            owner_name[id(m)] = fqn
+            self.managed[fqn] = m
+            local = m.param.to_local()
+            infos.append(ParamInfo(fqn, tuple(m.param.shape), local.dtype, m.param.requires_grad, unit))
+        if self.comm is None:
+            self.comm = Comm(mesh)
+        groups = self.comm.groups
+        unit_names = list(states)
+        if "" not in states:
+            unit_names.insert(0, "")
+        self.plan = build_plan(
+            infos,
+            [],
+            unit_names,
+            rank=groups.rank,
+            world=groups.world,
+            aliases=aliases,
+            unit_dtypes={n: (s.mp_policy.gather_dtype, s.mp_policy.grad_reduce_dtype) for n, s in states.items()},
+            unit_policies={n: s.mp_policy for n, s in states.items()},
+            replicas=groups.replicas,
+            mesh=mesh,
+            comm=self.comm,
+            mp_policy=self.state.mp_policy,
+            module_type=type(self.module).__name__,
+            ignored=tuple(ignored),
+        )
+        for name, st in states.items():
+            st.root, st.name = self, name
+        self.states = states
+        self._signature = self._current_signature()
+        if not hasattr(self, "apply"):
+            self.apply = CompatApply(self)
+
+    def _current_signature(self) -> tuple[Any, ...]:
+        return tuple((id(m.param), m.param.shape, m.param.dtype) for m in self.managed.values())
+
+    def names_of(self, states: Sequence[UnitState]) -> list[str]:
+        """The unit names of ``states`` (explicit prefetch lists); units without parameters drop out."""
+        units = {u.name for u in self.plan.units}
+        for st in states:
+            if st.root is not self:
+                raise ValueError(
+                    "set_modules_to_forward/backward_prefetch: a module in the list is not a fully_shard unit of "
+                    f"this root ({type(self.module).__name__})"
+                )
+        return [st.name for st in states if st.name in units]
+
+    # --- knobs, read per call -----------------------------------------------------------------------
+    def reshards(self, name: str) -> bool:
+        st = self.states.get(name)
+        return st is not None and st.reshards(is_root=st is self.state)
+
+    def any_reshard(self) -> bool:
+        return any(self.reshards(n) for n in self.states)
+
+    def scale(self, name: str) -> float:
+        st = self.states.get(name, self.state)
+        if st.divide_factor is not None:
+            return 1.0 / st.divide_factor
+        return 1.0 / (self.plan.world * self.plan.replicas)
+
+    # --- calls ------------------------------------------------------------------------------------
+    def params(self) -> Sharded[torch.Tensor]:
+        """This call's tree: the local shards of the registered ``DTensor`` parameters."""
+        for fqn, m in self.managed.items():
+            mod, attr = m.slots[0]
+            current = mod._parameters.get(attr)
+            if current is not m.param and isinstance(current, DTensor):
+                _check_replacement(fqn, m.param, current)
+                for mo, at in m.slots:
+                    mo._parameters[at] = current
+                m.param = current
+        if self._current_signature() != self._signature:
+            self._build()  # e.g. model.to(dtype): same units, new dtypes
+        return Sharded._from_children([m.param.to_local() for m in self.managed.values()], self.plan)
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``fn`` (the root's forward, or a child's forward or method) with the units gathered."""
+        event = self.state.post_optim_event
+        if event is not None:
+            self.comm.wait_event(event)
+            self.state.post_optim_event = None
+        params = self.params()
+        self.running = True
+        try:
+            return self.apply.run(params, fn, args, kwargs)
+        finally:
+            self.running = False
+            for st in self.states.values():  # an explicit unshard() lasts until the next forward used it
+                if st.unsharded is not None:
+                    drop_unsharded(st)
+
+
+def _check_replacement(fqn: str, old: DTensor, new: DTensor) -> None:
+    if new.shape != old.shape or new.placements != old.placements or new.device_mesh != old.device_mesh:
+        raise ValueError(
+            f"parameter {fqn!r} was replaced by a DTensor of shape {tuple(new.shape)} with placements "
+            f"{new.placements}, but fully_shard sharded it as {tuple(old.shape)} {old.placements}; load a state dict "
+            "from a model sharded the same way (or reshard it with torch.distributed.checkpoint)"
+        )
+
+
+def lazy_root(state: UnitState, module: nn.Module) -> RootContext:
+    """The root context ``state`` runs under, initialising ``module`` as a root when none exists yet."""
+    if state.root is None:
+        RootContext(module, state)
+    assert state.root is not None
+    return state.root

@@ -1,0 +1,96 @@
+"""The per-call state of ``fully_shard``: one ``UnitState`` per group of modules sharded together.
+
+A ``UnitState`` holds what ``fully_shard`` was told (mesh, policies, ``reshard_after_forward``), the
+parameters it converted to ``DTensor``s and where they are registered, and the settings the
+``FSDPModule.set_*`` methods change. It holds no communication: the root's ``RootContext`` turns the
+states of a module tree into one plan and runs it on ``fsdpfn.transform``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fsdpfn.policy import MixedPrecisionPolicy, OffloadPolicy
+
+if TYPE_CHECKING:
+    from fsdpfn.compat.root import RootContext
+
+__all__ = ["ManagedParam", "UnitState", "drop_unsharded", "state_of"]
+
+_ATTR = "_fsdpfn_compat_state"
+
+
+@dataclass(eq=False)
+class ManagedParam:
+    """One parameter a ``fully_shard`` call sharded: the ``DTensor`` parameter and every
+    ``(module, attribute)`` it is registered under (several when it is tied)."""
+
+    param: nn.Parameter
+    slots: list[tuple[nn.Module, str]]
+
+
+@dataclass(eq=False)
+class UnitState:
+    """What one ``fully_shard`` call (or ``replicate``) decided, plus the knobs of ``FSDPModule``."""
+
+    modules: tuple[nn.Module, ...]
+    mesh: Any
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
+    reshard_after_forward: bool | int | None
+    placements: tuple[Any, ...]
+    managed: list[ManagedParam]
+    kind: str = "fully_shard"  # or "replicate"
+    parent: UnitState | None = None  # the state of the nearest fully_shard call above (set by that call)
+    # knobs (FSDPModule.set_*)
+    requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    is_last_backward: bool = True
+    divide_factor: float | None = None
+    force_sum: bool = False
+    reduce_scatter_unused: bool = False
+    forward_prefetch: list[UnitState] | None = None
+    backward_prefetch: list[UnitState] | None = None
+    post_optim_event: Any = None
+    # runtime
+    root: RootContext | None = None  # the root whose plan runs this state (set by lazy init)
+    name: str = ""  # this state's unit name in the root's plan
+    acc: dict[str, torch.Tensor] = field(default_factory=dict)  # unreduced grads while sync is off
+    unsharded: Any = None  # an explicit unshard(): (handles, full tensors or None)
+
+    def top(self) -> UnitState:
+        """The outermost state above this one (the root lazy init will pick)."""
+        st = self
+        while st.parent is not None:
+            st = st.parent
+        return st
+
+    def reshards(self, is_root: bool) -> bool:
+        """Whether this unit drops its gathered parameters after forward."""
+        r = self.reshard_after_forward
+        if r is None:
+            return not is_root
+        return bool(r)  # an int k reshards fully (see docs/compat.md)
+
+
+def state_of(module: nn.Module) -> UnitState | None:
+    """The ``UnitState`` of a module ``fully_shard``/``replicate`` was applied to, else ``None``."""
+    return module.__dict__.get(_ATTR)
+
+
+def set_state(module: nn.Module, state: UnitState) -> None:
+    module.__dict__[_ATTR] = state
+
+
+def drop_unsharded(state: UnitState) -> None:
+    """Undo an explicit ``unshard()``: register the sharded ``DTensor`` parameters again."""
+    state.unsharded = None
+    for m in state.managed:
+        for mod, attr in m.slots:
+            mod._parameters[attr] = m.param
