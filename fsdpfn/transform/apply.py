@@ -61,7 +61,7 @@ class Apply:
         self.divide_by = divide_by
         self._forward: list[Call] = []
         self._backward: weakref.WeakSet[Call] = weakref.WeakSet()
-        self._hooked: set[str] = set()
+        self._hooked: set[Any] = set()
         self._unit_swaps: dict[str, list[_Swap]] = {}
         self._targets: dict[str, tuple[dict[str, Any], str]] = {}
         self._remat_depth = 0  # > 0 while remat runs a unit: the unit hooks stand aside
@@ -209,6 +209,48 @@ class Apply:
                     mod.register_forward_pre_hook(self._pre_hook(unit.name), with_kwargs=True)
                     mod.register_forward_hook(self._post_hook(unit.name), always_call=True)
                 self._hooked.add(unit.name)
+            if ("recompute", unit.name) not in self._hooked:
+                self._install_recompute_hooks(plan, unit.name)
+                self._hooked.add(("recompute", unit.name))
+
+    def _install_recompute_hooks(self, plan: ShardPlan, unit: str) -> None:
+        """Hooks on the submodules that own a unit's parameters (the unit's own modules excluded): an
+        activation-checkpoint recompute *inside* a unit runs them without the unit's pre-hook."""
+        own = {id(m) for m in (self.unit_modules(unit) if unit else [self.module])}
+        by_path: dict[str, list[tuple[str, str]]] = {}
+        for owner in plan.unit(unit).fqns:
+            for name in plan.names(owner):
+                by_path.setdefault(name.rpartition(".")[0], []).append((name, owner))
+        for path, names in by_path.items():
+            mod = self.module.get_submodule(path)
+            if id(mod) in own:
+                continue
+            key = f"recompute:{path}"
+            mod.register_forward_pre_hook(self._recompute_pre_hook(unit, key, names), with_kwargs=True)
+            mod.register_forward_hook(self._recompute_post_hook(key), always_call=True)
+
+    def _recompute_pre_hook(self, unit: str, key: str, names: list[tuple[str, str]]) -> Callable[..., Any]:
+        def hook(_mod: nn.Module, _args: Any, _kwargs: Any) -> None:
+            swapped: _Swap = []
+            if not self._forward and not self._remat_depth and _in_backward():
+                call = self._recompute_call(unit)
+                if call is not None:
+                    values = call.values_for_recompute(unit)
+                    for name, owner in names:
+                        table, attr = self._target(name, "p")
+                        swapped.append((table, attr, table[attr]))
+                        table[attr] = values[owner]
+            self._unit_swaps.setdefault(key, []).append(swapped)
+
+        return hook
+
+    def _recompute_post_hook(self, key: str) -> Callable[..., Any]:
+        def hook(_mod: nn.Module, _args: Any, _out: Any) -> None:
+            stack = self._unit_swaps.get(key)
+            if stack:
+                self._restore(stack.pop())
+
+        return hook
 
     def unit_modules(self, name: str) -> list[nn.Module]:
         """The modules whose forward runs unit ``name`` (its own submodule)."""
