@@ -115,24 +115,40 @@ def test_after_forward_with_reshard_no_unit_buffer_is_alive():
         assert counts == (3, 3)
 
 
+def _ckpt(f, *args):
+    return torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=False)
+
+
+class _CheckpointedInside(nn.Sequential):
+    """A unit that checkpoints its first layer inside its own forward."""
+
+    def forward(self, x):
+        return self[2](self[1](_ckpt(self[0], x)))
+
+
 class _Checkpointed(nn.Module):
-    def __init__(self):
+    """``where``: "unit" checkpoints whole units, "inside" the layers inside each unit (and the root's
+    head): a recompute there runs no unit hook."""
+
+    def __init__(self, where="unit"):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6)) for _ in range(3))
+        self.where = where
+        block = nn.Sequential if where == "unit" else _CheckpointedInside
+        self.blocks = nn.ModuleList(block(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6)) for _ in range(3))
         self.head = nn.Linear(6, 2)
 
     def forward(self, x):
         for b in self.blocks:
-            x = x + torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
-        return self.head(x)
+            x = x + (_ckpt(b, x) if self.where == "unit" else b(x))
+        return _ckpt(self.head, x) if self.where == "inside" else self.head(x)
 
 
-def _ckpt_worker(reshard):
+def _ckpt_worker(reshard, where="unit"):
     import torch.distributed as dist
 
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = _Checkpointed()
+    model = _Checkpointed(where)
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1", "blocks.2"])
     # the module's own parameters are poisoned: a recompute that read them would be wrong
     with torch.no_grad():
@@ -144,13 +160,14 @@ def _ckpt_worker(reshard):
     return loss, dict(grads.params())
 
 
+@pytest.mark.parametrize("where", ["unit", "inside"])
 @pytest.mark.parametrize("reshard", [True, False])
-def test_activation_checkpointing_recomputes_with_gathered_parameters(reshard):
+def test_activation_checkpointing_recomputes_with_gathered_parameters(reshard, where):
     torch.manual_seed(0)
-    ref = _Checkpointed()
+    ref = _Checkpointed(where)
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
     ref(x).pow(2).mean().backward()
-    for rank, (loss, grads) in enumerate(spmd(2, _ckpt_worker, reshard)):
+    for rank, (loss, grads) in enumerate(spmd(2, _ckpt_worker, reshard, where)):
         assert torch.isfinite(loss)
         for n, p in ref.named_parameters():
             torch.testing.assert_close(grads[n], fsdpfn.shard_tensor(p.grad, fsdpfn.ShardSpec(tuple(p.shape), 2), rank))
