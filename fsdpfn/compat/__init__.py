@@ -15,6 +15,7 @@ Example:
 
 from fsdpfn.compat.fully_shard import fully_shard
 from fsdpfn.compat.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from fsdpfn.compat.replicate import ReplicateModule, replicate
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
@@ -22,8 +23,10 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ReplicateModule",
     "UnshardHandle",
     "fully_shard",
     "register_fsdp_forward_method",
+    "replicate",
     "share_comm_ctx",
 ]

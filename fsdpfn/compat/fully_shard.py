@@ -92,7 +92,7 @@ def _shard(
         raise ValueError(f"{kind}: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"{kind} expects a 1D or 2D DeviceMesh but got {mesh.ndim}-D mesh {mesh}")
-    groups = mesh_groups(mesh)
+    groups = mesh_groups(mesh, replicate_only=kind == "replicate")
     _check_reshard(reshard_after_forward, groups.world, kind)
     mp = _policy(mp_policy, kind)
     offload = _offload(offload_policy, mesh, kind)
@@ -113,6 +113,12 @@ def _shard(
                 if id(p) in by_id:
                     by_id[id(p)].slots.append((mod, attr))
                     continue
+                if hasattr(p, "fsdp_pre_all_gather") or hasattr(p.data, "fsdp_pre_all_gather"):
+                    raise NotImplementedError(
+                        f"{kind}: parameter {attr!r} of {type(mod).__name__} is a {type(p.data).__name__} with "
+                        "fsdp_pre_all_gather/fsdp_post_all_gather: the tensor-subclass all-gather extension is not "
+                        "supported by fsdpfn.compat"
+                    )
                 if isinstance(p, DTensor):
                     raise ValueError(
                         f"{kind}: parameter {attr!r} of {type(mod).__name__} is already a DTensor; shard a module "
@@ -127,10 +133,14 @@ def _shard(
                         )
                 by_id[id(p)] = ManagedParam(p, [(mod, attr)])
                 managed.append(by_id[id(p)])
+    hooked: set[int] = set()
     for m in managed:
         m.param = _to_dtensor(m.param, mesh, placements, groups, device, kind)
         for mod, attr in m.slots:
             mod._parameters[attr] = m.param
+            if id(mod) not in hooked:
+                hooked.add(id(mod))
+                mod.register_load_state_dict_pre_hook(_refuse_plain_tensors)
     if device.type != "meta":
         for root in modules:
             for mod in root.modules():
@@ -160,6 +170,20 @@ def _shard(
             new_cls = _CLASSES[key] = type(f"{prefix}{cls.__name__}", (wrapper, cls), {"__deepcopy__": _unimplemented_deepcopy})
         mod.__class__ = new_cls
     return module
+
+
+def _refuse_plain_tensors(module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
+    """load_state_dict: a sharded parameter takes a DTensor; a plain full tensor would fail deep in
+    DTensor's dispatch (or, with ``assign=True``, silently unshard the parameter)."""
+    for attr, p in module._parameters.items():
+        value = state_dict.get(prefix + attr)
+        if isinstance(p, DTensor) and value is not None and not isinstance(value, DTensor):
+            raise ValueError(
+                f"load_state_dict: {prefix + attr!r} is a plain {type(value).__name__} of shape {tuple(value.shape)}, "
+                f"but the parameter is sharded (a DTensor with placements {p.placements}). Load a sharded state dict "
+                "(model.state_dict() of a model sharded the same way, or torch.distributed.checkpoint.load), or make "
+                "the value a DTensor with torch.distributed.tensor.distribute_tensor(value, mesh, placements)"
+            )
 
 
 def _modules(module: Any, kind: str) -> list[nn.Module]:
@@ -193,10 +217,10 @@ def _check_reshard(value: Any, world: int, kind: str) -> None:
         return
     if not isinstance(value, int):
         raise ValueError(f"{kind}: reshard_after_forward should be a bool, an int or None, got {type(value)}")
-    if value < 2 or value >= world or world % value:
+    if value < 1 or value > world or world % value:
         raise ValueError(
-            f"{kind}: reshard_after_forward={value} must be a non-trivial divisor of the shard mesh size {world} "
-            "(not 1, not the size itself)"
+            f"{kind}: reshard_after_forward={value}: an int is the number of ranks to reshard to after forward "
+            f"and should be a factor of the shard mesh size {world}, not {value}"
         )
 
 

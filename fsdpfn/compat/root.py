@@ -164,7 +164,7 @@ class RootContext:
             local = m.param.to_local()
             infos.append(ParamInfo(fqn, tuple(m.param.shape), local.dtype, m.param.requires_grad, unit))
         if self.comm is None:
-            self.comm = Comm(mesh)
+            self.comm = Comm(mesh, replicate_only=self.state.kind == "replicate")
         groups = self.comm.groups
         unit_names = list(states)
         if "" not in states:

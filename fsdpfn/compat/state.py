@@ -76,7 +76,9 @@ class UnitState:
         r = self.reshard_after_forward
         if r is None:
             return not is_root
-        return bool(r)  # an int k reshards fully (see docs/compat.md)
+        if isinstance(r, bool):
+            return r
+        return r != 1  # reshard to 1 rank = keep everything; any other factor reshards fully (docs/compat.md)
 
 
 def state_of(module: nn.Module) -> UnitState | None:

@@ -131,9 +131,9 @@ class Comm:
         >>> full = comm.all_gather(torch.ones(3)).wait()        # (world, 3)  # doctest: +SKIP
     """
 
-    def __init__(self, mesh: Any):
+    def __init__(self, mesh: Any, *, replicate_only: bool = False):
         self.mesh = mesh
-        self.groups: MeshGroups = mesh_groups(mesh)
+        self.groups: MeshGroups = mesh_groups(mesh, replicate_only=replicate_only)
         self.stats = CommStats()
         self.guard = Guard(self.groups.rank)
         self._streams: dict[str, Any] = {}
@@ -248,10 +248,12 @@ class Comm:
         t_real = _as_reals(t)
         self.stats._note("all_reduces", label, t.numel() * t.element_size())
         groups = self.groups
-        fp = self.guard.begin("all_reduce", label, t, groups.shard_group)
+        fp = self.guard.begin("all_reduce", label, t, groups.shard_group if groups.shard_group is not None else groups.replicate_group)
 
         def fn(a: bool) -> Any:
-            work = dist.all_reduce(t_real, group=groups.shard_group, async_op=a)
+            work = None
+            if groups.shard_group is not None:  # None: replicate-only, the world of one sums to itself
+                work = dist.all_reduce(t_real, group=groups.shard_group, async_op=a)
             if groups.replicate_group is not None:
                 if work is not None:
                     self.guard.wait(work, fp)

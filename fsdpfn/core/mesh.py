@@ -76,7 +76,7 @@ def init_mesh(
 class MeshGroups:
     """The groups fsdpfn communicates over for a mesh: shard group (last dim) and replicate group."""
 
-    shard_group: dist.ProcessGroup
+    shard_group: dist.ProcessGroup | None  # None: replicate-only (DDP), every rank holds everything
     replicate_group: dist.ProcessGroup | None
     rank: int
     world: int
@@ -91,8 +91,11 @@ class MeshGroups:
         return torch.device(self.device_type)
 
 
-def mesh_groups(mesh: DeviceMesh) -> MeshGroups:
+def mesh_groups(mesh: DeviceMesh, *, replicate_only: bool = False) -> MeshGroups:
     """The shard and replicate groups of a 1-D (FSDP) or 2-D (HSDP, ``(replicate, shard)``) mesh.
+
+    ``replicate_only`` reads a 1-D mesh as replicas of a world of one (data parallelism without
+    sharding: gradients are all-reduced, nothing is gathered).
 
     Example:
         >>> groups = mesh_groups(fsdpfn.init_mesh())   # doctest: +SKIP
@@ -104,6 +107,11 @@ def mesh_groups(mesh: DeviceMesh) -> MeshGroups:
         )
     if mesh.ndim not in (1, 2):
         raise ValueError(f"a {mesh.ndim}-D mesh is not supported; use 1-D (FSDP) or 2-D (replicate, shard)")
+    if replicate_only:
+        if mesh.ndim != 1:
+            raise ValueError(f"replicate-only data parallelism needs a 1-D mesh, got {mesh.ndim}-D")
+        group = mesh.get_group(0)
+        return MeshGroups(None, group, 0, 1, dist.get_world_size(group), mesh.device_type)
     shard_group = mesh.get_group(mesh.ndim - 1)
     replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
     return MeshGroups(
