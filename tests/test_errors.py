@@ -114,6 +114,114 @@ TRIGGERS = {
 }
 
 
+# --- fsdpfn.compat ------------------------------------------------------------------------------------
+def _compat_model(**kw):
+    from fsdpfn.compat import fully_shard
+
+    model = _TwoLayer()
+    fully_shard(model.blocks[1], mesh=fsdpfn.init_mesh(), **kw)
+    fully_shard(model, mesh=fsdpfn.init_mesh(), **kw)
+    return model
+
+
+def _compat_twice():
+    from fsdpfn.compat import fully_shard
+
+    model = _compat_model()
+    fully_shard(model.blocks[1])
+
+
+def _compat_child_first():
+    model = _compat_model()
+    model.blocks[1](torch.ones(1, 4))
+    model(torch.ones(1, 3))
+
+
+def _compat_load_plain():
+    model = _compat_model()
+    model.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+
+
+def _compat_placement():
+    from torch.distributed.tensor import Shard
+
+    from fsdpfn.compat import fully_shard
+
+    fully_shard(_TwoLayer(), mesh=fsdpfn.init_mesh(), shard_placement_fn=lambda p: Shard(1))
+
+
+def _compat_subclass():
+    from fsdpfn.compat import fully_shard
+
+    class WithHook(torch.Tensor):
+        def fsdp_pre_all_gather(self, *args, **kwargs):  # pragma: no cover - never called
+            raise AssertionError
+
+    model = _TwoLayer()
+    model.blocks[0].weight = nn.Parameter(model.blocks[0].weight.detach().as_subclass(WithHook))
+    fully_shard(model, mesh=fsdpfn.init_mesh())
+
+
+def _compat_prefetch_list():
+    model = _compat_model()
+    model.set_modules_to_forward_prefetch([model.blocks[0]])
+
+
+def _compat_replaced():
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    model = _compat_model()
+    w = model.blocks[0].weight
+    model.blocks[0].weight = nn.Parameter(distribute_tensor(w.full_tensor().detach(), w.device_mesh, [Replicate()]))
+    model(torch.ones(1, 3))
+
+
+def _compat_replicate_on_fsdp():
+    from fsdpfn.compat import replicate
+
+    replicate(_compat_model())
+
+
+def _compat_offload_cuda():
+    from fsdpfn.compat import CPUOffloadPolicy, fully_shard
+
+    fully_shard(_TwoLayer(), mesh=_cuda_mesh(), offload_policy=CPUOffloadPolicy())
+
+
+def _compat_other_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdpfn.compat import fully_shard
+
+    model = _TwoLayer()
+    fully_shard(model.blocks[1], mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
+    fully_shard(model, mesh=fsdpfn.init_mesh())
+    model(torch.ones(1, 3))
+
+
+COMPAT_TRIGGERS = {
+    "compat-twice": (lambda m, p, a: _compat_twice(), ValueError, r"_TwoLayer|Linear was already passed to fully_shard; apply it once per module"),
+    "compat-not-module": (lambda m, p, a: _compat_model.__globals__["fsdpfn"].compat.fully_shard(3), ValueError, r"fully_shard expects nn.Module\(s\) but got int"),
+    "compat-mesh-type": (lambda m, p, a: __import__("fsdpfn.compat").compat.fully_shard(_TwoLayer(), mesh="cpu"), ValueError, r"mesh must be a torch.distributed.device_mesh.DeviceMesh"),
+    "compat-reshard-int": (lambda m, p, a: _compat_model(reshard_after_forward=3), ValueError, r"reshard_after_forward=3.*should be a factor of the shard mesh size 2, not 3"),
+    "compat-mp-type": (lambda m, p, a: _compat_model(mp_policy="bf16"), TypeError, r"mp_policy must be a MixedPrecisionPolicy"),
+    "compat-child-first": (lambda m, p, a: _compat_child_first(), RuntimeError, r"already been lazily initialized for 'blocks.1'.*requires running forward through the root module first"),
+    "compat-load-plain": (lambda m, p, a: _compat_load_plain(), ValueError, r"'blocks.0.weight' is a plain Tensor of shape \(4, 3\).*distribute_tensor"),
+    "compat-replaced-param": (lambda m, p, a: _compat_replaced(), ValueError, r"parameter 'blocks.0.weight' was replaced by a DTensor"),
+    "compat-placement": (lambda m, p, a: _compat_placement(), NotImplementedError, r"shard_placement_fn returned Shard\(dim=1\).*dim 0 only"),
+    "compat-dp-mesh-dims": (lambda m, p, a: _compat_model(dp_mesh_dims=object()), NotImplementedError, r"dp_mesh_dims"),
+    "compat-subclass": (lambda m, p, a: _compat_subclass(), NotImplementedError, r"'weight' of Linear is a WithHook with fsdp_pre_all_gather"),
+    "compat-offload-cuda": (lambda m, p, a: _compat_offload_cuda(), NotImplementedError, r"CPUOffloadPolicy on a cuda mesh"),
+    "compat-other-mesh": (lambda m, p, a: _compat_other_mesh(), NotImplementedError, r"module 'blocks.1' was sharded on a different mesh"),
+    "compat-custom-comm": (lambda m, p, a: _compat_model().set_custom_all_gather(None), NotImplementedError, r"set_custom_all_gather"),
+    "compat-divide-factor": (lambda m, p, a: _compat_model().set_gradient_divide_factor(0), ValueError, r"factor must be a positive number, got 0"),
+    "compat-prefetch-list": (lambda m, p, a: _compat_prefetch_list(), ValueError, r"Expects FSDPModule but got <class 'torch.nn.modules.linear.Linear'>"),
+    "compat-reset-non-root": (lambda m, p, a: (lambda mm: (mm(torch.ones(1, 3)), mm.blocks[1].reset_iter_state()))(_compat_model()), RuntimeError, r"reset_iter_state must be called on the root FSDP module \(FSDP_TwoLayer\)"),
+    "compat-replicate-on-fsdp": (lambda m, p, a: _compat_replicate_on_fsdp(), RuntimeError, r"Cannot apply `replicate\(\)` on a Module already managed by `fully_shard`"),
+}
+TRIGGERS.update(COMPAT_TRIGGERS)
+
+
 def _trigger_all(ids):
     out = {}
     for rid in ids:

@@ -92,10 +92,10 @@ def _shard(
         raise ValueError(f"{kind}: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(f"{kind} expects a 1D or 2D DeviceMesh but got {mesh.ndim}-D mesh {mesh}")
-    groups = mesh_groups(mesh, replicate_only=kind == "replicate")
-    _check_reshard(reshard_after_forward, groups.world, kind)
     mp = _policy(mp_policy, kind)
     offload = _offload(offload_policy, mesh, kind)
+    groups = mesh_groups(mesh, replicate_only=kind == "replicate")
+    _check_reshard(reshard_after_forward, groups.world, kind)
     if placements is None:
         placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
     device = groups.device
@@ -128,7 +128,7 @@ def _shard(
                     chosen = shard_placement_fn(p)
                     if chosen is not None and chosen != Shard(0):
                         raise NotImplementedError(
-                            f"{kind}: shard_placement_fn returned {chosen} for parameter {attr!r} of "
+                            f"{kind}: shard_placement_fn returned {chosen!r} for parameter {attr!r} of "
                             f"{type(mod).__name__}; fsdpfn.compat shards on dim 0 only (return None or Shard(0))"
                         )
                 by_id[id(p)] = ManagedParam(p, [(mod, attr)])
