@@ -29,6 +29,25 @@ from fsdpfn.transform.call import Call, _reduce_dtypes
 __all__ = ["RootContext", "lazy_root"]
 
 
+class LocalShards(torch.autograd.Function):
+    """The local shards of ``DTensor`` parameters, differentiably: one autograd node for all of them
+    (``DTensor.to_local`` costs an autograd node and a ``from_local`` in backward per parameter). The
+    backward wraps each shard gradient in a ``DTensor`` with its parameter's spec."""
+
+    @staticmethod
+    def forward(ctx: Any, specs: tuple[Any, ...], *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.specs = specs
+        ctx.set_materialize_grads(False)
+        # fresh tensor objects: autograd metadata must not land on the DTensors' own local tensors
+        out = tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
+        ctx.mark_non_differentiable(*(o for o, p in zip(out, params) if not p.requires_grad))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        return (None, *(None if g is None else DTensor(g.contiguous(), s, requires_grad=False) for g, s in zip(grads, ctx.specs)))
+
+
 class CompatCall(Call):
     """One forward of a compat root: the unit knobs come from the ``UnitState``s."""
 
@@ -233,7 +252,8 @@ class RootContext:
                 m.param = current
         if self._current_signature() != self._signature:
             self._build()  # e.g. model.to(dtype): same units, new dtypes
-        return Sharded._from_children([m.param.to_local() for m in self.managed.values()], self.plan)
+        params = [m.param for m in self.managed.values()]
+        return Sharded._from_children(list(LocalShards.apply(tuple(p._spec for p in params), *params)), self.plan)
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``fn`` (the root's forward, or a child's forward or method) with the units gathered."""
