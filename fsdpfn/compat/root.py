@@ -35,8 +35,9 @@ class LocalShards(torch.autograd.Function):
     backward wraps each shard gradient in a ``DTensor`` with its parameter's spec."""
 
     @staticmethod
-    def forward(ctx: Any, specs: tuple[Any, ...], *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, specs: tuple[Any, ...], deferred: list[Any], *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.specs = specs
+        ctx.deferred = deferred
         ctx.set_materialize_grads(False)
         # fresh tensor objects: autograd metadata must not land on the DTensors' own local tensors
         out = tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
@@ -45,7 +46,10 @@ class LocalShards(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        return (None, *(None if g is None else DTensor(g.contiguous(), s, requires_grad=False) for g, s in zip(grads, ctx.specs)))
+        for handle in ctx.deferred:  # the units' reduce-scatters, left in flight by their backward
+            handle.wait()
+        ctx.deferred.clear()
+        return (None, None, *(None if g is None else DTensor(g.contiguous(), s, requires_grad=False) for g, s in zip(grads, ctx.specs)))
 
 
 class CompatCall(Call):
@@ -54,6 +58,8 @@ class CompatCall(Call):
     def __init__(self, ctx: RootContext, params: Sharded[torch.Tensor], order_hint: Sequence[str]):
         self.ctx = ctx
         super().__init__(params, scale=1.0, reshard=ctx.any_reshard(), prefetch=1, order_hint=order_hint)
+        self.deferred = ctx.deferred
+        self.deferral_needs_leaves = False  # the shards come from LocalShards, whose backward drains
 
     def _collective(self, unit: Any) -> Buckets:
         return gather_collective(self.plan, (unit,), self.ctx.scale(unit.name))
@@ -64,7 +70,7 @@ class CompatCall(Call):
         keep_none = not st.reduce_scatter_unused
         if not st.requires_gradient_sync or (not st.requires_all_reduce and self.plan.replicas > 1):
             return CallInfo(pending, sink=st.acc, sink_dtypes=_reduce_dtypes(self.plan), keep_none=keep_none)
-        return CallInfo(pending, carry=st.acc if st.acc else None, keep_none=keep_none)
+        return CallInfo(pending, carry=st.acc if st.acc else None, keep_none=keep_none, deferred=self.deferred)
 
     def reshards(self, name: str) -> bool:
         return self.ctx.reshards(name)
@@ -93,7 +99,7 @@ class CompatApply(Apply):
         plan = params.plan
         call = CompatCall(self.ctx, params, plan.memo.get(("order", id(self)), [u.name for u in plan.units]))
         if functorch:  # torch.func transforms: no prefetch, no packing of saved tensors
-            call.prefetch, call.reshard = 0, False
+            call.prefetch, call.reshard, call.deferred = 0, False, None
         for name, st in self.ctx.states.items():  # an explicit unshard() already launched the gather
             if st.unsharded is not None:
                 call.pending[name] = st.unsharded[0]
@@ -125,6 +131,7 @@ class RootContext:
         self.module = module
         self.state = state
         self.running = False
+        self.deferred: list[Any] = []
         self.comm: Comm | None = None
         self.states: dict[str, UnitState] = {}
         self._build()
@@ -240,7 +247,7 @@ class RootContext:
         return 1.0 / (self.plan.world * self.plan.replicas)
 
     # --- calls ------------------------------------------------------------------------------------
-    def params(self) -> Sharded[torch.Tensor]:
+    def params(self, deferred: list[Any] | None = None) -> Sharded[torch.Tensor]:
         """This call's tree: the local shards of the registered ``DTensor`` parameters."""
         for fqn, m in self.managed.items():
             mod, attr = m.slots[0]
@@ -253,7 +260,8 @@ class RootContext:
         if self._current_signature() != self._signature:
             self._build()  # e.g. model.to(dtype): same units, new dtypes
         params = [m.param for m in self.managed.values()]
-        return Sharded._from_children(list(LocalShards.apply(tuple(p._spec for p in params), *params)), self.plan)
+        local = LocalShards.apply(tuple(p._spec for p in params), deferred if deferred is not None else [], *params)
+        return Sharded._from_children(list(local), self.plan)
 
     def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run ``fn`` (the root's forward, or a child's forward or method) with the units gathered."""
@@ -261,7 +269,8 @@ class RootContext:
         if event is not None:
             self.comm.wait_event(event)
             self.state.post_optim_event = None
-        params = self.params()
+        self.deferred: list[Any] = []  # this forward's reductions; its LocalShards backward waits for them
+        params = self.params(self.deferred)
         self.running = True
         try:
             return self.apply.run(params, fn, args, kwargs)

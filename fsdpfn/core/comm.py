@@ -114,6 +114,11 @@ class Handle:
             self._keep = ()
         return self._result
 
+    def peek(self) -> torch.Tensor:
+        """The buffer the result will be in, before ``wait()`` (only for collectives whose finishing
+        step works in place, such as ``reduce_scatter``): read it only after ``wait()``."""
+        return self._result
+
     def __del__(self) -> None:
         # A dropped handle must still order the caller after the collective before its buffers go.
         if not self._done:

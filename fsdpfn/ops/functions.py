@@ -93,6 +93,21 @@ class Buckets:
         """Launch every bucket's collective, then wait for each and unpack (no autograd)."""
         return self.finish(self.launch(tensors))
 
+    def run_deferred(self, tensors: Sequence[torch.Tensor | None], into: list[Handle]) -> list[torch.Tensor]:
+        """A reduce whose waits are left to the caller: launch, return the results' views of the output
+        buffers at once and append the handles to ``into``. The results may be read only after every
+        handle in ``into`` was waited for. Falls back to ``run`` when results need a cast or batching."""
+        pending = self.launch(tensors)
+        out_dtype = dict(zip(self.fqns, self.out_dtypes))
+        exact = self.kind == "reduce" and not self.batch_ndim and all(out_dtype[f] == lay.dtype for lay in self.layouts for f in lay.fqns)
+        if not exact:
+            return self.finish(pending)
+        results: dict[str, torch.Tensor] = {}
+        for layout, handle in zip(self.layouts, pending):
+            results.update(zip(layout.fqns, layout.unpack_shards(handle.peek(), self.rank)))
+        into.extend(pending)
+        return [results[f] for f in self.fqns]
+
 
 def collective_pair(
     comm: Comm,
@@ -147,6 +162,8 @@ class CallInfo:
     and passes no gradient to the shards (deferred reduction). ``carry``: full gradients accumulated
     earlier into a sink; the backward adds (and removes) them before it reduces. ``keep_none``: a member
     that received no gradient on this rank gets ``None`` instead of its (still reduced) shard gradient.
+    ``deferred``: the backward's reduce-scatter is not waited for: its handles go to this list, which the
+    caller drains before anything reads the shard gradients (they only flow to leaves it controls).
     """
 
     pending: Sequence[Handle] | None = None
@@ -154,6 +171,7 @@ class CallInfo:
     sink_dtypes: dict[str, torch.dtype] | None = None
     carry: dict[str, torch.Tensor] | None = None
     keep_none: bool = False
+    deferred: list[Handle] | None = None
 
 
 class _BucketCollective(torch.autograd.Function):
@@ -162,7 +180,11 @@ class _BucketCollective(torch.autograd.Function):
     @staticmethod
     def forward(b: Buckets, info: CallInfo | None, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         pending = info.pending if info is not None else None
-        return tuple(b.finish(pending) if pending is not None else b.run(tensors))
+        if pending is not None:
+            return tuple(b.finish(pending))
+        if info is not None and info.deferred is not None and b.kind == "reduce":
+            return tuple(b.run_deferred(tensors, info.deferred))
+        return tuple(b.run(tensors))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -172,6 +194,7 @@ class _BucketCollective(torch.autograd.Function):
         ctx.sink_dtypes = info.sink_dtypes if info is not None else None
         ctx.carry = info.carry if info is not None else None
         ctx.keep_none = info is not None and info.keep_none
+        ctx.deferred = info.deferred if info is not None else None
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -194,7 +217,9 @@ class _BucketCollective(torch.autograd.Function):
                     by_name[f] = acc if g is None else acc + g
         # Even when no gradient reached this rank the collective runs: the peers may have one.
         picked = [by_name.get(f) for f in adj.fqns]
-        out = apply_buckets(adj, picked)
+        # double backward (create_graph) may read the result inside this backward: wait for it then
+        later = ctx.deferred is not None and not torch.is_grad_enabled()
+        out = apply_buckets(adj, picked, CallInfo(deferred=ctx.deferred) if later else None)
         res = dict(zip(adj.fqns, out))
         if ctx.keep_none:
             return (None, None, *(res.get(f) if by_name.get(f) is not None else None for f in b.fqns))

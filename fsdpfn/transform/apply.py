@@ -85,6 +85,7 @@ class Apply:
             params,
             scale=mode.scale if mode is not None and mode.scale is not None else reduce_scale(plan, self.reduce_op, self.divide_by),
             sink=mode.sink if mode is not None else None,
+            deferred=mode.deferred if mode is not None and not functorch else None,
             reshard=self.reshard_after_forward and not functorch,
             prefetch=0 if functorch else self.prefetch,
             order_hint=plan.memo.get(("order", id(self)), [u.name for u in plan.units]),

@@ -34,6 +34,7 @@ class GradMode:
 
     scale: float | None = None
     sink: dict[str, torch.Tensor] | None = None
+    deferred: list[Handle] | None = None  # reductions value_and_grad waits for after autograd.grad
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,11 @@ class Call:
         prefetch: int,
         order_hint: Sequence[str],
         sink: dict[str, torch.Tensor] | None = None,
+        deferred: list[Handle] | None = None,
     ):
         self.params = params
         self.sink = sink
+        self.deferred = deferred
         self.plan = params.plan
         self.scale = scale
         self.reshard = reshard
@@ -80,6 +83,7 @@ class Call:
         self.packed_units: set[str] = set()  # units backward will have to re-gather
         self.in_forward = True
         self.remat = False  # units run through fsdpfn.remat (torch.func gradient transforms)
+        self.deferral_needs_leaves = True  # deferred reductions only when the shards are autograd leaves
 
     # --- forward ----------------------------------------------------------------------------
     def _collective(self, unit: UnitPlan) -> Buckets:
@@ -97,7 +101,11 @@ class Call:
         """Differentiably gather unit ``name`` (waiting for its prefetch if one is in flight)."""
         unit = self.plan.unit(name)
         b = self._collective(unit)
-        outs = apply_buckets(b, self._shards(b), self.info(name))
+        shards = self._shards(b)
+        info = self.info(name)
+        if info.deferred is not None and self.deferral_needs_leaves and any(t.grad_fn is not None for t in shards):
+            info.deferred = None  # an op between the leaves and the gather would read an unfinished gradient
+        outs = apply_buckets(b, shards, info)
         full = dict(zip(b.fqns, outs))
         self.gathered[name] = full
         self.tracks_grad[name] = any(o.requires_grad for o in outs)
@@ -116,7 +124,12 @@ class Call:
 
     def info(self, name: str) -> CallInfo:
         """The per-call extras of unit ``name``'s gather: its prefetched handles, the deferral sink."""
-        return CallInfo(self.pending.pop(name, None), self.sink, _reduce_dtypes(self.plan) if self.sink is not None else None)
+        return CallInfo(
+            self.pending.pop(name, None),
+            self.sink,
+            _reduce_dtypes(self.plan) if self.sink is not None else None,
+            deferred=self.deferred if self.sink is None else None,
+        )
 
     def reshards(self, name: str) -> bool:
         """Whether unit ``name``'s gathered copy is dropped after its forward (never the root's here)."""

@@ -59,8 +59,8 @@ def value_and_grad(
         tree = Sharded._from_children(list(live.values()), plan)
         sink: dict[str, torch.Tensor] | None = {} if not reduce else None
         scale = reduce_scale(plan, reduce_op or "avg", divide_by) if (reduce_op or divide_by is not None) else None
-        if sink is not None or scale is not None:
-            tree._mode = GradMode(scale=scale, sink=sink)
+        deferred: list[Any] = []
+        tree._mode = GradMode(scale=scale, sink=sink, deferred=deferred if sink is None else None)
         with torch.enable_grad():
             out = fn(tree, *args, **kwargs)
         value, aux = out if has_aux else (out, None)
@@ -69,7 +69,11 @@ def value_and_grad(
             raise TypeError(f"value_and_grad: fn must return a scalar tensor{' (and aux)' if has_aux else ''}, got {what}")
         inputs = [live[k] for k in trainable]
         if value.requires_grad and inputs:
-            found = torch.autograd.grad(value, inputs, allow_unused=True)
+            try:
+                found = torch.autograd.grad(value, inputs, allow_unused=True)
+            finally:
+                for handle in deferred:  # reduce-scatters left in flight by backward: done before any read
+                    handle.wait()
         else:
             found = (None,) * len(inputs)
         if sink is not None:
