@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, overload
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -271,14 +270,12 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-_MESHES: dict[Any, DeviceMesh] = {}
+_MESHES: dict[str, DeviceMesh] = {}
 
 
 def _default_mesh() -> DeviceMesh:
-    """A 1-D mesh over every rank (started from torchrun's environment, or a world of one)."""
-    key = dist.get_world_size() if dist.is_initialized() else None
-    mesh = _MESHES.get(key)
+    """A 1-D mesh over every rank (started from torchrun's environment, or a world of one), made once."""
+    mesh = _MESHES.get("default")
     if mesh is None:
-        mesh = init_mesh()
-        _MESHES[dist.get_world_size()] = mesh
+        mesh = _MESHES["default"] = init_mesh()
     return mesh
