@@ -318,3 +318,42 @@ def _stale_after_use():
 def test_a_module_changed_after_a_call_is_still_caught():
     with pytest.raises(ValueError, match=r"leaf '1.weight' was sharded as \(2, 4\).*now \(3, 4\).*stale"):
         spmd(2, _stale_after_use)
+
+
+class _Twice(nn.Module):
+    """A unit whose forward runs twice per call (weight sharing across depth)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.block(torch.tanh(self.block(x)))))
+
+
+def _twice_worker(reshard, calls):
+    import torch.distributed as dist
+
+    model = _Twice()
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["block"])
+    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    loss_fn = lambda p: sum(apply(p, x).pow(2).sum() for _ in range(calls))  # noqa: E731
+    _, grads = fsdpfn.value_and_grad(loss_fn)(params)
+    return dict(grads.params())
+
+
+@pytest.mark.parametrize("calls", [1, 2])
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_unit_gathered_twice_in_one_backward_gets_the_summed_gradient(reshard, calls):
+    # Both gathers' reductions reach the same shard: each must be complete before autograd adds them.
+    world = 2
+    ref = _Twice()
+    for r in range(world):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(r))
+        (calls * ref(x).pow(2).sum() / world).backward()
+    for rank, grads in enumerate(spmd(world, _twice_worker, reshard, calls)):
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], fsdpfn.shard_tensor(p.grad, fsdpfn.ShardSpec(tuple(p.shape), world), rank))

@@ -43,6 +43,9 @@ def _check_bool(value: Any, what: str) -> bool:
 def dispatch(module: nn.Module, fn: Callable[..., Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``module``'s forward (``fn=None``) or a registered forward method ``fn`` under FSDP."""
     st = _state(module)
+    if st.root is not None and not st.root.running and torch._C._current_graph_task_id() != -1:
+        # an activation-checkpoint recompute in backward: the unit hooks supply the gathered values
+        return nn.Module.__call__(module, *args, **kwargs) if fn is None else fn(*args, **kwargs)
     ctx = st.root if st.root is not None else RootContext(module, st)
     if not ctx.running:
         return ctx.run(lambda *a, **k: dispatch(module, fn, a, k), args, kwargs)

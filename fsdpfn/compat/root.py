@@ -59,6 +59,7 @@ class CompatCall(Call):
         self.ctx = ctx
         super().__init__(params, scale=1.0, reshard=ctx.any_reshard(), prefetch=1, order_hint=order_hint)
         self.deferred = ctx.deferred
+        self.deferred_infos = {}
         self.deferral_needs_leaves = False  # the shards come from LocalShards, whose backward drains
 
     def _collective(self, unit: Any) -> Buckets:
@@ -110,6 +111,9 @@ class CompatApply(Apply):
 
     def unit_modules(self, name: str) -> list[nn.Module]:
         return list(self.ctx.states[name].modules)
+
+    def release_after_module(self, name: str) -> bool:
+        return len(self.ctx.states[name].modules) == 1  # fully_shard([a, b]): gathered once per forward
 
     def run_unit(self, name: str, module: nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn`` (a method of ``module``) as if it were the unit's forward: gathered around it."""

@@ -194,7 +194,7 @@ class _BucketCollective(torch.autograd.Function):
         ctx.sink_dtypes = info.sink_dtypes if info is not None else None
         ctx.carry = info.carry if info is not None else None
         ctx.keep_none = info is not None and info.keep_none
-        ctx.deferred = info.deferred if info is not None else None
+        ctx.info = info  # read at backward time: a later gather of the same unit may switch deferral off
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -218,8 +218,9 @@ class _BucketCollective(torch.autograd.Function):
         # Even when no gradient reached this rank the collective runs: the peers may have one.
         picked = [by_name.get(f) for f in adj.fqns]
         # double backward (create_graph) may read the result inside this backward: wait for it then
-        later = ctx.deferred is not None and not torch.is_grad_enabled()
-        out = apply_buckets(adj, picked, CallInfo(deferred=ctx.deferred) if later else None)
+        deferred = ctx.info.deferred if ctx.info is not None else None
+        later = deferred is not None and not torch.is_grad_enabled()
+        out = apply_buckets(adj, picked, CallInfo(deferred=deferred) if later else None)
         res = dict(zip(adj.fqns, out))
         if ctx.keep_none:
             return (None, None, *(res.get(f) if by_name.get(f) is not None else None for f in b.fqns))

@@ -86,6 +86,7 @@ class Apply:
             scale=mode.scale if mode is not None and mode.scale is not None else reduce_scale(plan, self.reduce_op, self.divide_by),
             sink=mode.sink if mode is not None else None,
             deferred=mode.deferred if mode is not None and not functorch else None,
+            deferred_infos=mode.deferred_infos if mode is not None else None,
             reshard=self.reshard_after_forward and not functorch,
             prefetch=0 if functorch else self.prefetch,
             order_hint=plan.memo.get(("order", id(self)), [u.name for u in plan.units]),
@@ -257,6 +258,11 @@ class Apply:
         """The modules whose forward runs unit ``name`` (its own submodule)."""
         return [self.module.get_submodule(name)]
 
+    def release_after_module(self, name: str) -> bool:
+        """Whether a resharding unit is dropped as soon as one of its modules' forward returns (else at
+        the end of the whole forward: a unit of several modules is gathered once for all of them)."""
+        return True
+
     def _pre_hook(self, name: str) -> Callable[..., Any]:
         def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if self._remat_depth or (self._forward and self._forward[-1].remat):
@@ -288,7 +294,7 @@ class Apply:
                 self._restore(stack.pop())
             if self._forward:
                 call = self._forward[-1]
-                if call.reshards(name) and name in call.gathered:
+                if call.reshards(name) and name in call.gathered and self.release_after_module(name):
                     call.release(name)
                 if call.plan.unit_policies:
                     policy = call.plan.unit_policies.get(name)

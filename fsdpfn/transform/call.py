@@ -12,7 +12,7 @@ copy is dropped as soon as its gradient reduction starts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ class GradMode:
     scale: float | None = None
     sink: dict[str, torch.Tensor] | None = None
     deferred: list[Handle] | None = None  # reductions value_and_grad waits for after autograd.grad
+    deferred_infos: dict[str, CallInfo] = field(default_factory=dict)  # first gather of each unit (see Call)
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,12 @@ class Call:
         order_hint: Sequence[str],
         sink: dict[str, torch.Tensor] | None = None,
         deferred: list[Handle] | None = None,
+        deferred_infos: dict[str, CallInfo] | None = None,
     ):
         self.params = params
         self.sink = sink
         self.deferred = deferred
+        self.deferred_infos = deferred_infos if deferred_infos is not None else {}
         self.plan = params.plan
         self.scale = scale
         self.reshard = reshard
@@ -103,8 +106,14 @@ class Call:
         b = self._collective(unit)
         shards = self._shards(b)
         info = self.info(name)
-        if info.deferred is not None and self.deferral_needs_leaves and any(t.grad_fn is not None for t in shards):
-            info.deferred = None  # an op between the leaves and the gather would read an unfinished gradient
+        if info.deferred is not None:
+            if self.deferral_needs_leaves and any(t.grad_fn is not None for t in shards):
+                info.deferred = None  # an op between the leaves and the gather would read an unfinished gradient
+            elif name in self.deferred_infos:
+                # gathered twice for one backward: autograd adds both results before anyone waits
+                self.deferred_infos[name].deferred = info.deferred = None
+            else:
+                self.deferred_infos[name] = info
         outs = apply_buckets(b, shards, info)
         full = dict(zip(b.fqns, outs))
         self.gathered[name] = full
