@@ -1235,7 +1235,34 @@ def test_activation_checkpointing_inside_and_around_units(mode, reshard):
 
 
 # ---- 9. replicate ----------------------------------------------------------------------------------------
-# (replicate is being written now: its tests come with it.)
+@_worker
+def _replicate_worker():
+    from torch.distributed._composable.replicate_with_fsdp import replicate as torch_replicate
+    from torch.distributed.tensor import Replicate
+
+    import fsdpfn.compat as compat
+
+    mesh = _mesh()
+    out = {}
+    for name, replicate in (("torch", torch_replicate), ("fsdpfn", compat.replicate)):
+        torch.manual_seed(0)
+        model = Net()
+        replicate(model, mesh=mesh)
+        assert all(p.placements == (Replicate(),) for p in model.parameters()), name
+        assert all(p.to_local().shape == p.shape for p in model.parameters()), name
+        _step(model)
+        out[name] = (type(model).__name__, isinstance(model, compat.FSDPModule) if name == "fsdpfn" else True, _grads(model))
+    stats = _counts(_stats(model))
+    return out, stats, _math_grads(_world())
+
+
+def test_replicate_averages_whole_gradients_like_torch():
+    for out, (gathers, reduce_scatters, all_reduces), math in spmd(2, _replicate_worker):
+        assert out["fsdpfn"][0] == out["torch"][0] == "ReplicateNet"
+        assert out["fsdpfn"][1]
+        _close(out["fsdpfn"][2], math, "replicate grads vs the math")
+        _close(out["fsdpfn"][2], out["torch"][2], "replicate grads vs torch")
+        assert gathers == 0 and all_reduces > 0  # nothing gathered: every rank holds everything
 
 
 # ---- 10. unsupported features ----------------------------------------------------------------------------
