@@ -75,7 +75,7 @@ class CommStats:
 class Handle:
     """An in-flight collective. ``wait()`` (idempotent) orders the caller after it and returns the result."""
 
-    __slots__ = ("_work", "_event", "_keep", "_finish", "_result", "_done", "_guard", "_fp")
+    __slots__ = ("_work", "_event", "_keep", "_finish", "_result", "_done", "_guard", "_fp", "__weakref__")
 
     def __init__(
         self,
@@ -189,7 +189,10 @@ class Comm:
                 event = stream.record_event()
             return Handle(result, event=event, keep=keep)
         work = fn(True)
-        return Handle(result, work=work, keep=keep, finish=finish, guard=self.guard, fp=fp)
+        handle = Handle(result, work=work, keep=keep, finish=finish, guard=self.guard, fp=fp)
+        if keep and work is not None:
+            _free_inputs_when_done(handle, work)
+        return handle
 
     def all_gather(self, flat: torch.Tensor, *, label: str = "") -> Handle:
         """All-gather ``flat`` (``(*batch, n)``, any dtype) over the shard group into ``(world, *batch, n)``."""
@@ -302,6 +305,23 @@ class Comm:
             return work
 
         return self._launch("gather", fn, keep=(), result=t, fp=fp)
+
+
+def _free_inputs_when_done(handle: Handle, work: Any) -> None:
+    """Drop the handle's input buffers as soon as gloo completes the work (its thread runs the
+    callback), not when somebody waits: a reduction waited for late must not pin its full-size input."""
+    try:
+        future = work.get_future()
+    except (RuntimeError, AttributeError):  # pragma: no cover - a backend without futures
+        return
+    ref = weakref.ref(handle)
+
+    def done(_fut: Any) -> None:
+        h = ref()
+        if h is not None:
+            h._keep = ()
+
+    future.add_done_callback(done)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

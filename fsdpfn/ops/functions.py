@@ -94,9 +94,15 @@ class Buckets:
         return self.finish(self.launch(tensors))
 
     def run_deferred(self, tensors: Sequence[torch.Tensor | None], into: list[Handle]) -> list[torch.Tensor]:
-        """A reduce whose waits are left to the caller: launch, return the results' views of the output
-        buffers at once and append the handles to ``into``. The results may be read only after every
-        handle in ``into`` was waited for. Falls back to ``run`` when results need a cast or batching."""
+        """A reduce whose wait is left to the caller: launch, wait for the reductions already in ``into``,
+        return the results' views of the output buffers at once and leave this one's handles in ``into``.
+        The results may be read only after every handle in ``into`` was waited for. Falls back to ``run``
+        when results need a cast or batching."""
+        # One unit's reduction in flight at a time: it overlaps the backward computed since it launched,
+        # and its full-size input buffer is freed before the next one is packed (no extra peak memory).
+        for handle in into:
+            handle.wait()
+        into.clear()
         pending = self.launch(tensors)
         out_dtype = dict(zip(self.fqns, self.out_dtypes))
         exact = self.kind == "reduce" and not self.batch_ndim and all(out_dtype[f] == lay.dtype for lay in self.layouts for f in lay.fqns)
@@ -181,6 +187,7 @@ class _BucketCollective(torch.autograd.Function):
     def forward(b: Buckets, info: CallInfo | None, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         pending = info.pending if info is not None else None
         if pending is not None:
+            info.pending = None  # the handles hold the gathered buffer: ctx keeps info until backward
             return tuple(b.finish(pending))
         if info is not None and info.deferred is not None and b.kind == "reduce":
             return tuple(b.run_deferred(tensors, info.deferred))
