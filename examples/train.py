@@ -90,8 +90,9 @@ class GPT(nn.Module):
 
 
 # --- training ---------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def base_parser(description: str | None) -> argparse.ArgumentParser:
+    """The flags every training example shares (model size, data, schedule, logging)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=64)
@@ -105,12 +106,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
     p.add_argument("--json", default=None, help="write the losses and throughput to this file (rank 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stdout is not a terminal)")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = base_parser(__doc__)
     p.add_argument("--ckpt", default="checkpoints/gpt", help="checkpoint directory (DCP format)")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     p.add_argument("--resume", action="store_true", help="continue from --ckpt if it holds a checkpoint")
     p.add_argument("--stop-after", type=int, default=0, help="stop after this step, as if interrupted (tests)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (there is none when stdout is not a terminal)")
     return p.parse_args(argv)
+
+
+def load_corpus() -> tuple[torch.Tensor, int]:
+    """The encoded training text and the vocabulary size."""
+    text = make_corpus(4000, seed=1234)
+    chars = sorted(set(text))
+    return torch.tensor([chars.index(c) for c in text], dtype=torch.long), len(chars)
+
+
+def get_batch(data: torch.Tensor, args: argparse.Namespace, rank: int, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``: a function of (seed, rank, step) alone, so a resumed run reads
+    the same data."""
+    gen = torch.Generator().manual_seed((args.seed * 1_000_003 + rank) * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
+    idx = torch.stack([data[s : s + args.seq] for s in starts]).to(device)
+    target = torch.stack([data[s + 1 : s + args.seq + 1] for s in starts]).to(device)
+    return idx, target
+
+
+def lr_at(args: argparse.Namespace, step: int) -> float:
+    """Linear warmup, then cosine decay to 10% of ``args.lr``."""
+    return args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+
+
+def peak_memory(device: torch.device) -> tuple[float, str]:
+    """This process's peak memory in MiB and what was measured."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20, "peak GPU memory"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "peak RSS"
 
 
 def progress(step: int, total: int, loss: float, width: int = 30) -> None:
@@ -127,12 +162,10 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(mesh.device_type, torch.cuda.current_device() if mesh.device_type == "cuda" else None)
     lead = rank == 0
 
-    text = make_corpus(4000, seed=1234)
-    chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    data, vocab = load_corpus()
 
     torch.manual_seed(args.seed)
-    model = GPT(len(chars), args.dim, args.layers, args.heads, args.seq).to(device)
+    model = GPT(vocab, args.dim, args.layers, args.heads, args.seq).to(device)
     mp = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
     params = fsdpfn.shard(model, mesh, units=[f"blocks.{i}" for i in range(args.layers)], mp_policy=mp)
     apply = fsdpfn.fsdp(model)
@@ -142,8 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
     step_fn = fsdpfn.value_and_grad(loss_fn)
-    schedule = lambda step: args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))  # noqa: E731
-    opt = optim.adamw(lr=schedule, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = optim.adamw(lr=lambda step: lr_at(args, step), weight_decay=0.1, betas=(0.9, 0.95))
     state = opt.init(params)
 
     first = 1
@@ -161,11 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for step in range(first, args.steps + 1):
-        # each rank's batch is a function of (seed, rank, step) alone, so a resumed run reads the same data
-        gen = torch.Generator().manual_seed((args.seed * 1_000_003 + rank) * 1_000_003 + step)
-        starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
-        idx = torch.stack([data[s : s + args.seq] for s in starts]).to(device)
-        target = torch.stack([data[s + 1 : s + args.seq + 1] for s in starts]).to(device)
+        idx, target = get_batch(data, args, rank, step, device)
         loss, grads = step_fn(params, idx, target)
         grads, norm = optim.clip_grad_norm(grads, args.clip)
         params, state = opt.update(grads, state, params)
@@ -188,12 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     elapsed = time.perf_counter() - start
     done_steps = max(1, min(args.steps, args.stop_after or args.steps) - first + 1)
     tokens_s = done_steps * args.batch * args.seq * world / elapsed
-    if device.type == "cuda":
-        peak_mib = torch.cuda.max_memory_allocated() / 2**20
-        peak_what = "peak GPU memory"
-    else:
-        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        peak_what = "peak RSS"
+    peak_mib, peak_what = peak_memory(device)
     result = dict(losses=losses, tokens_per_s=tokens_s, peak_mib=peak_mib, world=world, elapsed_s=elapsed, first_step=first)
     result["params"] = {k: v.detach().cpu().clone() for k, v in params.params().items()}  # this rank's shards
     if lead:

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
-import resource
 import sys
 import time
 from types import ModuleType
@@ -63,52 +61,11 @@ def _implementation(impl: str):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = train.base_parser(__doc__)
     p.add_argument("--impl", choices=IMPLS, default="fsdpfn", help="whose fully_shard to use (default: fsdpfn)")
     p.add_argument("--compare", action="store_true", help="train with both implementations and compare the losses")
     p.add_argument("--mp", action="store_true", help="bf16 compute (param_dtype), fp32 gradient reduction")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--clip", type=float, default=1.0)
-    p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
-    p.add_argument("--json", default=None, help="write the losses and throughput to this file (rank 0)")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (there is none when stdout is not a terminal)")
     return p.parse_args(argv)
-
-
-# --- inline equivalents of train.py code that is not (yet) a reusable function ---------------------
-def _corpus() -> tuple[torch.Tensor, int]:  # INLINE from train.main: the encoded text and the vocabulary size
-    text = train.make_corpus(4000, seed=1234)
-    chars = sorted(set(text))
-    return torch.tensor([chars.index(c) for c in text], dtype=torch.long), len(chars)
-
-
-def _batch(data: torch.Tensor, args: argparse.Namespace, rank: int, step: int, device: torch.device):
-    """INLINE from train.main: each rank's batch is a function of (seed, rank, step) alone, as in train.py."""
-    gen = torch.Generator().manual_seed((args.seed * 1_000_003 + rank) * 1_000_003 + step)
-    starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
-    idx = torch.stack([data[s : s + args.seq] for s in starts]).to(device)
-    target = torch.stack([data[s + 1 : s + args.seq + 1] for s in starts]).to(device)
-    return idx, target
-
-
-def _lr(args: argparse.Namespace, step: int) -> float:  # INLINE from train.main: warmup, then cosine to 10%
-    return args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
-
-
-def _peak(device: torch.device) -> tuple[float, str]:  # INLINE from train.main
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20, "peak GPU memory"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "peak RSS"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -144,9 +101,9 @@ def run(impl: str, args: argparse.Namespace, mesh, data: torch.Tensor, vocab: in
     grad_norms: list[tuple[int, float]] = []
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        idx, target = _batch(data, args, rank, step, device)
+        idx, target = train.get_batch(data, args, rank, step, device)
         for group in opt.param_groups:
-            group["lr"] = _lr(args, step)
+            group["lr"] = train.lr_at(args, step)
         loss = F.cross_entropy(model(idx).float().flatten(0, 1), target.flatten())
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # global norm over all ranks
@@ -169,7 +126,7 @@ def run(impl: str, args: argparse.Namespace, mesh, data: torch.Tensor, vocab: in
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     tokens_s = args.steps * args.batch * args.seq * world / elapsed
-    peak_mib, peak_what = _peak(device)
+    peak_mib, peak_what = train.peak_memory(device)
     if lead:
         if show_bar:
             sys.stdout.write("\n")
@@ -184,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     """One run (``--impl``), or with ``--compare`` both: ``{"fsdpfn": ..., "torch": ..., "max_loss_diff": ...}``."""
     args = parse_args(argv)
     mesh = fsdpfn.init_mesh(device=args.device)
-    data, vocab = _corpus()
+    data, vocab = train.load_corpus()
     if not args.compare:
         result = run(args.impl, args, mesh, data, vocab)
     else:
