@@ -7,6 +7,7 @@ Nothing is communicated here: every rank holds the full parameters (or ``meta`` 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
@@ -270,12 +271,7 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-_MESHES: dict[str, DeviceMesh] = {}
-
-
+@functools.cache
 def _default_mesh() -> DeviceMesh:
     """A 1-D mesh over every rank (started from torchrun's environment, or a world of one), made once."""
-    mesh = _MESHES.get("default")
-    if mesh is None:
-        mesh = _MESHES["default"] = init_mesh()
-    return mesh
+    return init_mesh()

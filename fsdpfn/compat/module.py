@@ -155,7 +155,7 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for compatibility: fsdpfn finishes every reduction inside backward, so there is no
         pending work the last backward would have to wait for."""
-        _state(self).is_last_backward = _check_bool(is_last_backward, "is_last_backward")
+        _check_bool(is_last_backward, "is_last_backward")
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """``False``: backward communicates nothing and accumulates full gradients (in the reduce dtype)
@@ -187,14 +187,12 @@ class FSDPModule:
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Accepted for compatibility: fsdpfn always frees gathered parameters when a unit's gradient
         reduction starts (a later forward gathers again, so no stale copy can be used)."""
-        value = _check_bool(reshard_after_backward, "reshard_after_backward")
-        for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
-            _state(m).reshard_after_backward = value
+        _check_bool(reshard_after_backward, "reshard_after_backward")
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Accepted for compatibility: fsdpfn re-gathers a unit in backward only when a saved tensor
         needs it, which is what ``False`` asks for where it is safe."""
-        _state(self).unshard_in_backward = _check_bool(unshard_in_backward, "unshard_in_backward")
+        _check_bool(unshard_in_backward, "unshard_in_backward")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Gradients become the sum over data-parallel ranks divided by ``factor`` (instead of the mean).
@@ -212,7 +210,7 @@ class FSDPModule:
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted: fsdpfn's collectives always sum and scale afterwards, so this changes nothing."""
-        _state(self).force_sum = _check_bool(enable, "enable")
+        _check_bool(enable, "enable")
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """``True``: parameters that got no gradient on this rank still receive the reduced gradient

@@ -139,6 +139,7 @@ class RootContext:
         self.comm: Comm | None = None
         self.states: dict[str, UnitState] = {}
         self._build()
+        self.apply = CompatApply(self)
 
     # --- set-up -----------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -218,12 +219,6 @@ class RootContext:
         for name, st in states.items():
             st.root, st.name = self, name
         self.states = states
-        self._signature = self._current_signature()
-        if not hasattr(self, "apply"):
-            self.apply = CompatApply(self)
-
-    def _current_signature(self) -> tuple[Any, ...]:
-        return tuple((id(m.param), m.param.shape, m.param.dtype) for m in self.managed.values())
 
     def names_of(self, states: Sequence[UnitState]) -> list[str]:
         """The unit names of ``states`` (explicit prefetch lists); units without parameters drop out."""
@@ -253,6 +248,7 @@ class RootContext:
     # --- calls ------------------------------------------------------------------------------------
     def params(self, deferred: list[Any] | None = None) -> Sharded[torch.Tensor]:
         """This call's tree: the local shards of the registered ``DTensor`` parameters."""
+        stale = False
         for fqn, m in self.managed.items():
             mod, attr = m.slots[0]
             current = mod._parameters.get(attr)
@@ -261,7 +257,8 @@ class RootContext:
                 for mo, at in m.slots:
                     mo._parameters[at] = current
                 m.param = current
-        if self._current_signature() != self._signature:
+            stale = stale or m.param.dtype != self.plan.dtypes[fqn]
+        if stale:
             self._build()  # e.g. model.to(dtype): same units, new dtypes
         params = [m.param for m in self.managed.values()]
         local = LocalShards.apply(tuple(p._spec for p in params), deferred if deferred is not None else [], *params)

@@ -49,11 +49,7 @@ class UnitState:
     # knobs (FSDPModule.set_*)
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
-    reshard_after_backward: bool = True
-    unshard_in_backward: bool = True
-    is_last_backward: bool = True
     divide_factor: float | None = None
-    force_sum: bool = False
     reduce_scatter_unused: bool = False
     forward_prefetch: list[UnitState] | None = None
     backward_prefetch: list[UnitState] | None = None

@@ -180,6 +180,9 @@ class CallInfo:
     deferred: list[Handle] | None = None
 
 
+_NO_INFO = CallInfo()  # never mutated: a call without extras
+
+
 class _BucketCollective(torch.autograd.Function):
     """Shared rules: the forward runs ``Buckets``; the backward applies its adjoint."""
 
@@ -196,40 +199,36 @@ class _BucketCollective(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.buckets = inputs[0]
-        info = inputs[1]
-        ctx.sink = info.sink if info is not None else None
-        ctx.sink_dtypes = info.sink_dtypes if info is not None else None
-        ctx.carry = info.carry if info is not None else None
-        ctx.keep_none = info is not None and info.keep_none
-        ctx.info = info  # read at backward time: a later gather of the same unit may switch deferral off
+        # read at backward time: a later gather of the same unit may switch deferral off
+        ctx.info = inputs[1] if inputs[1] is not None else _NO_INFO
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         b: Buckets = ctx.buckets
-        if ctx.sink is not None:  # deferred reduction: keep the full gradients, reduce later
+        info: CallInfo = ctx.info
+        if info.sink is not None:  # deferred reduction: keep the full gradients, reduce later
             for f, g in zip(b.fqns, grads):
-                if g is not None and f in ctx.sink_dtypes:
-                    g = g.to(ctx.sink_dtypes[f])
-                    ctx.sink[f] = ctx.sink[f] + g if f in ctx.sink else g
+                if g is not None and f in info.sink_dtypes:
+                    g = g.to(info.sink_dtypes[f])
+                    info.sink[f] = info.sink[f] + g if f in info.sink else g
             return (None,) * (2 + len(b.fqns))
         adj = b.adjoint
         assert adj is not None, "collective without an adjoint"
         by_name = dict(zip(b.fqns, grads))
-        if ctx.carry is not None:  # gradients accumulated without reduction in earlier backwards
+        if info.carry is not None:  # gradients accumulated without reduction in earlier backwards
             for f in b.fqns:
-                acc = ctx.carry.pop(f, None)
+                acc = info.carry.pop(f, None)
                 if acc is not None:
                     g = by_name.get(f)
                     by_name[f] = acc if g is None else acc + g
         # Even when no gradient reached this rank the collective runs: the peers may have one.
         picked = [by_name.get(f) for f in adj.fqns]
         # double backward (create_graph) may read the result inside this backward: wait for it then
-        deferred = ctx.info.deferred if ctx.info is not None else None
-        later = deferred is not None and not torch.is_grad_enabled()
-        out = apply_buckets(adj, picked, CallInfo(deferred=deferred) if later else None)
+        later = info.deferred is not None and not torch.is_grad_enabled()
+        out = apply_buckets(adj, picked, CallInfo(deferred=info.deferred) if later else None)
         res = dict(zip(adj.fqns, out))
-        if ctx.keep_none:
+        if info.keep_none:
             return (None, None, *(res.get(f) if by_name.get(f) is not None else None for f in b.fqns))
         return (None, None, *(res.get(f) for f in b.fqns))
 

@@ -182,6 +182,10 @@ class Apply:
         if names is None:
             owned = plan.unit(unit).fqns
             names = plan.memo[("swap", unit)] = [(a, o) for o in owned for a in plan.names(o)]
+        return self._swap_names(names, full)
+
+    def _swap_names(self, names: list[tuple[str, str]], full: dict[str, torch.Tensor]) -> _Swap:
+        """Register ``full[owner]`` as parameter ``name`` for each ``(name, owner)``; returns the undo list."""
         out: _Swap = []
         for name, owner in names:
             table, attr = self._target(name, "p")
@@ -237,11 +241,7 @@ class Apply:
             if not self._forward and not self._remat_depth and _in_backward():
                 call = self._recompute_call(unit)
                 if call is not None:
-                    values = call.values_for_recompute(unit)
-                    for name, owner in names:
-                        table, attr = self._target(name, "p")
-                        swapped.append((table, attr, table[attr]))
-                        table[attr] = values[owner]
+                    swapped = self._swap_names(names, call.values_for_recompute(unit))
             self._unit_swaps.setdefault(key, []).append(swapped)
 
         return hook
