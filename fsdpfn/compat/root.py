@@ -57,9 +57,7 @@ class CompatCall(Call):
 
     def __init__(self, ctx: RootContext, params: Sharded[torch.Tensor], order_hint: Sequence[str]):
         self.ctx = ctx
-        super().__init__(params, scale=1.0, reshard=ctx.any_reshard(), prefetch=1, order_hint=order_hint)
-        self.deferred = ctx.deferred
-        self.deferred_infos = {}
+        super().__init__(params, scale=1.0, reshard=ctx.any_reshard(), prefetch=1, order_hint=order_hint, deferred=ctx.deferred)
         self.deferral_needs_leaves = False  # the shards come from LocalShards, whose backward drains
 
     def _collective(self, unit: Any) -> Buckets:
@@ -270,7 +268,7 @@ class RootContext:
         if event is not None:
             self.comm.wait_event(event)
             self.state.post_optim_event = None
-        self.deferred: list[Any] = []  # this forward's reductions; its LocalShards backward waits for them
+        self.deferred = []  # this forward's reductions; its LocalShards backward waits for them
         params = self.params(self.deferred)
         self.running = True
         try:
