@@ -184,6 +184,21 @@ class Compat(TorchFSDP):
 
         return fully_shard, MixedPrecisionPolicy
 
+    def _root_plan(self) -> Any:
+        from fsdpfn.compat.state import state_of  # type: ignore[import-not-found]
+
+        root = state_of(self.model).root
+        if root is None:
+            raise RuntimeError("compat: record() before the first forward (no root yet)")
+        return root.plan
+
+    def record(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[Coll]]:
+        """fsdpfn's core logs its own collectives (they need not be torch.distributed collectives)."""
+        return _record_core(self._root_plan(), lambda: self.step(x, y))
+
+    def replay(self, log: list[Coll]) -> None:
+        _replay_core(self._root_plan().comm, log, self.device)
+
 
 class Functional(Variant):
     """``fsdpfn.shard`` (one unit per block) + ``fsdp`` + ``value_and_grad`` + ``fsdpfn.optim.adamw``."""
@@ -215,43 +230,49 @@ class Functional(Variant):
         return [t for t in leaves if isinstance(t, torch.Tensor)]
 
     def record(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[Coll]]:
-        """A real step with ``comm.stats.recording`` on; the log becomes ``Coll`` records."""
-        plan = self.params.plan
-        stats = plan.comm.stats
-        stats.reset()
-        stats.recording = True
-        try:
-            loss = self.step(x, y)
-        finally:
-            stats.recording = False
-        world = plan.comm.world
-        log = []
-        for kind, label, nbytes in stats.log:
-            if kind == "all_gathers":
-                log.append(Coll("all_gather", nbytes // world, nbytes, torch.uint8))
-            elif kind == "reduce_scatters":
-                dtype = _reduce_dtype(plan, label, nbytes, world)
-                n = nbytes // dtype.itemsize
-                log.append(Coll("reduce_scatter", n, n // world, dtype))
-            else:
-                raise RuntimeError(f"functional step issued an unexpected collective {kind!r} ({label})")
-        stats.log.clear()
-        return loss, log
+        return _record_core(self.params.plan, lambda: self.step(x, y))
 
     def replay(self, log: list[Coll]) -> None:
-        """Replay through fsdpfn's own core (``plan.comm``), fresh buffers per collective, ``WINDOW`` in flight."""
-        comm = self.params.plan.comm
-        pending: deque[Any] = deque()
-        for c in log:
-            buf = torch.empty(c.in_numel, dtype=c.dtype, device=self.device)
-            if c.kind == "all_gather":
-                pending.append(comm.all_gather(buf))
-            else:
-                pending.append(comm.reduce_scatter(buf.view(comm.world, -1)))
-            if len(pending) > WINDOW:
-                pending.popleft().wait()
-        while pending:
+        _replay_core(self.params.plan.comm, log, self.device)
+
+
+def _record_core(plan: Any, step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, list[Coll]]:
+    """A real step with fsdpfn's ``comm.stats.recording`` on; the log becomes ``Coll`` records."""
+    stats = plan.comm.stats
+    stats.reset()
+    stats.recording = True
+    try:
+        loss = step()
+    finally:
+        stats.recording = False
+    world = plan.comm.world
+    log = []
+    for kind, label, nbytes in stats.log:
+        if kind == "all_gathers":
+            log.append(Coll("all_gather", nbytes // world, nbytes, torch.uint8))
+        elif kind == "reduce_scatters":
+            dtype = _reduce_dtype(plan, label, nbytes, world)
+            n = nbytes // dtype.itemsize
+            log.append(Coll("reduce_scatter", n, n // world, dtype))
+        else:
+            raise RuntimeError(f"fsdpfn step issued an unexpected collective {kind!r} ({label})")
+    stats.log.clear()
+    return loss, log
+
+
+def _replay_core(comm: Any, log: list[Coll], device: torch.device) -> None:
+    """Replay through fsdpfn's own core, fresh buffers per collective, ``WINDOW`` in flight."""
+    pending: deque[Any] = deque()
+    for c in log:
+        buf = torch.empty(c.in_numel, dtype=c.dtype, device=device)
+        if c.kind == "all_gather":
+            pending.append(comm.all_gather(buf))
+        else:
+            pending.append(comm.reduce_scatter(buf.view(comm.world, -1)))
+        if len(pending) > WINDOW:
             pending.popleft().wait()
+    while pending:
+        pending.popleft().wait()
 
 
 def _reduce_dtype(plan: Any, label: str, nbytes: int, world: int) -> torch.dtype:
