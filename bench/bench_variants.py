@@ -205,12 +205,13 @@ class Functional(Variant):
 
     name = "functional"
     sharded = True
+    min_bucket_bytes: int | None = None  # fuse consecutive blocks (bench/step.py --min-bucket-bytes)
 
     def __init__(self, *a: Any):
         super().__init__(*a)
         mp = fsdpfn.MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) if self.dtype != torch.float32 else None
         units = [f"blocks.{i}" for i in range(len(self.model.blocks))]  # type: ignore[arg-type]
-        self.params = fsdpfn.shard(self.model, self.mesh, units=units, mp_policy=mp)
+        self.params = fsdpfn.shard(self.model, self.mesh, units=units, mp_policy=mp, min_bucket_bytes=self.min_bucket_bytes)
         # shard() leaves a real module untouched; move it to meta so the full weights are not kept
         # alive next to the shards (apply swaps the gathered tensors in for every call anyway).
         self.model.to("meta")

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import fsdpfn
 from bench_measure import add_ratios, format_table, peak_step, reduce_max, reduce_mean, summarize, timed_replay, timed_step
 from bench_models import MODELS, count_params, make_batches, build_model, spec_for
-from bench_variants import ALL_VARIANTS, SHARDED, Variant, build_variant, compat_available
+from bench_variants import ALL_VARIANTS, SHARDED, Functional, Variant, build_variant, compat_available
 
 COMPAT_MISSING = "fsdpfn.compat not available"
 REPLAYS = 5  # collective replays per sharded variant (median)
@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="compute dtype (default fp32; bf16 for gpt1b): bf16 = param_dtype bf16, reduce_dtype fp32")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank (default: torch's choice)")
+    p.add_argument("--min-bucket-bytes", type=int, default=None,
+                   help="functional variant: fuse consecutive blocks into collectives of at least this many bytes "
+                        "(fsdpfn.shard(..., min_bucket_bytes=)); default: one collective per block, like the others")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tiny models, for the smoke test
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             names.append(name)
 
+    Functional.min_bucket_bytes = args.min_bucket_bytes
     base = build_model(spec, args.seed)
     n_params = count_params(base)
     variants: dict[str, Variant] = {n: build_variant(n, base, spec, mesh, device, dtype) for n in names}
@@ -190,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch_version": torch.__version__,
         "fsdpfn_commit": fsdpfn_commit(),
         "model": args.model,
+        "min_bucket_bytes": args.min_bucket_bytes,
         "tiny": args.tiny,
         "params": n_params,
         "batch_per_rank": spec.batch,

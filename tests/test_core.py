@@ -48,6 +48,36 @@ def test_bucket_collectives_on_gloo(world):
         assert out["stats"] == ((5, 2, 1) if world > 1 else (0, 0, 1))
 
 
+def _many_in_flight():
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = Comm(fsdpfn.init_mesh())
+    launched = []
+    for i in range(5):  # gathers and reductions of different sizes and dtypes, all launched before any wait
+        launched.append(("ag", i, comm.all_gather(torch.full((i + 1,), float(10 * rank + i)))))
+        dtype = (torch.float32, torch.bfloat16, torch.float64)[i % 3]
+        full = (torch.arange(world * (i + 2), dtype=torch.float32).reshape(world, i + 2) + rank).to(dtype)
+        launched.append(("rs", i, comm.reduce_scatter(full)))
+    return [(kind, i, h.wait()) for kind, i, h in reversed(launched)]  # waited for in reverse order
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_in_flight_together_pair_up_by_launch_order(world):
+    tri = world * (world - 1) / 2  # sum of the ranks
+    for rank, got in enumerate(spmd(world, _many_in_flight)):
+        for kind, i, value in got:
+            if kind == "ag":
+                want = torch.stack([torch.full((i + 1,), float(10 * r + i)) for r in range(world)])
+                assert torch.equal(value, want), (kind, i)
+            else:
+                base = torch.arange(world * (i + 2), dtype=torch.float32).reshape(world, i + 2)[rank]
+                dtype = (torch.float32, torch.bfloat16, torch.float64)[i % 3]
+                assert value.dtype == dtype
+                want = (base.to(dtype).double() * world + tri).to(dtype)  # small integers: exact in bf16 too
+                assert torch.equal(value, want), (kind, i, value, want)
+
+
 def _hsdp_reduce():
     import torch.distributed as dist
 

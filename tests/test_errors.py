@@ -82,6 +82,7 @@ TRIGGERS = {
     "units-missing": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["block.1"]), ValueError, r"no submodule 'block.1'; did you mean 'blocks.1'"),
     "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3), TypeError, r"units must be a list of submodule names"),
     "meta-no-reset": (lambda m, p, a: fsdpfn.shard(_meta_module(), fsdpfn.init_mesh()), ValueError, r"has no reset_parameters\(\); pass init="),
+    "min-bucket-bytes": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0"], min_bucket_bytes="1MB"), ValueError, r"min_bucket_bytes must be an int >= 0 \(bytes\), got '1MB'"),
     "offload": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), offload_policy=fsdpfn.CPUOffloadPolicy()), NotImplementedError, r"CPUOffloadPolicy is not supported"),
     "mp-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), mp_policy="bf16"), TypeError, r"mp_policy must be a fsdpfn.MixedPrecisionPolicy"),
     "sharded-missing": (lambda m, p, a: fsdpfn.Sharded({}, p.plan), KeyError, r"missing \["),

@@ -154,3 +154,47 @@ def test_zero_dim_tensor_shards_to_rank_zero():
     assert [tuple(s.shape) for s in shards] == [(1,), (0,), (0,)]
     assert unshard_tensors(shards, spec).shape == ()
     assert unshard_tensors(shards, spec).item() == 2.5
+
+
+# --- fusing units into collective groups (shard(..., min_bucket_bytes=)) -----------------------------
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    world=fst.world_sizes(),
+    root=st.booleans(),
+    threshold=st.integers(1, 600),
+)
+def test_fused_groups_partition_the_units_greedily(sizes, world, root, threshold):
+    from fsdpfn.layout.plan import ParamInfo, build_plan
+
+    names = [f"u{i}" for i in range(len(sizes))]
+    infos = [ParamInfo(f"{n}.w", (k,), torch.float32, True, n) for n, k in zip(names, sizes)]
+    infos += [ParamInfo(f"{n}.b", (2,), torch.float64, i % 2 == 0, n) for i, n in enumerate(names)]
+    if root:
+        infos.append(ParamInfo("w", (3,), torch.float32, True, ""))
+    plan = build_plan(infos, [], [""] + names, rank=0, world=world, min_bucket_bytes=threshold)
+    unfused = build_plan(infos, [], [""] + names, rank=0, world=world)
+    assert plan.units == unfused.units  # units themselves are untouched
+    groups = [g for g in plan.groups if g.name]
+    assert [u for g in groups for u in plan.members(g.name)] == names  # consecutive, in order, each once
+    gathered = {u.name: sum(lay.nbytes for lay in u.gather) * world for u in plan.units}
+    for i, g in enumerate(groups):
+        members = plan.members(g.name)
+        assert g.name == "+".join(members) and all(plan.group_of[m] == g.name for m in members)
+        assert list(g.fqns) == [f for m in members for f in plan.unit(m).fqns]
+        total = sum(gathered[m] for m in members)
+        assert sum(gathered[m] for m in members[:-1]) < threshold  # greedy: closed as soon as it is full
+        assert total >= threshold or i == len(groups) - 1  # only the last group may stay small
+        # one bucket per dtype; the reduce buckets hold the trainable members only
+        assert sorted(str(lay.dtype) for lay in g.gather) == ["torch.float32", "torch.float64"]
+        assert {f for lay in g.reduce for f in lay.fqns} == {f for m in members for lay in plan.unit(m).reduce for f in lay.fqns}
+    if root:
+        assert plan.group("") is plan.unit("") and plan.group_of[""] == ""
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "1MB"])
+def test_fusion_threshold_must_be_a_byte_count(bad):
+    from fsdpfn.layout.plan import ParamInfo, build_plan
+
+    infos = [ParamInfo("u.w", (4,), torch.float32, True, "u")]
+    with pytest.raises(ValueError, match="min_bucket_bytes"):
+        build_plan(infos, [], ["", "u"], rank=0, world=2, min_bucket_bytes=bad)

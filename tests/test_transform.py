@@ -26,12 +26,12 @@ def _local(t, rank):
     return t[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
 
 
-def _grads_worker(recipe, units, reshard, prefetch, seed, dtype=torch.float32):
+def _grads_worker(recipe, units, reshard, prefetch, seed, dtype=torch.float32, min_bucket_bytes=None):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = recipe.build(dtype)
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=min_bucket_bytes)
     apply = fsdpfn.fsdp(model, reshard_after_forward=reshard, prefetch=prefetch)
     x = _local(recipe.inputs(LOCAL_BATCH * world, seed, dtype), rank)
     y = _local(_targets(recipe, LOCAL_BATCH * world, seed).to(dtype), rank)
@@ -40,17 +40,18 @@ def _grads_worker(recipe, units, reshard, prefetch, seed, dtype=torch.float32):
     loss, grads = fsdpfn.value_and_grad(lambda p: F.mse_loss(apply(p, x), y))(params)
     plan = params.plan
     counts = (stats.all_gathers, stats.reduce_scatters)
-    # one gather per unit bucket in forward, at most one more for each resharded unit in backward
-    # (none when backward saved nothing from it); one reduce-scatter per trainable dtype bucket
-    gathers = sum(len(u.gather) for u in plan.units)
-    regathers = sum(len(u.gather) for u in plan.units if u.name) if reshard else 0
-    expect_reduces = sum(len(u.reduce) for u in plan.units)
+    # one gather per group bucket in forward (a group: a unit, or units fused by min_bucket_bytes), at
+    # most one more for each resharded group in backward (none when backward saved nothing from it); one
+    # reduce-scatter per trainable dtype bucket of each group
+    gathers = sum(len(g.gather) for g in plan.groups)
+    regathers = sum(len(g.gather) for g in plan.groups if g.name) if reshard else 0
+    expect_reduces = sum(len(g.reduce) for g in plan.groups)
     untouched = all(p.grad is None for p in model.parameters())
     return loss, dict(grads.params()), counts, (gathers, regathers, expect_reduces), untouched
 
 
-def _check_grads(recipe, units, world, reshard, prefetch, seed, dtype, tol):
-    out = spmd(world, _grads_worker, recipe, units, reshard, prefetch, seed, dtype)
+def _check_grads(recipe, units, world, reshard, prefetch, seed, dtype, tol, min_bucket_bytes=None):
+    out = spmd(world, _grads_worker, recipe, units, reshard, prefetch, seed, dtype, min_bucket_bytes)
     ref = recipe.build(dtype)
     x = recipe.inputs(LOCAL_BATCH * world, seed, dtype)
     y = _targets(recipe, LOCAL_BATCH * world, seed).to(dtype)
@@ -66,11 +67,16 @@ def _check_grads(recipe, units, world, reshard, prefetch, seed, dtype, tol):
             torch.testing.assert_close(grads[n], want, **tol)
 
 
-@given(world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), prefetch=st.integers(0, 2), seed=st.integers(0, 99))
-def test_grads_match_single_process_autograd_f64(world, data, reshard, prefetch, seed):
+# min_bucket_bytes: None/0 keep one group per unit; 1 fuses nothing either (every unit reaches it);
+# the others fuse runs of consecutive units (nested ones included), up to all of them in one group.
+FUSION = st.sampled_from([None, 0, 1, 200, 1000, 10**9])
+
+
+@given(world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), prefetch=st.integers(0, 2), seed=st.integers(0, 99), fuse=FUSION)
+def test_grads_match_single_process_autograd_f64(world, data, reshard, prefetch, seed, fuse):
     recipe = data.draw(fst.model_recipes())
     units = data.draw(fst.unit_plans(recipe))
-    _check_grads(recipe, units, world, reshard, prefetch, seed, torch.float64, dict(rtol=1e-10, atol=1e-12))
+    _check_grads(recipe, units, world, reshard, prefetch, seed, torch.float64, dict(rtol=1e-10, atol=1e-12), fuse)
 
 
 @given(world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), seed=st.integers(0, 99))
@@ -113,6 +119,56 @@ def test_after_forward_with_reshard_no_unit_buffer_is_alive():
     for alive, after_backward, _, counts in spmd(2, _live_worker, False):
         assert alive > 0 and after_backward == 0  # without reshard every unit stays until its backward
         assert counts == (3, 3)
+
+
+def _fused_worker(prefetch, min_bucket_bytes, reshard):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(6)], nn.Linear(6, 2))  # units 0..5 alike; root: "6"
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(6)], min_bucket_bytes=min_bucket_bytes)
+    apply = fsdpfn.fsdp(model, prefetch=prefetch, reshard_after_forward=reshard)
+    stats = params.plan.comm.stats
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    x.requires_grad_()  # so that backward needs every unit's weight (re-gathers each one)
+    stats.reset()
+    stats.recording = True
+    s = {k: v.detach().requires_grad_() for k, v in params.items()}
+    out = apply(fsdpfn.Sharded(s, params.plan), x)
+    forward_log, forward_peak = list(stats.log), stats.peak_gathered_bytes
+    out.square().sum().backward()
+    grads = {k: v.grad for k, v in s.items()}
+    import gc
+
+    del out
+    gc.collect()
+    sizes = {g.name: sum(lay.nbytes for lay in g.gather) * params.plan.world for g in params.plan.groups}
+    return [g.name for g in params.plan.groups], forward_log, list(stats.log), forward_peak, stats.live_gathered_bytes, sizes, grads
+
+
+@pytest.mark.parametrize("fuse", [None, 300])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_collective_order_count_and_live_bytes_with_prefetch(prefetch, fuse):
+    # each Linear(6, 6) gathers 42 floats = 168 bytes at world 2: 300 bytes fuse pairs of units
+    plain = [out[-1] for out in spmd(2, _fused_worker, 0, None, True)]
+    want = ["", "0+1", "2+3", "4+5"] if fuse else ["", "0", "1", "2", "3", "4", "5"]
+    for rank, (groups, forward, whole, peak, after, sizes, grads) in enumerate(spmd(2, _fused_worker, prefetch, fuse, True)):
+        assert groups == want
+        labels = ["<root>", *want[1:]]
+        # forward: the root, then every group once, in order, each one all-gather (prefetch only moves
+        # the launch earlier, never adds one)
+        assert [label for kind, label, _ in forward] == labels
+        assert all(kind == "all_gathers" for kind, _, _ in forward)
+        # backward: one reduce-scatter per group, none per unit; every resharded group re-gathered once
+        assert sorted(label for kind, label, _ in whole if kind == "reduce_scatters") == sorted(labels)
+        assert sorted(label for kind, label, _ in whole[len(forward):] if kind == "all_gathers") == sorted(labels[1:])
+        # live gathered bytes in forward: the root (gathered for the whole forward), at most prefetch + 1
+        # groups, plus the one whose parameters are being copied out of its just-gathered buffer
+        biggest = max(sizes[g] for g in groups if g)
+        assert peak <= sizes[""] + (prefetch + 2) * biggest
+        # and prefetch really holds that many ahead (prefetch 0: the group and its copy-out)
+        assert peak >= sizes[""] + max(2, prefetch + 1) * min(sizes[g] for g in groups if g)
+        assert after == 0
+        for k in grads:  # identical to the unfused run without prefetch: same sums in the same order
+            assert torch.equal(grads[k], plain[rank][k]), k
 
 
 def _ckpt(f, *args):

@@ -17,7 +17,9 @@ import torch
 from fsdpfn.layout.bucket import BucketLayout
 from fsdpfn.layout.spec import ShardSpec
 
-__all__ = ["ParamInfo", "ShardPlan", "UnitPlan", "bucket_by_dtype", "build_plan"]
+__all__ = ["FUSED", "ParamInfo", "ShardPlan", "UnitPlan", "bucket_by_dtype", "build_plan", "fuse_units"]
+
+FUSED = "+"  # joins the unit names of a fused group
 
 
 @dataclass(frozen=True)
@@ -78,11 +80,19 @@ class ShardPlan:
     ignored: tuple[str, ...] = ()
     transient_buffers: frozenset[str] = frozenset()  # non-persistent buffers: not in state_dict()
     unit_policies: Mapping[str, Any] = field(default_factory=dict)  # per-unit mixed precision (compat)
+    groups: tuple[UnitPlan, ...] = ()  # what travels in one collective: units, or runs of fused units
+    group_of: Mapping[str, str] = field(default_factory=dict)  # unit name -> its group's name
     _by_name: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
+    _by_group: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # derived objects, built once per plan
 
     def __post_init__(self) -> None:
         self._by_name.update({u.name: u for u in self.units})
+        if not self.groups:
+            object.__setattr__(self, "groups", self.units)
+        if not self.group_of:
+            object.__setattr__(self, "group_of", {u.name: u.name for u in self.units})
+        self._by_group.update({g.name: g for g in self.groups})
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -109,6 +119,22 @@ class ShardPlan:
             known = ", ".join(repr(u.name) for u in self.units)
             raise KeyError(f"no unit {name!r} in this plan; units are {known}") from None
 
+    def group(self, name: str) -> UnitPlan:
+        """The collective group called ``name``: a unit, or several consecutive units fused into one
+        ``UnitPlan`` (``shard(..., min_bucket_bytes=)``) whose name joins theirs with ``+``."""
+        try:
+            return self._by_group[name]
+        except KeyError:
+            known = ", ".join(repr(g.name) for g in self.groups)
+            raise KeyError(f"no collective group {name!r} in this plan; groups are {known}") from None
+
+    def members(self, group: str) -> tuple[str, ...]:
+        """The unit names fused into group ``group`` (just ``(group,)`` for an unfused unit)."""
+        got = self.memo.get(("members", group))
+        if got is None:
+            got = self.memo[("members", group)] = tuple(u for u, g in self.group_of.items() if g == group)
+        return got
+
     def policy(self, unit: str) -> Any:
         """The mixed-precision policy of unit ``unit`` (the plan's own unless the unit has one)."""
         return self.unit_policies.get(unit, self.mp_policy)
@@ -132,13 +158,16 @@ def build_plan(
     reduce_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
     aliases: Mapping[str, str] | None = None,
     unit_dtypes: Mapping[str, tuple[Callable[[torch.dtype], torch.dtype], Callable[[torch.dtype], torch.dtype]]] | None = None,
+    min_bucket_bytes: int | None = None,
     **extra: Any,
 ) -> ShardPlan:
     """Build a plan: shard every parameter on dim 0 and bucket each unit's members by dtype.
 
     ``gather_dtype``/``reduce_dtype`` map a parameter's own dtype to the dtype its bucket moves in
     (mixed precision); ``unit_dtypes[unit]`` overrides the pair for one unit. Units keep the order of
-    ``unit_names``; a unit that owns nothing is dropped.
+    ``unit_names``; a unit that owns nothing is dropped. With ``min_bucket_bytes``, consecutive non-root
+    units are fused into collective groups of at least that many gathered (full-size) bytes each (the
+    last group of a run may be smaller); see ``fuse_units``.
 
     Example:
         >>> infos = [ParamInfo("w", (4, 3), torch.float32, True, "")]
@@ -156,7 +185,10 @@ def build_plan(
         gather = bucket_by_dtype(members, specs, to_gather)
         trainable = [i for i in members if i.requires_grad]
         units.append(UnitPlan(name, tuple(i.fqn for i in members), gather, bucket_by_dtype(trainable, specs, to_reduce)))
+    groups = fuse_units(units, specs, world, min_bucket_bytes) if min_bucket_bytes else tuple(units)
     return ShardPlan(
+        groups=groups,
+        group_of={u: g.name for g in groups for u in g.name.split(FUSED)} if min_bucket_bytes else {},
         params=tuple(i.fqn for i in infos),
         buffers=tuple(buffers),
         specs=specs,
@@ -180,3 +212,53 @@ def bucket_by_dtype(
     for info in members:
         groups.setdefault(dtype_of(info.dtype), []).append(info.fqn)
     return tuple(BucketLayout.build(f, [specs[n] for n in f], dtype) for dtype, f in groups.items())
+
+
+def fuse_units(
+    units: Sequence[UnitPlan], specs: Mapping[str, ShardSpec], world: int, min_bucket_bytes: int
+) -> tuple[UnitPlan, ...]:
+    """Fuse runs of consecutive non-root units into groups of at least ``min_bucket_bytes`` gathered
+    bytes: each group's members travel in one collective per dtype (fewer, larger collectives for many
+    small units). The root unit stays alone. A group is named by its units joined with ``+``.
+
+    Example:
+        >>> infos = [ParamInfo(f"b{i}.w", (4,), torch.float32, True, f"b{i}") for i in range(3)]
+        >>> plan = build_plan(infos, [], ["b0", "b1", "b2"], rank=0, world=1, min_bucket_bytes=32)
+        >>> [g.name for g in plan.groups]
+        ['b0+b1', 'b2']
+    """
+    if isinstance(min_bucket_bytes, bool) or not isinstance(min_bucket_bytes, int) or min_bucket_bytes < 0:
+        raise ValueError(f"min_bucket_bytes must be an int >= 0 (bytes), got {min_bucket_bytes!r}")
+    for u in units:
+        if FUSED in u.name:
+            raise ValueError(f"unit {u.name!r}: a unit name containing {FUSED!r} cannot be fused; rename it or pass min_bucket_bytes=None")
+    out: list[UnitPlan] = []
+    run: list[UnitPlan] = []
+    size = 0
+    for u in units:
+        if not u.name:
+            out.append(u)
+            continue
+        run.append(u)
+        size += sum(lay.nbytes for lay in u.gather) * world
+        if size >= min_bucket_bytes:
+            out.append(_merge(run, specs))
+            run, size = [], 0
+    if run:
+        out.append(_merge(run, specs))
+    return tuple(out)
+
+
+def _merge(run: Sequence[UnitPlan], specs: Mapping[str, ShardSpec]) -> UnitPlan:
+    if len(run) == 1:
+        return run[0]
+
+    def buckets(kind: str) -> tuple[BucketLayout, ...]:
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for u in run:
+            for lay in getattr(u, kind):
+                by_dtype.setdefault(lay.dtype, []).extend(lay.fqns)
+        return tuple(BucketLayout.build(f, [specs[n] for n in f], d) for d, f in by_dtype.items())
+
+    name = FUSED.join(u.name for u in run)
+    return UnitPlan(name, tuple(f for u in run for f in u.fqns), buckets("gather"), buckets("reduce"))

@@ -43,7 +43,7 @@ def _check_tree(params: Any, what: str) -> ShardPlan:
 
 def _select_units(plan: ShardPlan, units: Sequence[str] | None) -> tuple[UnitPlan, ...]:
     if units is None:
-        return plan.units
+        return plan.groups  # fused units travel together
     if isinstance(units, str):
         units = [units]
     return tuple(plan.unit(u) for u in units)
@@ -189,7 +189,7 @@ def _reduce_collective(plan: ShardPlan, scale: float, dtype: torch.dtype | None)
     r = plan.memo.get(key)
     if r is None:
         fqns, layouts = [], []
-        for u in plan.units:
+        for u in plan.groups:
             if dtype is None:
                 chosen = u.reduce
             else:

@@ -75,6 +75,7 @@ def shard(
     offload_policy: OffloadPolicy | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
     init: Callable[[nn.Module], None] | None = None,
+    min_bucket_bytes: int | None = None,
 ) -> Sharded[torch.Tensor]:
     """Shard ``module``'s parameters over ``mesh`` and return this rank's ``Sharded`` tree.
 
@@ -87,6 +88,12 @@ def shard(
     (``reset_parameters()`` of each module that owns parameters, or ``init(module)`` when given) and
     only this rank's shards are kept, so no rank holds the whole model; the module stays on ``meta``.
     Seed every rank alike: the full parameters then do not depend on the world size.
+
+    ``min_bucket_bytes`` fuses runs of consecutive units (in ``units`` order) until each run gathers
+    at least that many bytes: a run travels in one collective per dtype and is gathered, resharded and
+    reduced as a whole, so a model of many small blocks pays the per-collective latency a few times
+    instead of once per block, at the price of keeping a whole run gathered while any of it runs.
+    Results are the same; ``params.plan.groups`` shows the runs. ``None`` (default): one per unit.
 
     Example:
         >>> mesh = fsdpfn.init_mesh()                                   # doctest: +SKIP
@@ -152,6 +159,7 @@ def shard(
         offload_policy=offload_policy,
         module_type=type(module).__name__,
         ignored=tuple(ignored_names),
+        min_bucket_bytes=min_bucket_bytes,
         transient_buffers=frozenset(
             f"{prefix}.{name}" if prefix else name
             for prefix, mod in module.named_modules()

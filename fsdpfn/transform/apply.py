@@ -89,7 +89,7 @@ class Apply:
             deferred_infos=mode.deferred_infos if mode is not None else None,
             reshard=self.reshard_after_forward and not functorch,
             prefetch=0 if functorch else self.prefetch,
-            order_hint=plan.memo.get(("order", id(self)), [u.name for u in plan.units]),
+            order_hint=plan.memo.get(("order", id(self)), [g.name for g in plan.groups]),
         )
 
     def run(self, params: Sharded[torch.Tensor], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -241,7 +241,7 @@ class Apply:
             if not self._forward and not self._remat_depth and _in_backward():
                 call = self._recompute_call(unit)
                 if call is not None:
-                    swapped = self._swap_names(names, call.values_for_recompute(unit))
+                    swapped = self._swap_names(names, call.values_for_recompute(call.plan.group_of[unit]))
             self._unit_swaps.setdefault(key, []).append(swapped)
 
         return hook
@@ -273,13 +273,14 @@ class Apply:
                 if name not in call.plan.memo.setdefault(("unit_names",), {u.name for u in call.plan.units}):
                     self._unit_swaps.setdefault(name, []).append([])
                     return None
-                full = call.gathered.get(name) or call.gather(name)
+                group = call.plan.group_of[name]
+                full = call.gathered.get(group) or call.gather(group)
                 self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, full, name))
                 return _cast_inputs(call.plan, args, kwargs, name)
             if _in_backward():
                 call = self._recompute_call(name)
                 if call is not None:
-                    values = call.values_for_recompute(name)
+                    values = call.values_for_recompute(call.plan.group_of[name])
                     self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, values, name))
                     return _cast_inputs(call.plan, args, kwargs, name)
             self._unit_swaps.setdefault(name, []).append([])
@@ -294,8 +295,10 @@ class Apply:
                 self._restore(stack.pop())
             if self._forward:
                 call = self._forward[-1]
-                if call.reshards(name) and name in call.gathered and self.release_after_module(name):
-                    call.release(name)
+                group = call.plan.group_of.get(name, name)
+                if call.reshards(group) and group in call.gathered and self.release_after_module(name):
+                    if call.unit_done(group, name):
+                        call.release(group)
                 if call.plan.unit_policies:
                     policy = call.plan.unit_policies.get(name)
                     if policy is not None and policy.output_dtype is not None:

@@ -84,6 +84,7 @@ class Call:
         self.storages: dict[int, tuple[str, str]] = {}
         self.tracks_grad: dict[str, bool] = {}
         self.packed_units: set[str] = set()  # units backward will have to re-gather
+        self.members_done: dict[str, set[str]] = {}  # fused groups: units whose forward finished
         self.in_forward = True
         self.remat = False  # units run through fsdpfn.remat (torch.func gradient transforms)
         self.deferral_needs_leaves = True  # deferred reductions only when the shards are autograd leaves
@@ -97,12 +98,12 @@ class Call:
 
     def _launch(self, name: str) -> list[Handle]:
         """Start gathering unit ``name`` outside autograd (prefetch, backward re-gather)."""
-        b = self._collective(self.plan.unit(name))
+        b = self._collective(self.plan.group(name))
         return b.launch([t.detach() for t in self._shards(b)])
 
     def gather(self, name: str) -> dict[str, torch.Tensor]:
-        """Differentiably gather unit ``name`` (waiting for its prefetch if one is in flight)."""
-        unit = self.plan.unit(name)
+        """Differentiably gather group ``name`` (waiting for its prefetch if one is in flight)."""
+        unit = self.plan.group(name)
         b = self._collective(unit)
         shards = self._shards(b)
         info = self.info(name)
@@ -157,6 +158,19 @@ class Call:
             if nxt not in self.pending and nxt not in self.gathered:
                 self.pending[nxt] = self._launch(nxt)
 
+    def unit_done(self, group: str, unit: str) -> bool:
+        """Note that unit ``unit`` of group ``group`` finished its forward; true once every unit of the
+        group has (a fused group is dropped only then: its units share one gathered buffer)."""
+        members = self.plan.members(group)
+        if len(members) == 1:
+            return True
+        done = self.members_done.setdefault(group, set())
+        done.add(unit)
+        if len(done) < len(members):
+            return False
+        del self.members_done[group]
+        return True
+
     def release(self, name: str) -> None:
         """Forget unit ``name``'s gathered copy after its forward (reshard)."""
         full = self.gathered.pop(name, None)
@@ -199,7 +213,7 @@ class Call:
         """Unit ``name``'s full parameters again (no autograd), prefetching the unit backward needs next."""
         full = self.regathered.get(name)
         if full is None:
-            b = self._collective(self.plan.unit(name))
+            b = self._collective(self.plan.group(name))
             handles = self.pending_back.pop(name, None) or self._launch(name)
             full = self.regathered[name] = dict(zip(b.fqns, b.finish(handles)))
             self._prefetch_backward(name)
