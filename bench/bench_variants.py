@@ -179,6 +179,11 @@ class Compat(TorchFSDP):
 
     name = "compat"
 
+    def __init__(self, *a: Any):
+        super().__init__(*a)
+        if Functional.min_bucket_bytes:  # fsdpfn's extension: fuse blocks as the functional variant does
+            self.model.set_min_bucket_bytes(Functional.min_bucket_bytes)  # type: ignore[operator]
+
     def _api(self) -> tuple[Callable[..., Any], type]:
         from fsdpfn.compat import MixedPrecisionPolicy, fully_shard  # type: ignore[import-not-found]
 

@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="compute dtype (default fp32; bf16 for gpt1b): bf16 = param_dtype bf16, reduce_dtype fp32")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank (default: torch's choice)")
     p.add_argument("--min-bucket-bytes", type=int, default=None,
-                   help="functional variant: fuse consecutive blocks into collectives of at least this many bytes "
-                        "(fsdpfn.shard(..., min_bucket_bytes=)); default: one collective per block, like the others")
+                   help="functional and compat variants: fuse consecutive blocks into collectives of at least this many "
+                        "bytes (fsdpfn.shard(..., min_bucket_bytes=) / root.set_min_bucket_bytes); default: one per block, like torch")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tiny models, for the smoke test
     args = p.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]

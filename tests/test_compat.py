@@ -1328,3 +1328,75 @@ def _w_unsupported():
 @pytest.mark.parametrize("world", [1, 2])
 def test_unsupported_features_raise_not_implemented(world):
     spmd(world, _w_unsupported, timeout=TIMEOUT)
+
+
+# ---- fsdpfn extension: fusing small units (set_min_bucket_bytes) ----------------------------------------
+@_worker
+def _fused_training(fuse, split_sync):
+    """3 steps of AdamW with 6 blocks; optionally fused (set_min_bucket_bytes on the root), and with one
+    block's gradient sync switched off for the first of two microbatches in step 1 (splits its group)."""
+    mesh = _mesh()
+    models = {}
+    for lib_name in LIBS:
+        lib = _lib(lib_name)
+        model = _build(lib, mesh, net={"n": 6})
+        if lib_name == COMPAT and fuse:
+            model.set_min_bucket_bytes(fuse)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        for step in range(3):
+            if step == 1 and split_sync:
+                model.blocks[2].set_requires_gradient_sync(False, recurse=False)
+                _loss(model(_x(_rank(), 10 + step))).backward()
+                model.blocks[2].set_requires_gradient_sync(True, recurse=False)
+            _loss(model(_x(_rank(), step))).backward()
+            opt.step()
+            opt.zero_grad()
+        models[lib_name] = model
+    st = models[COMPAT]._fsdpfn_compat_state
+    groups = [g.name for g in st.root.plan.groups]
+    return {n: _full(p) for n, p in models[TORCH].named_parameters()}, {n: _full(p) for n, p in models[COMPAT].named_parameters()}, groups
+
+
+@pytest.mark.parametrize("split_sync", [False, True])
+def test_fused_units_train_like_torch(split_sync):
+    # each Block: fc1 (6x4+6) + fc2 (4x6+4) = 58 floats = 232 bytes gathered (240 padded at world 2)
+    for want, got, groups in spmd(2, _fused_training, 500, split_sync, timeout=TIMEOUT):
+        assert groups == ["", "blocks.0+blocks.1+blocks.2", "blocks.3+blocks.4+blocks.5"]
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@_worker
+def _fused_regroups():
+    mesh = _mesh()
+    model = _build(_lib(COMPAT), mesh, net={"n": 4})
+    model.set_min_bucket_bytes(1 << 20)
+    seen = []
+    for toggle in (None, "off", "on", "unfuse"):
+        if toggle == "off":
+            model.blocks[1].set_reshard_after_forward(False, recurse=False)
+        elif toggle == "on":
+            model.blocks[1].set_reshard_after_forward(True, recurse=False)
+        elif toggle == "unfuse":
+            model.set_min_bucket_bytes(None)
+        _loss(model(_x(_rank()))).backward()
+        seen.append([g.name for g in model._fsdpfn_compat_state.root.plan.groups])
+    return seen
+
+
+def test_a_knob_that_differs_splits_the_fused_group():
+    for seen in spmd(2, _fused_regroups, timeout=TIMEOUT):
+        assert seen == [
+            ["", "blocks.0+blocks.1+blocks.2+blocks.3"],
+            ["", "blocks.0", "blocks.1", "blocks.2+blocks.3"],
+            ["", "blocks.0+blocks.1+blocks.2+blocks.3"],
+            ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"],
+        ]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1MB"])
+def test_set_min_bucket_bytes_rejects_what_is_not_a_byte_count(bad):
+    from fsdpfn.compat.module import FSDPModule
+
+    with pytest.raises(ValueError, match="min_bucket_bytes must be an int >= 0"):
+        FSDPModule.set_min_bucket_bytes(object.__new__(FSDPModule), bad)

@@ -198,3 +198,19 @@ def test_fusion_threshold_must_be_a_byte_count(bad):
     infos = [ParamInfo("u.w", (4,), torch.float32, True, "u")]
     with pytest.raises(ValueError, match="min_bucket_bytes"):
         build_plan(infos, [], ["", "u"], rank=0, world=2, min_bucket_bytes=bad)
+
+
+@given(keys=st.lists(st.integers(0, 2), min_size=1, max_size=8), threshold=st.integers(1, 400))
+def test_units_of_different_keys_never_share_a_group(keys, threshold):
+    from fsdpfn.layout.plan import ParamInfo, build_plan
+
+    names = [f"u{i}" for i in range(len(keys))]
+    infos = [ParamInfo(f"{n}.w", (5,), torch.float32, True, n) for n in names]
+    key = dict(zip(names, keys))
+    plan = build_plan(infos, [], names, rank=0, world=2, min_bucket_bytes=threshold, fuse_key=key.__getitem__)
+    assert [u for g in plan.groups for u in plan.members(g.name)] == names
+    for g in plan.groups:
+        members = plan.members(g.name)
+        assert len({key[m] for m in members}) == 1
+        each = sum(lay.nbytes for lay in plan.unit(members[0]).gather) * 2  # 3 padded floats per rank
+        assert each * (len(members) - 1) < threshold  # still greedy within a key

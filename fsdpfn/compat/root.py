@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
 from fsdpfn.core import Comm
 from fsdpfn.layout import ParamInfo, Sharded, build_plan
+from fsdpfn.layout.plan import FUSED
 from fsdpfn.ops.api import gather_collective
 from fsdpfn.ops.functions import Buckets, CallInfo
 from fsdpfn.transform.apply import Apply
@@ -64,7 +65,7 @@ class CompatCall(Call):
         return gather_collective(self.plan, (unit,), self.ctx.scale(unit.name))
 
     def info(self, name: str) -> CallInfo:
-        st = self.ctx.states[name]
+        st = self.ctx.unit_state(name) or self.ctx.state
         pending = self.pending.pop(name, None)
         keep_none = not st.reduce_scatter_unused
         if not st.requires_gradient_sync or (not st.requires_all_reduce and self.plan.replicas > 1):
@@ -75,13 +76,13 @@ class CompatCall(Call):
         return self.ctx.reshards(name)
 
     def forward_prefetch(self, name: str) -> Sequence[str]:
-        explicit = self.ctx.states[name].forward_prefetch
+        explicit = (self.ctx.unit_state(name) or self.ctx.state).forward_prefetch
         if explicit is not None:
             return self.ctx.names_of(explicit)
         return super().forward_prefetch(name)
 
     def backward_prefetch(self, name: str) -> Sequence[str]:
-        explicit = self.ctx.states[name].backward_prefetch
+        explicit = (self.ctx.unit_state(name) or self.ctx.state).backward_prefetch
         if explicit is not None:
             return self.ctx.names_of(explicit)
         return super().backward_prefetch(name)
@@ -96,7 +97,7 @@ class CompatApply(Apply):
 
     def new_call(self, params: Sharded[torch.Tensor], functorch: bool) -> Call:
         plan = params.plan
-        call = CompatCall(self.ctx, params, plan.memo.get(("order", id(self)), [u.name for u in plan.units]))
+        call = CompatCall(self.ctx, params, plan.memo.get(("order", id(self)), [g.name for g in plan.groups]))
         if functorch:  # torch.func transforms: no prefetch, no packing of saved tensors
             call.prefetch, call.reshard, call.deferred = 0, False, None
         for name, st in self.ctx.states.items():  # an explicit unshard() already launched the gather
@@ -136,6 +137,8 @@ class RootContext:
         self.deferred: list[Any] = []
         self.comm: Comm | None = None
         self.states: dict[str, UnitState] = {}
+        self.acc: dict[str, torch.Tensor] = {}  # unreduced grads of every unit (fqns are unique)
+        self._fusion: Any = None  # what the plan's groups were built from
         self._build()
         self.apply = CompatApply(self)
 
@@ -198,10 +201,14 @@ class RootContext:
         unit_names = list(states)
         if "" not in states:
             unit_names.insert(0, "")
+        self._fusion = self._fusion_inputs(states)
+        min_bytes, keys = self._fusion
         self.plan = build_plan(
             infos,
             [],
             unit_names,
+            min_bucket_bytes=min_bytes,
+            fuse_key=keys.__getitem__,
             rank=groups.rank,
             world=groups.world,
             aliases=aliases,
@@ -216,7 +223,21 @@ class RootContext:
         )
         for name, st in states.items():
             st.root, st.name = self, name
+            if st.acc is not self.acc:  # one accumulator for all units: regrouping never strands a gradient
+                self.acc.update(st.acc)
+                st.acc = self.acc
         self.states = states
+
+    def _fusion_inputs(self, states: dict[str, UnitState]) -> tuple[int | None, dict[str, Any]]:
+        return self.state.min_bucket_bytes, {n: st.fuse_key(st is self.state) for n, st in states.items()}
+
+    def unit_state(self, name: str) -> UnitState | None:
+        """The state of unit ``name``, or of the first unit of fused group ``name`` (fused units share
+        every knob, see ``UnitState.fuse_key``); ``None`` for a root without a state of its own."""
+        st = self.states.get(name)
+        if st is None and FUSED in name:
+            st = self.states[self.plan.members(name)[0]]
+        return st
 
     def names_of(self, states: Sequence[UnitState]) -> list[str]:
         """The unit names of ``states`` (explicit prefetch lists); units without parameters drop out."""
@@ -227,18 +248,19 @@ class RootContext:
                     "set_modules_to_forward/backward_prefetch: a module in the list is not a fully_shard unit of "
                     f"this root ({type(self.module).__name__})"
                 )
-        return [st.name for st in states if st.name in units]
+        groups = [self.plan.group_of[st.name] for st in states if st.name in units]
+        return list(dict.fromkeys(groups))
 
     # --- knobs, read per call -----------------------------------------------------------------------
     def reshards(self, name: str) -> bool:
-        st = self.states.get(name)
+        st = self.unit_state(name)
         return st is not None and st.reshards(is_root=st is self.state)
 
     def any_reshard(self) -> bool:
         return any(self.reshards(n) for n in self.states)
 
     def scale(self, name: str) -> float:
-        st = self.states.get(name, self.state)
+        st = self.unit_state(name) or self.state
         if st.divide_factor is not None:
             return 1.0 / st.divide_factor
         return 1.0 / (self.plan.world * self.plan.replicas)
@@ -256,8 +278,9 @@ class RootContext:
                     mo._parameters[at] = current
                 m.param = current
             stale = stale or m.param.dtype != self.plan.dtypes[fqn]
-        if stale:
-            self._build()  # e.g. model.to(dtype): same units, new dtypes
+        fusing = self._fusion[0] or self.state.min_bucket_bytes
+        if stale or (fusing and self._fusion != self._fusion_inputs(self.states)):
+            self._build()  # e.g. model.to(dtype): same units, new dtypes; or a knob that splits a fused group
         params = [m.param for m in self.managed.values()]
         local = LocalShards.apply(tuple(p._spec for p in params), deferred if deferred is not None else [], *params)
         return Sharded._from_children(list(local), self.plan)

@@ -54,6 +54,7 @@ class UnitState:
     forward_prefetch: list[UnitState] | None = None
     backward_prefetch: list[UnitState] | None = None
     post_optim_event: Any = None
+    min_bucket_bytes: int | None = None  # fsdpfn extension, read on the root (set_min_bucket_bytes)
     # runtime
     root: RootContext | None = None  # the root whose plan runs this state (set by lazy init)
     name: str = ""  # this state's unit name in the root's plan
@@ -66,6 +67,14 @@ class UnitState:
         while st.parent is not None:
             st = st.parent
         return st
+
+    def fuse_key(self, is_root: bool) -> tuple[Any, ...]:
+        """Units fuse only with neighbours that agree on every knob a collective group shares."""
+        return (
+            self.reshards(is_root), self.mp_policy, self.divide_factor, self.requires_gradient_sync,
+            self.requires_all_reduce, self.reduce_scatter_unused, self.forward_prefetch is None,
+            self.backward_prefetch is None, len(self.modules) == 1,
+        )  # fmt: skip
 
     def reshards(self, is_root: bool) -> bool:
         """Whether this unit drops its gathered parameters after forward."""

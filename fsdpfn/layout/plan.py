@@ -159,6 +159,7 @@ def build_plan(
     aliases: Mapping[str, str] | None = None,
     unit_dtypes: Mapping[str, tuple[Callable[[torch.dtype], torch.dtype], Callable[[torch.dtype], torch.dtype]]] | None = None,
     min_bucket_bytes: int | None = None,
+    fuse_key: Callable[[str], Any] | None = None,
     **extra: Any,
 ) -> ShardPlan:
     """Build a plan: shard every parameter on dim 0 and bucket each unit's members by dtype.
@@ -167,7 +168,7 @@ def build_plan(
     (mixed precision); ``unit_dtypes[unit]`` overrides the pair for one unit. Units keep the order of
     ``unit_names``; a unit that owns nothing is dropped. With ``min_bucket_bytes``, consecutive non-root
     units are fused into collective groups of at least that many gathered (full-size) bytes each (the
-    last group of a run may be smaller); see ``fuse_units``.
+    last group of a run may be smaller); see ``fuse_units`` (``fuse_key`` too).
 
     Example:
         >>> infos = [ParamInfo("w", (4, 3), torch.float32, True, "")]
@@ -185,7 +186,7 @@ def build_plan(
         gather = bucket_by_dtype(members, specs, to_gather)
         trainable = [i for i in members if i.requires_grad]
         units.append(UnitPlan(name, tuple(i.fqn for i in members), gather, bucket_by_dtype(trainable, specs, to_reduce)))
-    groups = fuse_units(units, specs, world, min_bucket_bytes) if min_bucket_bytes else tuple(units)
+    groups = fuse_units(units, specs, world, min_bucket_bytes, key=fuse_key) if min_bucket_bytes else tuple(units)
     return ShardPlan(
         groups=groups,
         group_of={u: g.name for g in groups for u in g.name.split(FUSED)} if min_bucket_bytes else {},
@@ -215,11 +216,17 @@ def bucket_by_dtype(
 
 
 def fuse_units(
-    units: Sequence[UnitPlan], specs: Mapping[str, ShardSpec], world: int, min_bucket_bytes: int
+    units: Sequence[UnitPlan],
+    specs: Mapping[str, ShardSpec],
+    world: int,
+    min_bucket_bytes: int,
+    *,
+    key: Callable[[str], Any] | None = None,
 ) -> tuple[UnitPlan, ...]:
     """Fuse runs of consecutive non-root units into groups of at least ``min_bucket_bytes`` gathered
     bytes: each group's members travel in one collective per dtype (fewer, larger collectives for many
-    small units). The root unit stays alone. A group is named by its units joined with ``+``.
+    small units). The root unit stays alone. A group is named by its units joined with ``+``. Units
+    whose ``key(name)`` differ never share a group (a unit of another key closes the current one).
 
     Example:
         >>> infos = [ParamInfo(f"b{i}.w", (4,), torch.float32, True, f"b{i}") for i in range(3)]
@@ -239,6 +246,9 @@ def fuse_units(
         if not u.name:
             out.append(u)
             continue
+        if run and key is not None and key(u.name) != key(run[0].name):
+            out.append(_merge(run, specs))
+            run, size = [], 0
         run.append(u)
         size += sum(lay.nbytes for lay in u.gather) * world
         if size >= min_bucket_bytes:
