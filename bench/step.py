@@ -23,6 +23,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import sys
 from typing import Any
 
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return reference.global_step(batches[step]) if reference is not None else None
 
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpus: dict[str, list[float]] = {n: [] for n in names}  # process CPU seconds per step
     last_loss: dict[str, torch.Tensor] = {}
     ref_loss: torch.Tensor | None = None
     peaks: dict[str, float] = {}
@@ -151,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             if probe:
                 last_loss[n], logs[n], peaks[n], breakdown[n] = peak_step(v, x, y, world)
             else:
-                t, last_loss[n] = timed_step(v, x, y, world)
+                t, cpu, last_loss[n] = timed_step(v, x, y, world)
                 if step > args.warmup:
                     times[n].append(t)
+                    cpus[n].append(cpu)
         ref_loss = reference_step(step) if reference is not None else last_loss.get("local")
         if probe:  # collectives alone, right after the recorded step
             comm: dict[str, list[float]] = {n: [] for n in names if variants[n].sharded}
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         per_step = reduce_max(times[n], world)
         r: dict[str, Any] = summarize(per_step)
         r["peak_mib"] = reduce_max([peaks[n]], world)[0]
+        r["cpu_s"] = statistics.median(reduce_max(cpus[n], world))  # the busiest rank's, per step
         if breakdown[n]:
             r["peak_breakdown_mib"] = breakdown[n]  # rank 0's, by MemTracker category
         if n == "local":

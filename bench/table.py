@@ -26,22 +26,26 @@ def row(r: dict[str, Any], machine: str) -> str:
     load = r.get("load", {})
     psi = "/".join(f"{load[k]['cpu_pressure_avg60']:.0f}" for k in ("before", "after") if "cpu_pressure_avg60" in load.get(k, {}))
     cells = [r["date"][:16].replace("T", " "), machine, r["device"], str(r["world"]), str(r.get("threads", "?")),
-             r["torch_version"], r.get("fsdpfn_commit", "?"), r["model"], r.get("dtype", "float32"), str(r["steps"]), psi or "–"]
+             r["torch_version"], r.get("fsdpfn_commit", "?"), r["model"], r.get("dtype", "float32"),
+             str(r.get("min_bucket_bytes") or "–"), str(r["steps"]), psi or "–"]
     for n in VARIANTS:
         v = vs.get(n)
         cells.append("skipped" if v and "skipped" in v else (f"{_ms(v)} / {v['peak_mib']:.1f}" if v else "–"))
+    cells.append(" / ".join(_ms(vs.get(n), "cpu_s") for n in VARIANTS))
     for n in ("torch", "functional"):
         cells.append(_ms(vs.get(n), "comm_s"))
     for n in ("functional", "compat"):
         v = vs.get(n)
         cells.append("–" if not v or "skipped" in v else f"{_x(v, 'step_vs_torch')} / {_x(v, 'peak_vs_torch')}")
-    cells += [_x(vs.get("torch"), "step_vs_floor"), _x(vs.get("functional"), "step_vs_floor"), "ok" if r["check"]["ok"] else "FAIL"]
+    cells += [_x(vs.get(n), "step_vs_floor") for n in ("torch", "functional", "compat")]
+    cells.append("ok" if r["check"]["ok"] else "FAIL")
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = ("| date | machine | device | world | threads | torch | fsdpfn | model | dtype | steps | CPU PSI % before/after "
-          "| torch ms / MiB | functional ms / MiB | local ms / MiB | compat ms / MiB | torch comm ms | functional comm ms "
-          "| functional step / peak vs torch | compat step / peak vs torch | torch step vs floor | functional step vs floor | check |")
+HEADER = ("| date | machine | device | world | threads | torch | fsdpfn | model | dtype | fused bytes | steps | CPU PSI % before/after "
+          "| torch ms / MiB | functional ms / MiB | local ms / MiB | compat ms / MiB | CPU ms per step torch / functional / local / compat "
+          "| torch comm ms | functional comm ms | functional step / peak vs torch | compat step / peak vs torch "
+          "| torch step vs floor | functional step vs floor | compat step vs floor | check |")
 
 
 def main(argv: list[str] | None = None) -> None:
