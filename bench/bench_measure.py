@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 import warnings
@@ -55,8 +54,7 @@ def timed_step(v: Variant, x: torch.Tensor, y: torch.Tensor, world: int) -> tupl
 
 
 def _cpu() -> float:
-    t = os.times()
-    return t.user + t.system
+    return time.process_time()  # every thread of the process, user + system
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import fsdpfn
 from bench_models import MODELS, build_model, make_batches, spec_for
-from bench_variants import ALL_VARIANTS, build_variant
+from bench_variants import ALL_VARIANTS, Functional, build_variant
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,8 +33,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--sort", choices=["cumtime", "tottime"], default="cumtime")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--min-bucket-bytes", type=int, default=None, help="fuse blocks, as bench/step.py --min-bucket-bytes")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    Functional.min_bucket_bytes = args.min_bucket_bytes
     if args.threads:
         torch.set_num_threads(args.threads)
     spec = spec_for(args.model, args.tiny)
