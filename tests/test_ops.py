@@ -243,3 +243,37 @@ def _batched_chain():
 def test_batched_collectives_keep_the_adjoint_chain():
     for checks in spmd(2, _batched_chain):
         assert all(checks), checks
+
+
+def _world_one_gather():
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    out = {}
+    for name, mp in (("plain", None), ("bf16", fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16))):
+        params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0"], mp_policy=mp)
+        stats = params.plan.comm.stats
+        stats.reset()
+        full = fsdpfn.unshard(params)
+        out[name] = {
+            "aliases": all(full[k].data_ptr() == params[k].data_ptr() for k in params.keys()),
+            "dtypes": {str(full[k].dtype) for k in params.keys()},
+            "equal": all(torch.equal(full[k].float(), p.detach().to(full[k].dtype).float()) for k, p in model.named_parameters()),
+            "counts": (stats.all_gathers, stats.reduce_scatters, stats.peak_gathered_bytes),
+        }
+        # the backward of the gather at world 1 is the identity times the reduction's scale
+        g = fsdpfn.grad(lambda p: sum((v.float() ** 2).sum() for v in fsdpfn.unshard(p, op="sum").values()))(params)
+        out[name]["grad_ok"] = all(
+            torch.allclose(g[k], 2 * params[k].to(full[k].dtype).to(params[k].dtype), rtol=1e-2) for k in params.keys()
+        )
+    return out
+
+
+def test_at_world_one_the_gather_aliases_the_shards_and_nothing_is_moved():
+    (out,) = spmd(1, _world_one_gather)
+    assert out["plain"]["aliases"] and out["plain"]["dtypes"] == {"torch.float32"}
+    assert not out["bf16"]["aliases"] and out["bf16"]["dtypes"] == {"torch.bfloat16"}  # the cast is a copy
+    for name in ("plain", "bf16"):
+        assert out[name]["equal"] and out[name]["grad_ok"], name
+        assert out[name]["counts"] == (0, 0, 0), name  # no collective, no gathered buffer

@@ -73,7 +73,7 @@ class CompatCall(Call):
         return CallInfo(pending, carry=st.acc if st.acc else None, keep_none=keep_none, deferred=self.deferred)
 
     def reshards(self, name: str) -> bool:
-        return self.ctx.reshards(name)
+        return self.reshard and self.ctx.reshards(name)
 
     def forward_prefetch(self, name: str) -> Sequence[str]:
         explicit = (self.ctx.unit_state(name) or self.ctx.state).forward_prefetch

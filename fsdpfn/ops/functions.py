@@ -42,6 +42,7 @@ class Buckets:
     label: str = ""
     adjoint: Buckets | None = field(default=None, repr=False)
     _batched: dict[int, Buckets] = field(default_factory=dict, repr=False)
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def batched(self) -> Buckets:
         """The same collective over tensors with one more leading batch dimension (for ``vmap``).
@@ -51,9 +52,43 @@ class Buckets:
         nb = self.batch_ndim + 1
         got = self._batched.get(nb)
         if got is None:
-            got = self._batched[nb] = replace(self, batch_ndim=nb, adjoint=None, _batched={})
+            got = self._batched[nb] = replace(self, batch_ndim=nb, adjoint=None, _batched={}, _memo={})
             if self.adjoint is not None:
                 object.__setattr__(got, "adjoint", self.adjoint.batched())
+        return got
+
+    @property
+    def in_place(self) -> bool:
+        """Nothing to move: one shard rank and no batching (and, for a reduce, no replicas to all-reduce
+        over), so the collective is the identity: results are the inputs, cast and scaled."""
+        groups = self.comm.groups
+        return groups.world == 1 and not self.batch_ndim and (self.kind == "gather" or groups.replicas == 1)
+
+    def run_in_place(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """``run`` for an ``in_place`` collective, with the same casts and scaling as the packed path:
+        inputs to the bucket dtype, times ``scale``, to the output dtype (no copy when nothing changes)."""
+        geometry = self._geometry()
+        out = []
+        for t, d, f in zip(tensors, self.out_dtypes, self.fqns):
+            bucket_dtype, shape = geometry[f]
+            if t is None:  # a reduce of no gradient: zeros (a gather never gets None)
+                out.append(torch.zeros(shape, dtype=d, device=self.comm.groups.device))
+                continue
+            t = t.to(bucket_dtype)
+            # a new tensor object either way (autograd must not rewrite the input's metadata); a 0-d
+            # parameter's shard is (1,), its full tensor ()
+            t = t * self.scale if self.scale != 1.0 else t.view_as(t)
+            out.append(t.reshape(shape).to(d))
+        return out
+
+    def _geometry(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        got = self._memo.get("geometry")
+        if got is None:
+            got = self._memo["geometry"] = {
+                f: (lay.dtype, spec.shape if self.kind == "gather" else spec.local_shape(self.rank))
+                for lay in self.layouts
+                for f, spec in zip(lay.fqns, lay.specs)
+            }
         return got
 
     def launch(self, tensors: Sequence[torch.Tensor | None]) -> list[Handle]:
@@ -91,6 +126,8 @@ class Buckets:
 
     def run(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Launch every bucket's collective, then wait for each and unpack (no autograd)."""
+        if self.in_place:
+            return self.run_in_place(tensors)
         return self.finish(self.launch(tensors))
 
     def run_deferred(self, tensors: Sequence[torch.Tensor | None], into: list[Handle]) -> list[torch.Tensor]:
@@ -100,6 +137,8 @@ class Buckets:
         when results need a cast or batching."""
         # One unit's reduction in flight at a time: it overlaps the backward computed since it launched,
         # and its full-size input buffer is freed before the next one is packed (no extra peak memory).
+        if self.in_place:
+            return self.run_in_place(tensors)
         for handle in into:
             handle.wait()
         into.clear()
@@ -188,6 +227,8 @@ class _BucketCollective(torch.autograd.Function):
 
     @staticmethod
     def forward(b: Buckets, info: CallInfo | None, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        if b.in_place:
+            return tuple(b.run_in_place(tensors))
         pending = info.pending if info is not None else None
         if pending is not None:
             info.pending = None  # the handles hold the gathered buffer: ctx keeps info until backward

@@ -73,7 +73,8 @@ class Call:
         self.deferred_infos = deferred_infos if deferred_infos is not None else {}
         self.plan = params.plan
         self.scale = scale
-        self.reshard = reshard
+        # one rank, no cast: the "gathered" parameters are the shards themselves, nothing to free
+        self.reshard = reshard and not _gathers_into_shards(self.plan)
         self.prefetch = prefetch
         self.order_hint = list(order_hint)
         self.order: list[str] = []
@@ -99,6 +100,8 @@ class Call:
     def _launch(self, name: str) -> list[Handle]:
         """Start gathering unit ``name`` outside autograd (prefetch, backward re-gather)."""
         b = self._collective(self.plan.group(name))
+        if b.in_place:
+            return []  # nothing to move: the gather itself aliases the shards
         return b.launch([t.detach() for t in self._shards(b)])
 
     def gather(self, name: str) -> dict[str, torch.Tensor]:
@@ -214,8 +217,11 @@ class Call:
         full = self.regathered.get(name)
         if full is None:
             b = self._collective(self.plan.group(name))
-            handles = self.pending_back.pop(name, None) or self._launch(name)
-            full = self.regathered[name] = dict(zip(b.fqns, b.finish(handles)))
+            if b.in_place:
+                outs = b.run_in_place([t.detach() for t in self._shards(b)])
+            else:
+                outs = b.finish(self.pending_back.pop(name, None) or self._launch(name))
+            full = self.regathered[name] = dict(zip(b.fqns, outs))
             self._prefetch_backward(name)
         return full
 
@@ -234,6 +240,16 @@ class Call:
         full = self.gathered.get(name) or self.regather(name)
         grad = self.tracks_grad.get(name, False)
         return {f: t.detach().requires_grad_(grad) for f, t in full.items()}
+
+
+def _gathers_into_shards(plan: Any) -> bool:
+    """Whether gathering any unit of ``plan`` just aliases its shards (one shard rank, no dtype cast)."""
+    got = plan.memo.get(("gathers_into_shards",))
+    if got is None:
+        got = plan.memo[("gathers_into_shards",)] = plan.world == 1 and all(
+            lay.dtype == plan.dtypes[f] for g in plan.groups for lay in g.gather for f in lay.fqns
+        )
+    return got
 
 
 def _reduce_dtypes(plan: Any) -> dict[str, torch.dtype]:
