@@ -6,6 +6,8 @@ import pathlib
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fsdpfn
 from fsdpfn.core import Comm
@@ -76,6 +78,51 @@ def test_collectives_in_flight_together_pair_up_by_launch_order(world):
                 assert value.dtype == dtype
                 want = (base.to(dtype).double() * world + tri).to(dtype)  # small integers: exact in bf16 too
                 assert torch.equal(value, want), (kind, i, value, want)
+
+
+def _bucket_both_ways(shapes, dtype, seed):
+    """A bucket gathered and reduced packed and direct (every parameter's rows straight between tensors)."""
+    import torch.distributed as dist
+
+    from fsdpfn.layout import BucketLayout, ShardSpec, shard_tensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    specs = [ShardSpec(s, world) for s in shapes]
+    layout = BucketLayout.build([f"p{i}" for i in range(len(shapes))], specs, dtype)
+    g = torch.Generator().manual_seed(seed)
+    fulls = [(torch.randn(s, generator=g) * 4).round().to(dtype) for s in shapes]  # same on every rank; sums exact in bf16
+    shards = [shard_tensor(f.float(), sp, rank).to(torch.float64) for f, sp in zip(fulls, specs)]  # cast on the way
+    grads = [(f.to(torch.float32) * (rank + 1)).to(dtype).contiguous() for f in fulls]
+    comm = Comm(fsdpfn.init_mesh())
+    out = {}
+    for name, threshold in (("packed", 1 << 62), ("direct", 0)):
+        comm.exchange_min_bytes = threshold
+        h = comm.gather_bucket(layout, shards)
+        buf = h.wait()
+        gathered = layout.unpack_direct(buf) if h.direct else layout.unpack_full(buf)
+        reduced = layout.unpack_shards(comm.reduce_bucket(layout, grads, scale=0.5).wait(), rank)
+        out[name] = (h.direct, [t.clone() for t in gathered], [t.clone() for t in reduced])
+    return out, [f.to(torch.float64) for f in fulls], world
+
+
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    world=st.integers(2, 4),
+    seed=st.integers(0, 99),
+)
+def test_direct_bucket_exchanges_equal_the_packed_collectives(shapes, dtype, world, seed):
+    for rank, (out, fulls, w) in enumerate(spmd(world, _bucket_both_ways, shapes, dtype, seed)):
+        (packed_direct, pg, pr), (direct, dg, dr) = out["packed"], out["direct"]
+        assert not packed_direct and direct
+        for p, d, f in zip(pg, dg, fulls):
+            assert p.dtype == d.dtype == dtype and p.shape == d.shape == f.shape
+            assert torch.equal(p, d) and torch.equal(d.to(torch.float64), f.to(dtype).to(torch.float64))
+        tri = w * (w + 1) / 2
+        for i, (p, d) in enumerate(zip(pr, dr)):
+            spec = fsdpfn.ShardSpec(fulls[i].shape, w)
+            want = fsdpfn.shard_tensor(fulls[i].to(dtype).to(torch.float64) * tri * 0.5, spec, rank).to(dtype)
+            assert torch.equal(p, d) and torch.equal(d, want), (i, p, d, want)
 
 
 def _hsdp_reduce():

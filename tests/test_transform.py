@@ -26,12 +26,14 @@ def _local(t, rank):
     return t[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
 
 
-def _grads_worker(recipe, units, reshard, prefetch, seed, dtype=torch.float32, min_bucket_bytes=None):
+def _grads_worker(recipe, units, reshard, prefetch, seed, dtype=torch.float32, min_bucket_bytes=None, exchange_min_bytes=None):
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = recipe.build(dtype)
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=min_bucket_bytes)
+    if exchange_min_bytes is not None:  # move every bucket the way large ones move (straight between tensors)
+        params.plan.comm.exchange_min_bytes = exchange_min_bytes
     apply = fsdpfn.fsdp(model, reshard_after_forward=reshard, prefetch=prefetch)
     x = _local(recipe.inputs(LOCAL_BATCH * world, seed, dtype), rank)
     y = _local(_targets(recipe, LOCAL_BATCH * world, seed).to(dtype), rank)
@@ -50,8 +52,8 @@ def _grads_worker(recipe, units, reshard, prefetch, seed, dtype=torch.float32, m
     return loss, dict(grads.params()), counts, (gathers, regathers, expect_reduces), untouched
 
 
-def _check_grads(recipe, units, world, reshard, prefetch, seed, dtype, tol, min_bucket_bytes=None):
-    out = spmd(world, _grads_worker, recipe, units, reshard, prefetch, seed, dtype, min_bucket_bytes)
+def _check_grads(recipe, units, world, reshard, prefetch, seed, dtype, tol, min_bucket_bytes=None, exchange_min_bytes=None):
+    out = spmd(world, _grads_worker, recipe, units, reshard, prefetch, seed, dtype, min_bucket_bytes, exchange_min_bytes)
     ref = recipe.build(dtype)
     x = recipe.inputs(LOCAL_BATCH * world, seed, dtype)
     y = _targets(recipe, LOCAL_BATCH * world, seed).to(dtype)
@@ -72,11 +74,17 @@ def _check_grads(recipe, units, world, reshard, prefetch, seed, dtype, tol, min_
 FUSION = st.sampled_from([None, 0, 1, 200, 1000, 10**9])
 
 
-@given(world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), prefetch=st.integers(0, 2), seed=st.integers(0, 99), fuse=FUSION)
-def test_grads_match_single_process_autograd_f64(world, data, reshard, prefetch, seed, fuse):
+# exchange_min_bytes: None keeps the core's choice (these small buckets are packed); 0 sends every
+# bucket the way large CPU buckets go, each parameter's rows straight between the tensors.
+@given(
+    world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), prefetch=st.integers(0, 2), seed=st.integers(0, 99),
+    fuse=FUSION, exchange=st.sampled_from([None, 0]),
+)  # fmt: skip
+def test_grads_match_single_process_autograd_f64(world, data, reshard, prefetch, seed, fuse, exchange):
     recipe = data.draw(fst.model_recipes())
     units = data.draw(fst.unit_plans(recipe))
-    _check_grads(recipe, units, world, reshard, prefetch, seed, torch.float64, dict(rtol=1e-10, atol=1e-12), fuse)
+    tol = dict(rtol=1e-10, atol=1e-12)
+    _check_grads(recipe, units, world, reshard, prefetch, seed, torch.float64, tol, fuse, exchange)
 
 
 @given(world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), seed=st.integers(0, 99))

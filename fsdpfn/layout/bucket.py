@@ -73,6 +73,37 @@ class BucketLayout:
         """Bytes of one rank's segment."""
         return self.numel * self.dtype.itemsize
 
+    # --- parameter-major layout (point-to-point transports) ----------------------------------
+    @property
+    def full_offsets(self) -> tuple[int, ...]:
+        """Offset of each member's full tensor in a parameter-major buffer (full tensors back to back)."""
+        out, total = [], 0
+        for spec in self.specs:
+            out.append(total)
+            total += spec.numel
+        return tuple(out)
+
+    @property
+    def full_numel(self) -> int:
+        """Elements of the parameter-major buffer: every member's full tensor, unpadded."""
+        return sum(spec.numel for spec in self.specs)
+
+    @property
+    def rows_contiguous(self) -> bool:
+        """Whether every member is split on dim 0, so that each rank's rows are one contiguous range
+        of the member's full tensor (what a transport writing straight into full tensors needs)."""
+        return all(spec.dim == 0 for spec in self.specs)
+
+    def row_range(self, member: int, rank: int) -> tuple[int, int]:
+        """Elements ``[start, stop)`` of member ``member``'s full tensor that ``rank`` owns (dim 0 split)."""
+        spec = self.specs[member]
+        start, stop = spec.bounds(rank)
+        return start * spec.row_numel, stop * spec.row_numel
+
+    def unpack_direct(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Full tensors as views of a parameter-major buffer (no copy)."""
+        return [buf[off : off + spec.numel].view(spec.shape) for off, spec in zip(self.full_offsets, self.specs)]
+
     # --- all-gather side --------------------------------------------------------------------
     def pack_shards(
         self,

@@ -99,7 +99,12 @@ class Buckets:
         pending = []
         for layout in self.layouts:
             members = [by_name[f] for f in layout.fqns]
-            if self.kind == "gather":
+            if not batch:  # the core packs, or moves the tensors themselves where that is cheaper
+                if self.kind == "gather":
+                    pending.append(self.comm.gather_bucket(layout, members, label=self.label))
+                else:
+                    pending.append(self.comm.reduce_bucket(layout, members, scale=self.scale, label=self.label))
+            elif self.kind == "gather":
                 flat = layout.pack_shards(members, self.rank, batch=batch, device=device)
                 pending.append(self.comm.all_gather(flat, label=self.label))
             else:
@@ -112,7 +117,11 @@ class Buckets:
         results: dict[str, torch.Tensor] = {}
         for layout, handle in zip(self.layouts, pending):
             buf = handle.wait()
-            if self.kind == "gather":
+            if self.kind == "gather" and handle.direct:
+                outs = layout.unpack_direct(buf)  # views of the parameter-major buffer
+                if self.scale != 1.0:
+                    outs = [o * self.scale for o in outs]
+            elif self.kind == "gather":
                 outs = layout.unpack_full(buf, batch_ndim=self.batch_ndim)
                 if len(outs) > 1 or self.batch_ndim:  # copied out of the gathered buffer
                     for o in outs:
