@@ -25,9 +25,10 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
 
 
 def run_label(r: dict[str, Any]) -> str:
-    """Short label of one run: world, device (threads per rank on CPU) and dtype."""
+    """Short label of one run: world, device (threads per rank on CPU), dtype and unit fusion."""
     dev = f"cpu, {r.get('threads', '?')} thr/rank" if r["device"] == "cpu" else r["device"].replace("NVIDIA ", "")
-    return f"world {r['world']}\n{dev}\n{r.get('dtype', 'float32')}"
+    fused = f", fused {r['min_bucket_bytes'] // 1024} KiB" if r.get("min_bucket_bytes") else ""
+    return f"world {r['world']}\n{dev}\n{r.get('dtype', 'float32')}{fused}"
 
 
 def _bars(ax: Any, runs: list[dict[str, Any]], names: list[str], key: str) -> None:
