@@ -15,7 +15,8 @@ to full tensors ``(*batch, *shape)``. Nothing here communicates.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ class BucketLayout:
     dtype: torch.dtype
     offsets: tuple[int, ...]
     numel: int
+    _cache: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)  # per-rank geometry
 
     @classmethod
     def build(cls, fqns: Sequence[str], specs: Sequence[ShardSpec], dtype: torch.dtype) -> BucketLayout:
@@ -123,27 +125,36 @@ class BucketLayout:
         # every element is written below (copies, then zeros for padding and None), so no zero-fill
         out = torch.empty(*batch, self.numel, dtype=self.dtype, device=device)
         dsts, srcs = [], []
-        for fqn, spec, off, shard in zip(self.fqns, self.specs, self.offsets, shards):
-            real = spec.local_rows(rank) * spec.row_numel if shard is not None else 0
-            if real < spec.padded_numel:
-                out[..., off + real : off + spec.padded_numel].zero_()
+        for (fqn, off, padded, rows, n, local, view, dim), shard in zip(self._members(rank), shards):
+            real = n if shard is not None else 0
+            if real < padded:
+                out[..., off + real : off + padded].zero_()
             if shard is None:
                 continue
-            expected = batch + spec.local_shape(rank)
-            if tuple(shard.shape) != expected:
+            if shard.shape[nb:] != local or shard.shape[:nb] != batch:
                 raise ValueError(
                     f"shard of {fqn!r} has shape {tuple(shard.shape)} but rank {rank} of this plan "
-                    f"holds {expected}; was it built by another plan or world size?"
+                    f"holds {batch + local}; was it built by another plan or world size?"
                 )
-            rows = spec.local_rows(rank)
-            n = rows * spec.row_numel
             if n == 0:
                 continue
-            dsts.append(out[..., off : off + n].view(*batch, rows, *spec.other_dims))
-            srcs.append(shard.movedim(nb + spec.dim, nb))
+            dsts.append(out[..., off : off + n].view(*batch, *view))
+            srcs.append(shard.movedim(nb + dim, nb) if dim else shard)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         return out
+
+    def _members(self, rank: int) -> list[tuple[str, int, int, int, int, torch.Size, tuple[int, ...], int]]:
+        """Per member on ``rank`` (computed once): name, offset, padded size, local rows, local
+        elements, local shape, the dim-major view shape of its rows, and its split dim."""
+        got = self._cache.get(("members", rank))
+        if got is None:
+            got = self._cache[("members", rank)] = [
+                (fqn, off, spec.padded_numel, rows, rows * spec.row_numel, torch.Size(spec.local_shape(rank)), (rows, *spec.other_dims), spec.dim)
+                for fqn, spec, off in zip(self.fqns, self.specs, self.offsets)
+                for rows in (spec.local_rows(rank),)
+            ]
+        return got
 
     def unpack_full(self, gathered: torch.Tensor, *, batch_ndim: int = 0) -> list[torch.Tensor]:
         """Full tensors from the all-gather output ``(world, *batch, numel)``.
@@ -156,7 +167,9 @@ class BucketLayout:
             g = gathered.view(world, self.numel)
             if len(self.specs) == 1:
                 return [_full_view(g, self.specs[0], 0)]
-            bufs = [g.new_empty(world, size) for size in self.sizes]
+            # one buffer for every member's copy (one allocation, one thing to account for)
+            whole = g.new_empty(world * self.numel)
+            bufs = [whole[world * off : world * (off + size)].view(world, size) for off, size in zip(self.offsets, self.sizes)]
             torch.split_with_sizes_copy(g, list(self.sizes), dim=1, out=bufs)
             return [_full_view(b, spec, 0) for b, spec in zip(bufs, self.specs)]
         out = []
@@ -208,10 +221,9 @@ class BucketLayout:
         """Unpadded local shards as views of a ``(*batch, numel)`` segment (reduce-scatter output)."""
         batch = tuple(flat.shape[:batch_ndim])
         out = []
-        for spec, off in zip(self.specs, self.offsets):
-            rows = spec.local_rows(rank)
-            seg = flat[..., off : off + rows * spec.row_numel].view(*batch, rows, *spec.other_dims)
-            out.append(seg.movedim(batch_ndim, batch_ndim + spec.dim))
+        for _fqn, off, _padded, _rows, n, _local, view, dim in self._members(rank):
+            seg = flat[..., off : off + n].view(*batch, *view)
+            out.append(seg.movedim(batch_ndim, batch_ndim + dim) if dim else seg)
         return out
 
     def _check_count(self, tensors: Sequence[object]) -> None:

@@ -52,16 +52,19 @@ def _select_units(plan: ShardPlan, units: Sequence[str] | None) -> tuple[UnitPla
 def check_shards(params: Sharded[Any], fqns: Sequence[str]) -> list[torch.Tensor]:
     """The leaves ``fqns`` of ``params``, checked to be this rank's shards (tensor, shape, dtype)."""
     plan = params.plan
+    want = plan.memo.get(("local_shapes",))
+    if want is None:
+        want = plan.memo[("local_shapes",)] = {f: (torch.Size(plan.specs[f].local_shape(plan.rank)), plan.dtypes[f]) for f in plan.params}
     out = []
     for fqn in fqns:
         leaf = params[fqn]
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"leaf {fqn!r} is {type(leaf).__name__}, expected this rank's shard (a Tensor)")
-        want_shape = plan.specs[fqn].local_shape(plan.rank)
-        if tuple(leaf.shape) != want_shape or leaf.dtype != plan.dtypes[fqn]:
+        want_shape, want_dtype = want[fqn]
+        if leaf.shape != want_shape or leaf.dtype != want_dtype:
             raise ValueError(
                 f"leaf {fqn!r} is {tuple(leaf.shape)} {leaf.dtype} but rank {plan.rank} of this plan holds "
-                f"{want_shape} {plan.dtypes[fqn]}; it does not belong to this plan (another model, world "
+                f"{tuple(want_shape)} {want_dtype}; it does not belong to this plan (another model, world "
                 f"size or dtype?)"
             )
         out.append(leaf)
