@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdpfn.compat.root import RootContext, lazy_root
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
+from fsdpfn.layout.plan import is_byte_count
 from fsdpfn.ops.api import gather_collective
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -251,9 +252,7 @@ class FSDPModule:
             >>> for block in model.blocks: fully_shard(block)                  # doctest: +SKIP
             >>> fully_shard(model).set_min_bucket_bytes(1 << 20)               # doctest: +SKIP
         """
-        if min_bucket_bytes is not None and (
-            isinstance(min_bucket_bytes, bool) or not isinstance(min_bucket_bytes, int) or min_bucket_bytes < 0
-        ):
+        if min_bucket_bytes is not None and not is_byte_count(min_bucket_bytes):
             raise ValueError(f"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 (bytes) or None, got {min_bucket_bytes!r}")
         _state(self).min_bucket_bytes = min_bucket_bytes or None
 

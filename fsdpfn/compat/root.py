@@ -65,7 +65,7 @@ class CompatCall(Call):
         return gather_collective(self.plan, (unit,), self.ctx.scale(unit.name))
 
     def info(self, name: str) -> CallInfo:
-        st = self.ctx.unit_state(name) or self.ctx.state
+        st = self.ctx.knobs(name)
         pending = self.pending.pop(name, None)
         keep_none = not st.reduce_scatter_unused
         if not st.requires_gradient_sync or (not st.requires_all_reduce and self.plan.replicas > 1):
@@ -76,13 +76,13 @@ class CompatCall(Call):
         return self.reshard and self.ctx.reshards(name)
 
     def forward_prefetch(self, name: str) -> Sequence[str]:
-        explicit = (self.ctx.unit_state(name) or self.ctx.state).forward_prefetch
+        explicit = self.ctx.knobs(name).forward_prefetch
         if explicit is not None:
             return self.ctx.names_of(explicit)
         return super().forward_prefetch(name)
 
     def backward_prefetch(self, name: str) -> Sequence[str]:
-        explicit = (self.ctx.unit_state(name) or self.ctx.state).backward_prefetch
+        explicit = self.ctx.knobs(name).backward_prefetch
         if explicit is not None:
             return self.ctx.names_of(explicit)
         return super().backward_prefetch(name)
@@ -239,6 +239,11 @@ class RootContext:
             st = self.states[self.plan.members(name)[0]]
         return st
 
+    def knobs(self, name: str) -> UnitState:
+        """The state whose ``FSDPModule`` settings unit or group ``name`` follows (the root's when the
+        root owns no state of its own)."""
+        return self.unit_state(name) or self.state
+
     def names_of(self, states: Sequence[UnitState]) -> list[str]:
         """The unit names of ``states`` (explicit prefetch lists); units without parameters drop out."""
         units = {u.name for u in self.plan.units}
@@ -260,7 +265,7 @@ class RootContext:
         return any(self.reshards(n) for n in self.states)
 
     def scale(self, name: str) -> float:
-        st = self.unit_state(name) or self.state
+        st = self.knobs(name)
         if st.divide_factor is not None:
             return 1.0 / st.divide_factor
         return 1.0 / (self.plan.world * self.plan.replicas)

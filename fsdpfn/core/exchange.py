@@ -45,6 +45,7 @@ class Exchange:
 
     def __init__(self, group: Any, rank: int, world: int):
         self.group, self.rank, self.world = group, rank, world
+        self.others = [j for j in range(world) if j != rank]  # the peers, by group rank
         self._peers: list[int] | None = None
         self._tag = 0
 
@@ -54,10 +55,6 @@ class Exchange:
         if self._peers is None:
             self._peers = [dist.get_global_rank(self.group, j) for j in range(self.world)]
         return self._peers
-
-    @property
-    def others(self) -> list[int]:
-        return [j for j in range(self.world) if j != self.rank]
 
     def tags(self, count: int = 1) -> int:
         """The first of ``count`` fresh consecutive tags."""
@@ -87,13 +84,13 @@ class Exchange:
         """Send chunk ``j`` of ``full`` (``(world, *shape)``) to rank ``j`` and receive the peers' chunks
         of ours, the first straight into ``out``; ``add(out)`` then sums in our own chunk (and the
         other peers'). Returns ``(fn, add, extra)``; ``extra`` holds the chunks of peers beyond the first."""
-        chunks = full.reshape(self.world, -1).view(torch.uint8)
-        extra = full.new_empty((self.world - 2, *out.shape)) if self.world > 2 else full.new_empty((0, *out.shape))
+        chunks = _bytes(full).view(self.world, -1)
+        extra = full.new_empty((max(0, self.world - 2), *out.shape))
         slots = [out, *extra.unbind(0)]
         tag = self.tags()
 
         def fn(_async: bool) -> Works:
-            works = [self._recv(slot.reshape(-1).view(torch.uint8), j, tag) for j, slot in zip(self.others, slots)]
+            works = [self._recv(_bytes(slot), j, tag) for j, slot in zip(self.others, slots)]
             works += [self._send(chunks[j], j, tag) for j in self.others]
             return Works(works)
 

@@ -17,7 +17,7 @@ import torch
 from fsdpfn.layout.bucket import BucketLayout
 from fsdpfn.layout.spec import ShardSpec
 
-__all__ = ["FUSED", "ParamInfo", "ShardPlan", "UnitPlan", "bucket_by_dtype", "build_plan", "fuse_units"]
+__all__ = ["FUSED", "ParamInfo", "ShardPlan", "UnitPlan", "bucket_by_dtype", "build_plan", "fuse_units", "is_byte_count"]
 
 FUSED = "+"  # joins the unit names of a fused group
 
@@ -234,7 +234,7 @@ def fuse_units(
         >>> [g.name for g in plan.groups]
         ['b0+b1', 'b2']
     """
-    if isinstance(min_bucket_bytes, bool) or not isinstance(min_bucket_bytes, int) or min_bucket_bytes < 0:
+    if not is_byte_count(min_bucket_bytes):
         raise ValueError(f"min_bucket_bytes must be an int >= 0 (bytes), got {min_bucket_bytes!r}")
     for u in units:
         if FUSED in u.name:
@@ -257,6 +257,11 @@ def fuse_units(
     if run:
         out.append(_merge(run, specs))
     return tuple(out)
+
+
+def is_byte_count(value: Any) -> bool:
+    """Whether ``value`` is a valid ``min_bucket_bytes``: an int >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _merge(run: Sequence[UnitPlan], specs: Mapping[str, ShardSpec]) -> UnitPlan:

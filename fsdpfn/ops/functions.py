@@ -117,16 +117,15 @@ class Buckets:
         results: dict[str, torch.Tensor] = {}
         for layout, handle in zip(self.layouts, pending):
             buf = handle.wait()
-            if self.kind == "gather" and handle.direct:
-                outs = layout.unpack_direct(buf)  # views of the parameter-major buffer
-                if self.scale != 1.0:
-                    outs = [o * self.scale for o in outs]
-            elif self.kind == "gather":
-                outs = layout.unpack_full(buf, batch_ndim=self.batch_ndim)
-                if len(outs) > 1 or self.batch_ndim:  # copied out of the gathered buffer
-                    copies = {id(b): b for b in (o if o._base is None else o._base for o in outs)}
-                    for b in copies.values():
-                        self.comm.stats.track(b)
+            if self.kind == "gather":
+                if handle.direct:
+                    outs = layout.unpack_direct(buf)  # views of the parameter-major buffer
+                else:
+                    outs = layout.unpack_full(buf, batch_ndim=self.batch_ndim)
+                    if len(outs) > 1 or self.batch_ndim:  # copied out of the gathered buffer
+                        copies = {id(b): b for b in (o if o._base is None else o._base for o in outs)}
+                        for b in copies.values():
+                            self.comm.stats.track(b)
                 if self.scale != 1.0:
                     outs = [o * self.scale for o in outs]
             else:
