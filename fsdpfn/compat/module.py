@@ -42,19 +42,47 @@ def _check_bool(value: Any, what: str) -> bool:
 
 
 def dispatch(module: nn.Module, fn: Callable[..., Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``module``'s forward (``fn=None``) or a registered forward method ``fn`` under FSDP."""
+    """Run ``module``'s forward (``fn=None``) or a registered forward method ``fn`` under FSDP.
+
+    Traceable by ``torch.compile``: a unit below a running root goes straight to its forward (its hooks
+    break the graph); everything else is decided by ``_entry``, eagerly."""
     st = _state(module)
-    if st.root is not None and not st.root.running and torch._C._current_graph_task_id() != -1:
-        # an activation-checkpoint recompute in backward: the unit hooks supply the gathered values
-        return nn.Module.__call__(module, *args, **kwargs) if fn is None else fn(*args, **kwargs)
-    ctx = st.root if st.root is not None else RootContext(module, st)
-    if not ctx.running:
-        return ctx.run(lambda *a, **k: dispatch(module, fn, a, k), args, kwargs)
+    ctx = st.root
+    if ctx is None or not ctx.running or st is ctx.state:
+        ctx, start = _entry_eagerly(module, st) if torch.compiler.is_compiling() else _entry(module, st)
+        if ctx is None:  # an activation-checkpoint recompute in backward: the unit hooks supply the values
+            return nn.Module.__call__(module, *args, **kwargs) if fn is None else fn(*args, **kwargs)
+        if start:
+            return ctx.run(functools.partial(_inside_call, ctx, st, module, fn), args, kwargs)
+    return _inside(ctx, st, module, fn, args, kwargs)
+
+
+def _inside(ctx: RootContext, st: UnitState, module: nn.Module, fn: Callable[..., Any] | None, args: Any, kwargs: Any) -> Any:
     if fn is None:
         return nn.Module.__call__(module, *args, **kwargs)  # the unit hooks gather around forward
     if st is ctx.state:
         return fn(*args, **kwargs)  # the root unit is gathered for the whole call
     return ctx.apply.run_unit(st.name, module, fn, args, kwargs)
+
+
+def _inside_call(ctx: RootContext, st: UnitState, module: nn.Module, fn: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
+    return _inside(ctx, st, module, fn, args, kwargs)
+
+
+def _entry(module: nn.Module, st: UnitState) -> tuple[RootContext | None, bool]:
+    """Where a call from outside a running root (or into the root itself) goes: ``(None, _)`` for an
+    activation-checkpoint recompute, ``(root, True)`` to start a root call, ``(root, False)`` when the
+    root is already running (a root method calling its own forward)."""
+    ctx = st.root
+    if ctx is not None:
+        ctx.close_stale()  # an earlier compiled forward that raised
+        if not ctx.running and torch._C._current_graph_task_id() != -1:
+            return None, False
+    ctx = ctx if ctx is not None else RootContext(module, st)
+    return ctx, not ctx.running
+
+
+_entry_eagerly = torch.compiler.disable(_entry)
 
 
 class UnshardHandle:

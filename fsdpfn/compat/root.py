@@ -24,7 +24,7 @@ from fsdpfn.layout import ParamInfo, Sharded, build_plan
 from fsdpfn.layout.plan import FUSED
 from fsdpfn.ops.api import gather_collective
 from fsdpfn.ops.functions import Buckets, CallInfo
-from fsdpfn.transform.apply import Apply
+from fsdpfn.transform.apply import Apply, OpenCall
 from fsdpfn.transform.call import Call, _reduce_dtypes
 
 __all__ = ["RootContext", "lazy_root"]
@@ -116,14 +116,19 @@ class CompatApply(Apply):
 
     def run_unit(self, name: str, module: nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn`` (a method of ``module``) as if it were the unit's forward: gathered around it."""
-        got = self._pre_hook(name)(module, args, kwargs)
+        pre, post = self.unit_hooks(name)
+        got = pre(module, args, kwargs)
         if got is not None:
             args, kwargs = got
+        if torch.compiler.is_compiling():  # no try block around traced code (see Apply._run_traced)
+            out = fn(*args, **kwargs)
+            cast = post(module, args, out)
+            return out if cast is None else cast
         out = None
         try:
             out = fn(*args, **kwargs)
         finally:
-            cast = self._post_hook(name)(module, args, out)
+            cast = post(module, args, out)
         return out if cast is None else cast
 
 
@@ -134,6 +139,7 @@ class RootContext:
         self.module = module
         self.state = state
         self.running = False
+        self.opened: OpenCall | None = None  # the running call
         self.deferred: list[Any] = []
         self.comm: Comm | None = None
         self.states: dict[str, UnitState] = {}
@@ -290,22 +296,69 @@ class RootContext:
         local = LocalShards.apply(tuple(p._spec for p in params), deferred if deferred is not None else [], *params)
         return Sharded._from_children(list(local), self.plan)
 
-    def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run ``fn`` (the root's forward, or a child's forward or method) with the units gathered."""
+    def run(self, inside: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``inside(*args, **kwargs)`` (the root's forward, or a child's forward or method) with the
+        units gathered: the root unit for the whole call, the others by their hooks."""
+        if torch.compiler.is_compiling():  # no try block around traced code: see Apply._run_traced
+            opened, args, kwargs = _begin_eagerly(self, args, kwargs)
+            out = inside(*args, **kwargs)
+            return _end_eagerly(self, opened, out)
+        opened, args, kwargs = self.begin(args, kwargs)
+        try:
+            out = inside(*args, **kwargs)
+        except BaseException:
+            self.close(opened)
+            raise
+        return self.end(opened, out)
+
+    def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any], traced: bool = False) -> tuple[OpenCall, Any, Any]:
+        """Start a root call (see ``Apply.begin``); ``end`` or ``close`` finishes it."""
         event = self.state.post_optim_event
         if event is not None:
             self.comm.wait_event(event)
             self.state.post_optim_event = None
         self.deferred = []  # this forward's reductions; its LocalShards backward waits for them
         params = self.params(self.deferred)
+        opened, args, kwargs = self.apply.begin(params, args, kwargs, traced)
+        self.opened = opened
         self.running = True
+        return opened, args, kwargs
+
+    def close(self, opened: OpenCall) -> None:
+        """End a root call whose forward raised."""
         try:
-            return self.apply.run(params, fn, args, kwargs)
+            self.apply.close(opened)
         finally:
-            self.running = False
-            for st in self.states.values():  # an explicit unshard() lasts until the next forward used it
-                if st.unsharded is not None:
-                    drop_unsharded(st)
+            self._finish()
+
+    def end(self, opened: OpenCall, out: Any) -> Any:
+        """End a root call whose forward returned ``out``."""
+        try:
+            return self.apply.end(opened, out)
+        finally:
+            self._finish()
+
+    def close_stale(self) -> None:
+        """Close the running call if its traced forward raised (its caller's frame is gone)."""
+        if self.opened is not None and self.apply.close_stale():
+            self._finish()
+
+    def _finish(self) -> None:
+        self.running = False
+        self.opened = None
+        for st in self.states.values():  # an explicit unshard() lasts until the next forward used it
+            if st.unsharded is not None:
+                drop_unsharded(st)
+
+
+@torch.compiler.disable
+def _begin_eagerly(ctx: RootContext, args: Any, kwargs: Any) -> Any:
+    return ctx.begin(args, kwargs, traced=True)
+
+
+@torch.compiler.disable
+def _end_eagerly(ctx: RootContext, opened: OpenCall, out: Any) -> Any:
+    return ctx.end(opened, out)
 
 
 def _check_replacement(fqn: str, old: DTensor, new: DTensor) -> None:

@@ -10,9 +10,12 @@ gathered values back so the recompute never sees the module's stale parameters.
 
 from __future__ import annotations
 
-import contextlib
+import os
+import sys
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -24,9 +27,24 @@ from fsdpfn.ops.api import check_shards, gather_collective, reduce_scale
 from fsdpfn.transform.call import Call
 from fsdpfn.transform.remat import RematSpec, remat, unflatten_out
 
-__all__ = ["Apply", "fsdp"]
+__all__ = ["Apply", "OpenCall", "fsdp"]
 
 _Swap = list[tuple[dict[str, Any], str, Any]]
+
+
+@dataclass(eq=False)
+class OpenCall:
+    """One ``apply`` call between ``begin`` and ``end``: what ``close`` must undo.
+
+    ``anchor`` (traced calls only) is the frame that began the call; once it is off the stack without
+    the call having ended, the forward raised inside compiled code and the call is stale."""
+
+    call: Call
+    anchor: FrameType | None = None
+    swapped: _Swap = field(default_factory=list)
+    overridden: list[tuple[nn.Module, bool, Any]] = field(default_factory=list)
+    hooks: Any = None  # the entered saved_tensors_hooks context
+    closed: bool = False
 
 
 def _functorch_active() -> bool:
@@ -59,11 +77,12 @@ class Apply:
         self.prefetch = prefetch
         self.reduce_op = reduce_op
         self.divide_by = divide_by
-        self._forward: list[Call] = []
+        self._forward: list[OpenCall] = []
         self._backward: weakref.WeakSet[Call] = weakref.WeakSet()
         self._hooked: set[Any] = set()
         self._unit_swaps: dict[str, list[_Swap]] = {}
         self._targets: dict[str, tuple[dict[str, Any], str]] = {}
+        self._unit_hooks: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self._remat_depth = 0  # > 0 while remat runs a unit: the unit hooks stand aside
 
     def __repr__(self) -> str:
@@ -95,13 +114,37 @@ class Apply:
     def run(self, params: Sharded[torch.Tensor], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)`` with the module's parameters taken from ``params`` (``fn`` is usually
         the module itself; any function that runs its units works)."""
+        if torch.compiler.is_compiling():
+            return self._run_traced(params, fn, args, kwargs)
+        opened, args, kwargs = self.begin(params, args, kwargs)
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:
+            self.close(opened)
+            raise
+        return self.end(opened, out)
+
+    def _run_traced(self, params: Sharded[torch.Tensor], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # Under torch.compile the set-up and tear-down run eagerly (graph breaks) around a traced ``fn``.
+        # No try block: a graph break inside one makes dynamo give up on the whole frame. A forward that
+        # raises leaves its call open; the next ``begin`` closes it (see ``OpenCall.stale``).
+        opened, args, kwargs = _begin_eagerly(self, params, args, kwargs, True)
+        out = fn(*args, **kwargs)
+        return _end_eagerly(self, opened, out)
+
+    def begin(
+        self, params: Sharded[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any], traced: bool = False
+    ) -> tuple[OpenCall, tuple[Any, ...], dict[str, Any]]:
+        """Start a call: gather the root unit, swap it and the buffers in, install the unit hooks. Returns
+        the open call and the (cast) arguments; ``end`` or ``close`` finishes it."""
         if not isinstance(params, Sharded):
             raise TypeError(
                 f"apply: the first argument must be the fsdpfn.Sharded from fsdpfn.shard(...), got {type(params).__name__}"
             )
         plan = params.plan
         self._validate(plan)
-        if any(c.plan is plan for c in self._forward):
+        self.close_stale()
+        if any(o.call.plan is plan for o in self._forward):
             raise RuntimeError(
                 f"apply: called inside another apply of the same parameters ({type(self.module).__name__}); "
                 "a module cannot run inside its own sharded forward"
@@ -110,32 +153,60 @@ class Apply:
         call = self.new_call(params, functorch)
         call.remat = self.reshard_after_forward and functorch and _only_grad_transforms()
         self._install_hooks(plan)
-        swapped: _Swap = []
-        overridden = self._override_forwards(call) if call.remat else []
-        self._forward.append(call)
+        opened = OpenCall(call, anchor=_caller_frame() if traced else None)
+        self._forward.append(opened)
         try:
-            hooks = torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack) if call.reshard else contextlib.nullcontext()
-            with hooks:
-                if any(u.name == "" for u in plan.units):
-                    swapped += self._swap(plan, call.gather(""), "")
-                swapped += self._swap_buffers(params)
-                args, kwargs = _cast_inputs(plan, args, kwargs, "")
-                out = fn(*args, **kwargs)
-        finally:
-            self._restore(swapped)
-            for mod, had, old in overridden:
+            opened.overridden = self._override_forwards(call) if call.remat else []
+            if call.reshard:
+                opened.hooks = torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack)
+                opened.hooks.__enter__()
+            if any(u.name == "" for u in plan.units):
+                opened.swapped += self._swap(plan, call.gather(""), "")
+            opened.swapped += self._swap_buffers(params)
+            args, kwargs = _cast_inputs(plan, args, kwargs, "")
+        except BaseException:
+            self.close(opened)
+            raise
+        return opened, args, kwargs
+
+    def close(self, opened: OpenCall) -> None:
+        """Undo what ``begin`` did (parameters, hooks, forward overrides) and end the call's forward."""
+        if opened.closed:
+            return
+        opened.closed = True
+        try:
+            if opened.hooks is not None:
+                opened.hooks.__exit__(None, None, None)
+            self._restore(opened.swapped)
+            for mod, had, old in opened.overridden:
                 if had:
                     mod.forward = old
                 else:
                     del mod.forward
-            self._forward.pop()
-            call.finish_forward()
+        finally:
+            if opened in self._forward:
+                self._forward.remove(opened)
+            opened.call.finish_forward()
+
+    def end(self, opened: OpenCall, out: Any) -> Any:
+        """Finish a call whose forward returned ``out``: close it, keep it for backward, cast the output."""
+        self.close(opened)
+        call = opened.call
+        plan = call.plan
         plan.memo[("order", id(self))] = list(call.order)
         self._backward.add(call)
         policy = plan.policy("")
         if policy is not None and policy.output_dtype is not None:
             out = _cast_floats(out, policy.output_dtype)
         return out
+
+    def close_stale(self) -> bool:
+        """Close the calls whose traced forward raised (the frame that began them is gone, so they can
+        never end); true if there were any."""
+        stale = [o for o in self._forward if o.anchor is not None and not _on_stack(o.anchor)]
+        for o in reversed(stale):
+            self.close(o)
+        return bool(stale)
 
     # --- validation ---------------------------------------------------------------------------------
     def _validate(self, plan: ShardPlan) -> None:
@@ -212,8 +283,9 @@ class Apply:
         for unit in plan.units:
             if unit.name and unit.name not in self._hooked:
                 for mod in self.unit_modules(unit.name):
-                    mod.register_forward_pre_hook(self._pre_hook(unit.name), with_kwargs=True)
-                    mod.register_forward_hook(self._post_hook(unit.name), always_call=True)
+                    pre, post = self.unit_hooks(unit.name)
+                    mod.register_forward_pre_hook(pre, with_kwargs=True)
+                    mod.register_forward_hook(post, always_call=True)
                 self._hooked.add(unit.name)
             if ("recompute", unit.name) not in self._hooked:
                 self._install_recompute_hooks(plan, unit.name)
@@ -235,22 +307,35 @@ class Apply:
             mod.register_forward_pre_hook(self._recompute_pre_hook(unit, key, names), with_kwargs=True)
             mod.register_forward_hook(self._recompute_post_hook(key), always_call=True)
 
+    # Both recompute hooks stand aside while a forward runs (or remat does) without breaking a compiled
+    # graph: the test is on plain Python state dynamo guards on; only the backward's recompute, where
+    # they swap values in, runs them eagerly.
     def _recompute_pre_hook(self, unit: str, key: str, names: list[tuple[str, str]]) -> Callable[..., Any]:
-        def hook(_mod: nn.Module, _args: Any, _kwargs: Any) -> None:
+        @torch.compiler.disable
+        def swap_in() -> None:
             swapped: _Swap = []
-            if not self._forward and not self._remat_depth and _in_backward():
+            if _in_backward():
                 call = self._recompute_call(unit)
                 if call is not None:
                     swapped = self._swap_names(names, call.values_for_recompute(call.plan.group_of[unit]))
             self._unit_swaps.setdefault(key, []).append(swapped)
 
+        def hook(_mod: nn.Module, _args: Any, _kwargs: Any) -> None:
+            if not self._forward and not self._remat_depth:
+                swap_in()
+
         return hook
 
     def _recompute_post_hook(self, key: str) -> Callable[..., Any]:
-        def hook(_mod: nn.Module, _args: Any, _out: Any) -> None:
+        @torch.compiler.disable
+        def swap_out() -> None:
             stack = self._unit_swaps.get(key)
             if stack:
                 self._restore(stack.pop())
+
+        def hook(_mod: nn.Module, _args: Any, _out: Any) -> None:
+            if not self._forward and not self._remat_depth:
+                swap_out()
 
         return hook
 
@@ -263,13 +348,20 @@ class Apply:
         the end of the whole forward: a unit of several modules is gathered once for all of them)."""
         return True
 
+    def unit_hooks(self, name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """Unit ``name``'s ``(pre, post)`` forward hooks (made once; both run eagerly under compile)."""
+        got = self._unit_hooks.get(name)
+        if got is None:
+            got = self._unit_hooks[name] = (self._pre_hook(name), self._post_hook(name))
+        return got
+
     def _pre_hook(self, name: str) -> Callable[..., Any]:
         def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if self._remat_depth or (self._forward and self._forward[-1].remat):
+            if self._remat_depth or (self._forward and self._forward[-1].call.remat):
                 self._unit_swaps.setdefault(name, []).append([])  # remat gathers and swaps itself
                 return None
             if self._forward:
-                call = self._forward[-1]
+                call = self._forward[-1].call
                 if name not in call.plan.memo.setdefault(("unit_names",), {u.name for u in call.plan.units}):
                     self._unit_swaps.setdefault(name, []).append([])
                     return None
@@ -286,7 +378,7 @@ class Apply:
             self._unit_swaps.setdefault(name, []).append([])
             return None
 
-        return hook
+        return torch.compiler.disable(hook)  # unit machinery runs eagerly: compiled code breaks around it
 
     def _post_hook(self, name: str) -> Callable[..., Any]:
         def hook(_mod: nn.Module, _args: Any, out: Any) -> Any:
@@ -294,7 +386,7 @@ class Apply:
             if stack:
                 self._restore(stack.pop())
             if self._forward:
-                call = self._forward[-1]
+                call = self._forward[-1].call
                 group = call.plan.group_of.get(name, name)
                 if call.reshards(group) and group in call.gathered and self.release_after_module(name):
                     if call.unit_done(group, name):
@@ -305,7 +397,7 @@ class Apply:
                         return _cast_floats(out, policy.output_dtype)
             return None
 
-        return hook
+        return torch.compiler.disable(hook)  # unit machinery runs eagerly: compiled code breaks around it
 
     # --- remat (torch.func gradient transforms) ---------------------------------------------------
     def _override_forwards(self, call: Call) -> list[tuple[nn.Module, bool, Any]]:
@@ -362,6 +454,39 @@ class Apply:
                     "over different parameter trees await backward; run backward before the next forward"
                 )
         return first
+
+
+_INTERNAL = tuple(
+    os.path.dirname(os.path.abspath(f)) + os.sep for f in (os.path.dirname(__file__), torch._dynamo.__file__)
+)
+
+
+def _caller_frame() -> FrameType:
+    """The nearest frame outside fsdpfn and torch's compile wrappers: it lives exactly as long as the
+    outermost call into fsdpfn does, however dynamo split that call into compiled pieces."""
+    f = sys._getframe(1)
+    while f.f_back is not None and os.path.abspath(f.f_code.co_filename).startswith(_INTERNAL):
+        f = f.f_back
+    return f
+
+
+def _on_stack(frame: FrameType) -> bool:
+    f: FrameType | None = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
+@torch.compiler.disable
+def _begin_eagerly(apply: Apply, params: Any, args: Any, kwargs: Any, traced: bool) -> Any:
+    return apply.begin(params, args, kwargs, traced)
+
+
+@torch.compiler.disable
+def _end_eagerly(apply: Apply, opened: OpenCall, out: Any) -> Any:
+    return apply.end(opened, out)
 
 
 def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
