@@ -13,11 +13,12 @@ from fsdpfn.testing import spmd
 STEPS = 4
 # The bf16 weight's gradient is summed over ranks in bf16 (its own dtype), so it may differ from the
 # single-process one by a bf16 rounding step; the fp32 and complex parameters train through that weight,
-# so after a few steps they inherit a bf16-sized relative difference, well above fp32 rounding.
+# so after a few steps they inherit a bf16-sized relative difference, well above fp32 rounding (up to
+# half a bf16 ulp, 4e-3: world 3, seed 125 reaches 3.5e-3).
 TOL = {
-    torch.float32: dict(rtol=1e-3, atol=1e-4),
+    torch.float32: dict(rtol=8e-3, atol=2e-4),
     torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-    torch.complex64: dict(rtol=1e-3, atol=1e-4),
+    torch.complex64: dict(rtol=8e-3, atol=2e-4),
 }
 
 
