@@ -25,6 +25,7 @@ from torch import nn
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.ops.api import check_shards, gather_collective, reduce_scale
 from fsdpfn.transform.call import Call
+from fsdpfn.transform.recompute import RecomputeSwaps
 from fsdpfn.transform.remat import RematSpec, remat, unflatten_out
 
 __all__ = ["Apply", "OpenCall", "fsdp"]
@@ -81,6 +82,7 @@ class Apply:
         self._backward: weakref.WeakSet[Call] = weakref.WeakSet()
         self._hooked: set[Any] = set()
         self._unit_swaps: dict[str, list[_Swap]] = {}
+        self._recompute = RecomputeSwaps(self)
         self._targets: dict[str, tuple[dict[str, Any], str]] = {}
         self._unit_hooks: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self._remat_depth = 0  # > 0 while remat runs a unit: the unit hooks stand aside
@@ -195,6 +197,8 @@ class Apply:
         plan = call.plan
         plan.memo[("order", id(self))] = list(call.order)
         self._backward.add(call)
+        if torch.is_grad_enabled():
+            self._recompute.arm_on(out)
         policy = plan.policy("")
         if policy is not None and policy.output_dtype is not None:
             out = _cast_floats(out, policy.output_dtype)
@@ -287,57 +291,7 @@ class Apply:
                     mod.register_forward_pre_hook(pre, with_kwargs=True)
                     mod.register_forward_hook(post, always_call=True)
                 self._hooked.add(unit.name)
-            if ("recompute", unit.name) not in self._hooked:
-                self._install_recompute_hooks(plan, unit.name)
-                self._hooked.add(("recompute", unit.name))
-
-    def _install_recompute_hooks(self, plan: ShardPlan, unit: str) -> None:
-        """Hooks on the submodules that own a unit's parameters (the unit's own modules excluded): an
-        activation-checkpoint recompute *inside* a unit runs them without the unit's pre-hook."""
-        own = {id(m) for m in (self.unit_modules(unit) if unit else [self.module])}
-        by_path: dict[str, list[tuple[str, str]]] = {}
-        for owner in plan.unit(unit).fqns:
-            for name in plan.names(owner):
-                by_path.setdefault(name.rpartition(".")[0], []).append((name, owner))
-        for path, names in by_path.items():
-            mod = self.module.get_submodule(path)
-            if id(mod) in own:
-                continue
-            key = f"recompute:{path}"
-            mod.register_forward_pre_hook(self._recompute_pre_hook(unit, key, names), with_kwargs=True)
-            mod.register_forward_hook(self._recompute_post_hook(key), always_call=True)
-
-    # Both recompute hooks stand aside while a forward runs (or remat does) without breaking a compiled
-    # graph: the test is on plain Python state dynamo guards on; only the backward's recompute, where
-    # they swap values in, runs them eagerly.
-    def _recompute_pre_hook(self, unit: str, key: str, names: list[tuple[str, str]]) -> Callable[..., Any]:
-        @torch.compiler.disable
-        def swap_in() -> None:
-            swapped: _Swap = []
-            if _in_backward():
-                call = self._recompute_call(unit)
-                if call is not None:
-                    swapped = self._swap_names(names, call.values_for_recompute(call.plan.group_of[unit]))
-            self._unit_swaps.setdefault(key, []).append(swapped)
-
-        def hook(_mod: nn.Module, _args: Any, _kwargs: Any) -> None:
-            if not self._forward and not self._remat_depth:
-                swap_in()
-
-        return hook
-
-    def _recompute_post_hook(self, key: str) -> Callable[..., Any]:
-        @torch.compiler.disable
-        def swap_out() -> None:
-            stack = self._unit_swaps.get(key)
-            if stack:
-                self._restore(stack.pop())
-
-        def hook(_mod: nn.Module, _args: Any, _out: Any) -> None:
-            if not self._forward and not self._remat_depth:
-                swap_out()
-
-        return hook
+            self._recompute.add_unit(plan, unit.name)
 
     def unit_modules(self, name: str) -> list[nn.Module]:
         """The modules whose forward runs unit ``name`` (its own submodule)."""
@@ -391,6 +345,8 @@ class Apply:
                 if call.reshards(group) and group in call.gathered and self.release_after_module(name):
                     if call.unit_done(group, name):
                         call.release(group)
+                if torch.is_grad_enabled():
+                    self._recompute.arm_on(out)
                 if call.plan.unit_policies:
                     policy = call.plan.unit_policies.get(name)
                     if policy is not None and policy.output_dtype is not None:
