@@ -15,7 +15,7 @@ from fsdpfn.core import init_mesh
 from fsdpfn.layout import Sharded, ShardSpec, Unreduced, shard_tensor, unshard_tensors
 from fsdpfn.ops import accumulate, reduce, reshard, shard, unshard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdpfn.transform import fsdp, grad, remat, value_and_grad
+from fsdpfn.transform import compile_step, fsdp, grad, remat, value_and_grad
 from fsdpfn import debug, optim
 from fsdpfn.optim import clip_grad_norm
 
@@ -30,6 +30,7 @@ __all__ = [
     "Unreduced",
     "accumulate",
     "clip_grad_norm",
+    "compile_step",
     "debug",
     "fsdp",
     "from_dtensor",

@@ -222,6 +222,10 @@ COMPAT_TRIGGERS = {
     "compat-replicate-on-fsdp": (lambda m, p, a: _compat_replicate_on_fsdp(), RuntimeError, r"Cannot apply `replicate\(\)` on a Module already managed by `fully_shard`"),
 }
 TRIGGERS.update(COMPAT_TRIGGERS)
+TRIGGERS["compile-step-optimizer"] = (
+    lambda m, p, a: fsdpfn.compile_step(lambda q: q, optimizer=torch.optim.SGD), TypeError,
+    r"compile_step: optimizer must be an fsdpfn.optim transformation \(with init/update\), got type",
+)  # fmt: skip
 
 
 def _trigger_all(ids):

@@ -19,6 +19,7 @@ from fsdpfn.compat.root import RootContext, lazy_root
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
 from fsdpfn.layout.plan import is_byte_count
 from fsdpfn.ops.api import gather_collective
+from fsdpfn.transform.eager import eager
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
@@ -82,7 +83,7 @@ def _entry(module: nn.Module, st: UnitState) -> tuple[RootContext | None, bool]:
     return ctx, not ctx.running
 
 
-_entry_eagerly = torch.compiler.disable(_entry)
+_entry_eagerly = eager(_entry)
 
 
 class UnshardHandle:

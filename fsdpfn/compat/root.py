@@ -20,12 +20,14 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
 from fsdpfn.core import Comm
-from fsdpfn.layout import ParamInfo, Sharded, build_plan
+from fsdpfn.layout import ParamInfo, Sharded, ShardPlan, build_plan
 from fsdpfn.layout.plan import FUSED
+from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import gather_collective
 from fsdpfn.ops.functions import Buckets, CallInfo
 from fsdpfn.transform.apply import Apply, OpenCall
 from fsdpfn.transform.call import Call, _reduce_dtypes
+from fsdpfn.transform.eager import eager
 
 __all__ = ["RootContext", "lazy_root"]
 
@@ -56,9 +58,9 @@ class LocalShards(torch.autograd.Function):
 class CompatCall(Call):
     """One forward of a compat root: the unit knobs come from the ``UnitState``s."""
 
-    def __init__(self, ctx: RootContext, params: Sharded[torch.Tensor], order_hint: Sequence[str]):
+    def __init__(self, ctx: RootContext, params: Sharded[torch.Tensor], schedule: Schedule):
         self.ctx = ctx
-        super().__init__(params, scale=1.0, reshard=ctx.any_reshard(), prefetch=1, order_hint=order_hint, deferred=ctx.deferred)
+        super().__init__(params, scale=1.0, schedule=schedule, deferred=ctx.deferred)
         self.deferral_needs_leaves = False  # the shards come from LocalShards, whose backward drains
 
     def _collective(self, unit: Any) -> Buckets:
@@ -72,21 +74,6 @@ class CompatCall(Call):
             return CallInfo(pending, sink=st.acc, sink_dtypes=_reduce_dtypes(self.plan), keep_none=keep_none)
         return CallInfo(pending, carry=st.acc if st.acc else None, keep_none=keep_none, deferred=self.deferred)
 
-    def reshards(self, name: str) -> bool:
-        return self.reshard and self.ctx.reshards(name)
-
-    def forward_prefetch(self, name: str) -> Sequence[str]:
-        explicit = self.ctx.knobs(name).forward_prefetch
-        if explicit is not None:
-            return self.ctx.names_of(explicit)
-        return super().forward_prefetch(name)
-
-    def backward_prefetch(self, name: str) -> Sequence[str]:
-        explicit = self.ctx.knobs(name).backward_prefetch
-        if explicit is not None:
-            return self.ctx.names_of(explicit)
-        return super().backward_prefetch(name)
-
 
 class CompatApply(Apply):
     """``Apply`` whose calls are ``CompatCall``s and whose units may span several modules."""
@@ -96,10 +83,9 @@ class CompatApply(Apply):
         self.ctx = ctx
 
     def new_call(self, params: Sharded[torch.Tensor], functorch: bool) -> Call:
-        plan = params.plan
-        call = CompatCall(self.ctx, params, plan.memo.get(("order", id(self)), [g.name for g in plan.groups]))
-        if functorch:  # torch.func transforms: no prefetch, no packing of saved tensors
-            call.prefetch, call.reshard, call.deferred = 0, False, None
+        call = CompatCall(self.ctx, params, self.schedule(params.plan, functorch=functorch))
+        if functorch:  # torch.func transforms: no deferred reductions
+            call.deferred = None
         for name, st in self.ctx.states.items():  # an explicit unshard() already launched the gather
             if st.unsharded is not None:
                 call.pending[name] = st.unsharded[0]
@@ -107,6 +93,28 @@ class CompatApply(Apply):
 
     def _validate(self, plan: Any) -> None:
         pass  # RootContext.params checks every DTensor parameter before each call
+
+    def schedule(self, plan: ShardPlan, *, functorch: bool = False) -> Schedule:
+        """The schedule of a call: resharding and explicit prefetch lists from the units' knobs, read
+        at every call (``set_reshard_after_forward`` & co. apply from the next forward)."""
+        if functorch:  # torch.func transforms: no prefetch, no packing of saved tensors
+            return build_schedule(plan, reshard=False, prefetch=0)
+        ctx = self.ctx
+        order = plan.memo.get(("order", id(self)))
+        knobs = [(g.name, ctx.knobs(g.name)) for g in plan.groups]
+        key = (order, [(g, ctx.reshards(g), st.forward_prefetch, st.backward_prefetch) for g, st in knobs])
+        hit = plan.memo.get(("schedule", id(self)))
+        if hit is None or hit[0] != key:
+            schedule = build_schedule(
+                plan,
+                order=order,
+                reshard=ctx.reshards,
+                prefetch=1,
+                forward_prefetch={g: ctx.names_of(st.forward_prefetch) for g, st in knobs if st.forward_prefetch is not None},
+                backward_prefetch={g: ctx.names_of(st.backward_prefetch) for g, st in knobs if st.backward_prefetch is not None},
+            )
+            hit = plan.memo[("schedule", id(self))] = (key, schedule)
+        return hit[1]
 
     def unit_modules(self, name: str) -> list[nn.Module]:
         return list(self.ctx.states[name].modules)
@@ -267,9 +275,6 @@ class RootContext:
         st = self.unit_state(name)
         return st is not None and st.reshards(is_root=st is self.state)
 
-    def any_reshard(self) -> bool:
-        return any(self.reshards(n) for n in self.states)
-
     def scale(self, name: str) -> float:
         st = self.knobs(name)
         if st.divide_factor is not None:
@@ -351,12 +356,12 @@ class RootContext:
                 drop_unsharded(st)
 
 
-@torch.compiler.disable
+@eager
 def _begin_eagerly(ctx: RootContext, args: Any, kwargs: Any) -> Any:
     return ctx.begin(args, kwargs, traced=True)
 
 
-@torch.compiler.disable
+@eager
 def _end_eagerly(ctx: RootContext, opened: OpenCall, out: Any) -> Any:
     return ctx.end(opened, out)
 

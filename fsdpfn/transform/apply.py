@@ -14,7 +14,6 @@ import os
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -23,29 +22,26 @@ import torch.utils._pytree as tree
 from torch import nn
 
 from fsdpfn.layout import Sharded, ShardPlan
+from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import check_shards, gather_collective, reduce_scale
-from fsdpfn.transform.call import Call
+from fsdpfn.transform.call import Call, OpenCall
+from fsdpfn.transform.casting import cast_inputs, cast_output
+from fsdpfn.transform.eager import eager, under_compile
 from fsdpfn.transform.recompute import RecomputeSwaps
 from fsdpfn.transform.remat import RematSpec, remat, unflatten_out
+from fsdpfn.transform.traced import enter_unit, exit_unit, run_traced
 
-__all__ = ["Apply", "OpenCall", "fsdp"]
+__all__ = ["Apply", "fsdp"]
 
 _Swap = list[tuple[dict[str, Any], str, Any]]
 
 
-@dataclass(eq=False)
-class OpenCall:
-    """One ``apply`` call between ``begin`` and ``end``: what ``close`` must undo.
-
-    ``anchor`` (traced calls only) is the frame that began the call; once it is off the stack without
-    the call having ended, the forward raised inside compiled code and the call is stale."""
-
-    call: Call
-    anchor: FrameType | None = None
-    swapped: _Swap = field(default_factory=list)
-    overridden: list[tuple[nn.Module, bool, Any]] = field(default_factory=list)
-    hooks: Any = None  # the entered saved_tensors_hooks context
-    closed: bool = False
+FUNCTORCH_UNDER_COMPILE = (
+    "fsdpfn: torch.func transforms (grad, vjp, jvp, vmap) and torch.compile cannot both wrap an fsdpfn apply: "
+    "torch.func needs fsdpfn's units as recomputed autograd Functions that dynamo cannot trace. Compile "
+    "without torch.func (fsdpfn.value_and_grad, or fsdpfn.compile_step for one graph per step), or use "
+    "torch.func without torch.compile (docs/compile.md)"
+)
 
 
 def _functorch_active() -> bool:
@@ -104,20 +100,42 @@ class Apply:
         mode = params._mode
         return Call(
             params,
-            scale=mode.scale if mode is not None and mode.scale is not None else reduce_scale(plan, self.reduce_op, self.divide_by),
+            scale=mode.scale if mode is not None and mode.scale is not None else self.scale(plan),
+            schedule=self.schedule(plan, functorch=functorch),
             sink=mode.sink if mode is not None else None,
             deferred=mode.deferred if mode is not None and not functorch else None,
             deferred_infos=mode.deferred_infos if mode is not None else None,
-            reshard=self.reshard_after_forward and not functorch,
-            prefetch=0 if functorch else self.prefetch,
-            order_hint=plan.memo.get(("order", id(self)), [g.name for g in plan.groups]),
         )
+
+    def scale(self, plan: ShardPlan) -> float:
+        """The factor this ``fsdp``'s reduction multiplies summed gradients by on ``plan``'s mesh."""
+        return reduce_scale(plan, self.reduce_op, self.divide_by)
+
+    def prepared(self, plan: ShardPlan) -> bool:
+        """Whether a call on ``plan`` has run (hooks installed, module checked against the plan)."""
+        return plan.memo.get(("validated", id(self.module))) is not None and all(
+            u.name in self._hooked for u in plan.units if u.name
+        )
+
+    def schedule(self, plan: ShardPlan, *, functorch: bool = False) -> Schedule:
+        """The schedule of a call on ``plan``: groups in the order the last call ran them (the plan's
+        order at first), this ``fsdp``'s resharding and prefetch (neither under ``torch.func``)."""
+        order = plan.memo.get(("order", id(self)))
+        key = ("schedule", id(self), functorch)
+        hit = plan.memo.get(key)
+        if hit is None or hit[0] != order:
+            reshard = self.reshard_after_forward and not functorch
+            hit = plan.memo[key] = (order, build_schedule(plan, order=order, reshard=reshard, prefetch=0 if functorch else self.prefetch))
+        return hit[1]
 
     def run(self, params: Sharded[torch.Tensor], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)`` with the module's parameters taken from ``params`` (``fn`` is usually
         the module itself; any function that runs its units works)."""
         if torch.compiler.is_compiling():
-            return self._run_traced(params, fn, args, kwargs)
+            mode = getattr(params, "_mode", None)
+            if mode is not None and mode.traced:  # a whole step in one graph (fsdpfn.compile_step)
+                return run_traced(self, params, fn, args, kwargs)
+            return self._run_compiled(params, fn, args, kwargs)
         opened, args, kwargs = self.begin(params, args, kwargs)
         try:
             out = fn(*args, **kwargs)
@@ -126,10 +144,10 @@ class Apply:
             raise
         return self.end(opened, out)
 
-    def _run_traced(self, params: Sharded[torch.Tensor], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_compiled(self, params: Sharded[torch.Tensor], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Under torch.compile the set-up and tear-down run eagerly (graph breaks) around a traced ``fn``.
         # No try block: a graph break inside one makes dynamo give up on the whole frame. A forward that
-        # raises leaves its call open; the next ``begin`` closes it (see ``OpenCall.stale``).
+        # raises leaves its call open; the next ``begin`` closes it (see ``close_stale``).
         opened, args, kwargs = _begin_eagerly(self, params, args, kwargs, True)
         out = fn(*args, **kwargs)
         return _end_eagerly(self, opened, out)
@@ -151,7 +169,10 @@ class Apply:
                 f"apply: called inside another apply of the same parameters ({type(self.module).__name__}); "
                 "a module cannot run inside its own sharded forward"
             )
+        plan.memo.setdefault(("applies",), weakref.WeakSet()).add(self)  # what compile_step warms up
         functorch = _functorch_active()
+        if functorch and (traced or under_compile()):
+            raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
         call = self.new_call(params, functorch)
         call.remat = self.reshard_after_forward and functorch and _only_grad_transforms()
         self._install_hooks(plan)
@@ -165,7 +186,7 @@ class Apply:
             if any(u.name == "" for u in plan.units):
                 opened.swapped += self._swap(plan, call.gather(""), "")
             opened.swapped += self._swap_buffers(params)
-            args, kwargs = _cast_inputs(plan, args, kwargs, "")
+            args, kwargs = cast_inputs(plan, args, kwargs, "")
         except BaseException:
             self.close(opened)
             raise
@@ -199,10 +220,8 @@ class Apply:
         self._backward.add(call)
         if torch.is_grad_enabled():
             self._recompute.arm_on(out)
-        policy = plan.policy("")
-        if policy is not None and policy.output_dtype is not None:
-            out = _cast_floats(out, policy.output_dtype)
-        return out
+        cast = cast_output(plan, out, "")
+        return out if cast is None else cast
 
     def close_stale(self) -> bool:
         """Close the calls whose traced forward raised (the frame that began them is gone, so they can
@@ -310,7 +329,8 @@ class Apply:
         return got
 
     def _pre_hook(self, name: str) -> Callable[..., Any]:
-        def hook(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        @eager  # the eager executor: compiled code breaks around it
+        def eager_pre(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if self._remat_depth or (self._forward and self._forward[-1].call.remat):
                 self._unit_swaps.setdefault(name, []).append([])  # remat gathers and swaps itself
                 return None
@@ -322,20 +342,26 @@ class Apply:
                 group = call.plan.group_of[name]
                 full = call.gathered.get(group) or call.gather(group)
                 self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, full, name))
-                return _cast_inputs(call.plan, args, kwargs, name)
+                return cast_inputs(call.plan, args, kwargs, name)
             if _in_backward():
                 call = self._recompute_call(name)
                 if call is not None:
                     values = call.values_for_recompute(call.plan.group_of[name])
                     self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, values, name))
-                    return _cast_inputs(call.plan, args, kwargs, name)
+                    return cast_inputs(call.plan, args, kwargs, name)
             self._unit_swaps.setdefault(name, []).append([])
             return None
 
-        return torch.compiler.disable(hook)  # unit machinery runs eagerly: compiled code breaks around it
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self._forward and self._forward[-1].traced:
+                return enter_unit(self, self._forward[-1].call, name, args, kwargs)
+            return eager_pre(mod, args, kwargs)
+
+        return hook
 
     def _post_hook(self, name: str) -> Callable[..., Any]:
-        def hook(_mod: nn.Module, _args: Any, out: Any) -> Any:
+        @eager  # the eager executor: compiled code breaks around it
+        def eager_post(_mod: nn.Module, _args: Any, out: Any) -> Any:
             stack = self._unit_swaps.get(name)
             if stack:
                 self._restore(stack.pop())
@@ -348,12 +374,15 @@ class Apply:
                 if torch.is_grad_enabled():
                     self._recompute.arm_on(out)
                 if call.plan.unit_policies:
-                    policy = call.plan.unit_policies.get(name)
-                    if policy is not None and policy.output_dtype is not None:
-                        return _cast_floats(out, policy.output_dtype)
+                    return cast_output(call.plan, out, name)
             return None
 
-        return torch.compiler.disable(hook)  # unit machinery runs eagerly: compiled code breaks around it
+        def hook(mod: nn.Module, args: Any, out: Any) -> Any:
+            if self._forward and self._forward[-1].traced:
+                return exit_unit(self, self._forward[-1].call, name, out)
+            return eager_post(mod, args, out)
+
+        return hook
 
     # --- remat (torch.func gradient transforms) ---------------------------------------------------
     def _override_forwards(self, call: Call) -> list[tuple[nn.Module, bool, Any]]:
@@ -374,6 +403,7 @@ class Apply:
     def _remat_forward(self, call: Call, name: str, units: tuple[Any, ...], orig: Callable[..., Any]) -> Callable[..., Any]:
         plan = call.plan
 
+        @eager  # a compiled unit under torch.func runs eagerly: dynamo cannot trace remat under functorch
         def forward(*args: Any, **kwargs: Any) -> Any:
             b = gather_collective(plan, units, call.scale)
             shards = check_shards(call.params, b.fqns)
@@ -384,7 +414,7 @@ class Apply:
                 leaves = list(flat)
                 for i, t in zip(where, tensors):
                     leaves[i] = t
-                a, kw = _cast_inputs(plan, *tree.tree_unflatten(leaves, in_tree), name)
+                a, kw = cast_inputs(plan, *tree.tree_unflatten(leaves, in_tree), name)
                 swapped = [s for u in units for s in self._swap(plan, full, u.name)]
                 self._remat_depth += 1
                 try:
@@ -435,25 +465,14 @@ def _on_stack(frame: FrameType) -> bool:
     return False
 
 
-@torch.compiler.disable
+@eager
 def _begin_eagerly(apply: Apply, params: Any, args: Any, kwargs: Any, traced: bool) -> Any:
     return apply.begin(params, args, kwargs, traced)
 
 
-@torch.compiler.disable
+@eager
 def _end_eagerly(apply: Apply, opened: OpenCall, out: Any) -> Any:
     return apply.end(opened, out)
-
-
-def _cast_floats(x: Any, dtype: torch.dtype) -> Any:
-    return tree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
-
-
-def _cast_inputs(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any], unit: str) -> Any:
-    policy = plan.policy(unit)
-    if policy is None or policy.param_dtype is None or not policy.cast_forward_inputs:
-        return (args, kwargs) if kwargs is not None else args
-    return _cast_floats(args, policy.param_dtype), _cast_floats(kwargs, policy.param_dtype)
 
 
 def fsdp(

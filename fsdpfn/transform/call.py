@@ -13,16 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
 
 from fsdpfn.core import Handle
 from fsdpfn.layout import Sharded, UnitPlan
+from fsdpfn.layout.schedule import Schedule
 from fsdpfn.ops.functions import Buckets, CallInfo, apply_buckets
 from fsdpfn.ops.api import check_shards, gather_collective
 
-__all__ = ["Call", "GradMode", "Packed"]
+__all__ = ["Call", "GradMode", "OpenCall", "Packed"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class GradMode:
     sink: dict[str, torch.Tensor] | None = None
     deferred: list[Handle] | None = None  # reductions value_and_grad waits for after autograd.grad
     deferred_infos: dict[str, CallInfo] = field(default_factory=dict)  # first gather of each unit (see Call)
+    traced: bool = False  # the whole step is being traced into one graph (fsdpfn.compile_step)
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,7 @@ class Call:
         params: Sharded[torch.Tensor],
         *,
         scale: float,
-        reshard: bool,
-        prefetch: int,
-        order_hint: Sequence[str],
+        schedule: Schedule,
         sink: dict[str, torch.Tensor] | None = None,
         deferred: list[Handle] | None = None,
         deferred_infos: dict[str, CallInfo] | None = None,
@@ -73,10 +74,8 @@ class Call:
         self.deferred_infos = deferred_infos if deferred_infos is not None else {}
         self.plan = params.plan
         self.scale = scale
-        # one rank, no cast: the "gathered" parameters are the shards themselves, nothing to free
-        self.reshard = reshard and not _gathers_into_shards(self.plan)
-        self.prefetch = prefetch
-        self.order_hint = list(order_hint)
+        self.schedule = schedule
+        self.reshard = schedule.any_reshard  # saved tensors of some group must be packed
         self.order: list[str] = []
         self.gathered: dict[str, dict[str, torch.Tensor]] = {}
         self.regathered: dict[str, dict[str, torch.Tensor]] = {}
@@ -145,16 +144,17 @@ class Call:
         )
 
     def reshards(self, name: str) -> bool:
-        """Whether unit ``name``'s gathered copy is dropped after its forward (never the root's here)."""
-        return self.reshard and bool(name)
+        """Whether group ``name``'s gathered copy is dropped after its forward (never the root's)."""
+        return self.schedule.reshards(name)
 
     def forward_prefetch(self, name: str) -> Sequence[str]:
-        """The units to start gathering when unit ``name`` is gathered in forward."""
-        return _window(self.order_hint, name, self.prefetch, ahead=True)
+        """The groups to start gathering when group ``name`` is gathered in forward."""
+        return self.schedule.forward_prefetch(name)
 
     def backward_prefetch(self, name: str) -> Sequence[str]:
-        """The units to start re-gathering when unit ``name`` is re-gathered in backward (nearest first)."""
-        return _window(self.order, name, self.prefetch, ahead=False)
+        """The groups to start re-gathering when group ``name`` is re-gathered in backward (nearest
+        first), in the order this call's forward ran."""
+        return self.schedule.backward_prefetch(name, self.order)
 
     def _prefetch_forward(self, name: str) -> None:
         for nxt in self.forward_prefetch(name):
@@ -242,16 +242,6 @@ class Call:
         return {f: t.detach().requires_grad_(grad) for f, t in full.items()}
 
 
-def _gathers_into_shards(plan: Any) -> bool:
-    """Whether gathering any unit of ``plan`` just aliases its shards (one shard rank, no dtype cast)."""
-    got = plan.memo.get(("gathers_into_shards",))
-    if got is None:
-        got = plan.memo[("gathers_into_shards",)] = plan.world == 1 and all(
-            lay.dtype == plan.dtypes[f] for g in plan.groups for lay in g.gather for f in lay.fqns
-        )
-    return got
-
-
 def _reduce_dtypes(plan: Any) -> dict[str, torch.dtype]:
     """The dtype each trainable parameter's gradient is reduced (and accumulated) in."""
     got = plan.memo.get(("reduce_dtypes",))
@@ -260,9 +250,18 @@ def _reduce_dtypes(plan: Any) -> dict[str, torch.dtype]:
     return got
 
 
-def _window(order: Sequence[str], name: str, size: int, *, ahead: bool) -> Sequence[str]:
-    """Up to ``size`` units after (``ahead``) or before ``name`` in ``order``, nearest first."""
-    if size <= 0 or name not in order:
-        return ()
-    i = order.index(name)
-    return order[i + 1 : i + 1 + size] if ahead else order[max(0, i - size) : i][::-1]
+@dataclass(eq=False)
+class OpenCall:
+    """One ``apply`` call between ``begin`` and ``end``: what ``close`` must undo.
+
+    ``anchor`` (calls begun from compiled code only) is the frame that began the call; once it is off
+    the stack without the call having ended, the forward raised inside compiled code and the call is
+    stale."""
+
+    call: Any  # a Call, or the traced executor's TracedCall
+    anchor: FrameType | None = None
+    swapped: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
+    overridden: list[tuple[Any, bool, Any]] = field(default_factory=list)
+    hooks: Any = None  # the entered saved_tensors_hooks context
+    closed: bool = False
+    traced: bool = False  # run by the traced executor (inside one compiled graph)

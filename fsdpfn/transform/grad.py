@@ -7,7 +7,7 @@ already reduced (as the ``fsdp`` apply inside the function says) and shaped like
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,45 +49,66 @@ def value_and_grad(
     """
 
     def g(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(params, Sharded):
-            raise TypeError(f"value_and_grad: the first argument must be a fsdpfn.Sharded, got {type(params).__name__}")
+        tree, inputs = grad_inputs(params, "value_and_grad")
         plan = params.plan
-        trainable = [k for k in plan.params if plan.requires_grad[k]]
-        live = dict(params.items())
-        for k, leaf in zip(trainable, check_shards(params, trainable)):  # named errors, not torch's
-            live[k] = leaf.detach().requires_grad_()
-        tree = Sharded._from_children(list(live.values()), plan)
         sink: dict[str, torch.Tensor] | None = {} if not reduce else None
-        scale = reduce_scale(plan, reduce_op or "avg", divide_by) if (reduce_op or divide_by is not None) else None
         deferred: list[Any] = []
-        tree._mode = GradMode(scale=scale, sink=sink, deferred=deferred if sink is None else None)
+        tree._mode = GradMode(scale=_scale(plan, reduce_op, divide_by), sink=sink, deferred=deferred if sink is None else None)
         with torch.enable_grad():
             out = fn(tree, *args, **kwargs)
-        value, aux = out if has_aux else (out, None)
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(f"value_and_grad: fn must return a scalar tensor{' (and aux)' if has_aux else ''}, got {what}")
-        inputs = [live[k] for k in trainable]
-        if value.requires_grad and inputs:
-            try:
-                found = torch.autograd.grad(value, inputs, allow_unused=True)
-            finally:
-                for handle in deferred:  # reduce-scatters left in flight by backward: done before any read
-                    handle.wait()
-        else:
-            found = (None,) * len(inputs)
-        if sink is not None:
-            grads: Any = Unreduced(sink, plan)
-        else:
-            by_name = dict(zip(trainable, found))
-            grads = Sharded._from_children([by_name.get(k) for k in plan.keys], plan)
+        value, aux = split_value(out, has_aux, "value_and_grad")
+        try:
+            found = _differentiate(value, inputs)
+        finally:
+            for handle in deferred:  # reduce-scatters left in flight by backward: done before any read
+                handle.wait()
+        grads: Any = Unreduced(sink, plan) if sink is not None else shard_grads(plan, found)
         if check_finite:
-            _check_finite(grads, plan)
+            check_grads_finite(grads, plan)
         plan.comm.guard.steps += 1
         value = value.detach()
         return ((value, aux), grads) if has_aux else (value, grads)
 
     return g
+
+
+def grad_inputs(params: Sharded[torch.Tensor], what: str) -> tuple[Sharded[torch.Tensor], list[torch.Tensor]]:
+    """A tree like ``params`` whose trainable leaves are fresh autograd leaves (``inputs``, in
+    ``plan.params`` order), to differentiate a function of ``params`` by."""
+    if not isinstance(params, Sharded):
+        raise TypeError(f"{what}: the first argument must be a fsdpfn.Sharded, got {type(params).__name__}")
+    plan = params.plan
+    trainable = [k for k in plan.params if plan.requires_grad[k]]
+    live = dict(params.items())
+    for k, leaf in zip(trainable, check_shards(params, trainable)):  # named errors, not torch's
+        live[k] = leaf.detach().requires_grad_()
+    return Sharded._from_children(list(live.values()), plan), [live[k] for k in trainable]
+
+
+def split_value(out: Any, has_aux: bool, what: str) -> tuple[torch.Tensor, Any]:
+    """``(value, aux)`` of a differentiated function's result, checking ``value`` is a scalar tensor."""
+    value, aux = out if has_aux else (out, None)
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise TypeError(f"{what}: fn must return a scalar tensor{' (and aux)' if has_aux else ''}, got {got}")
+    return value, aux
+
+
+def shard_grads(plan: Any, found: Sequence[torch.Tensor | None]) -> Sharded[torch.Tensor | None]:
+    """The gradients of the trainable leaves (in ``plan.params`` order) as a tree like the parameters."""
+    by_name = dict(zip((k for k in plan.params if plan.requires_grad[k]), found))
+    return Sharded._from_children([by_name.get(k) for k in plan.keys], plan)
+
+
+def _differentiate(value: torch.Tensor, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+    if value.requires_grad and inputs:
+        return torch.autograd.grad(value, inputs, allow_unused=True)
+    return (None,) * len(inputs)
+
+
+def _scale(plan: Any, reduce_op: str | None, divide_by: float | None) -> float | None:
+    """The reduction asked for here (``None``: the ``fsdp`` apply's own)."""
+    return reduce_scale(plan, reduce_op or "avg", divide_by) if (reduce_op or divide_by is not None) else None
 
 
 def grad(
@@ -113,7 +134,7 @@ def grad(
     return g
 
 
-def _check_finite(grads: Any, plan: Any) -> None:
+def check_grads_finite(grads: Any, plan: Any) -> None:
     """Raise on every rank if any rank has a non-finite gradient, naming the leaves and ranks."""
     names = [k for k in plan.params if plan.requires_grad[k]]
     world = plan.world * plan.replicas

@@ -21,6 +21,7 @@ import torch.utils._pytree as tree
 from torch import nn
 
 from fsdpfn.layout import ShardPlan
+from fsdpfn.transform.eager import eager
 
 if TYPE_CHECKING:
     from fsdpfn.transform.apply import Apply
@@ -87,7 +88,7 @@ class RecomputeSwaps:
             self._handles = None
 
     # --- the hooks (eager, also under compile: a recompute of compiled code breaks around them) ------
-    @torch.compiler.disable
+    @eager
     def _pre(self, mod: nn.Module, _args: Any) -> None:
         hit = self.targets.get(id(mod))
         if hit is None or hit[0] is not mod:
@@ -102,7 +103,7 @@ class RecomputeSwaps:
                 swapped += apply._swap_names(names, call.values_for_recompute(call.plan.group_of[unit]))
         self._swaps.setdefault(id(mod), []).append(swapped)
 
-    @torch.compiler.disable
+    @eager
     def _post(self, mod: nn.Module, _args: Any, _out: Any) -> None:
         stack = self._swaps.get(id(mod))
         if stack and self.targets.get(id(mod), (None,))[0] is mod:

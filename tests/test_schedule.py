@@ -1,0 +1,99 @@
+"""The schedule (fsdpfn.layout.schedule) is pure arithmetic on a plan: which groups reshard, which groups
+each gather prefetches, and how many collectives one step moves. Checked here without a process group;
+tests/test_transform.py and tests/test_traced.py check both executors against ``counts()``."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdpfn.layout import ParamInfo, build_plan
+from fsdpfn.layout.schedule import build_schedule, window
+
+
+@st.composite
+def plans(draw, max_units=6):
+    """A plan over a root and up to ``max_units`` units, some frozen or in bf16, maybe fused."""
+    world = draw(st.integers(1, 4))
+    replicas = draw(st.sampled_from([1, 1, 2]))
+    n = draw(st.integers(0, max_units))
+    names = [f"u{i}" for i in range(n)]
+    infos = []
+    for unit in ["", *names]:
+        for j in range(draw(st.integers(1 if unit == "" else 0, 3))):
+            shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=2)))
+            dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.bfloat16]))
+            infos.append(ParamInfo(f"{unit or 'root'}.p{j}", shape, dtype, draw(st.booleans()) or j == 0, unit))
+    fuse = draw(st.sampled_from([None, None, 16, 256]))
+    cast = draw(st.booleans())
+    plan = build_plan(
+        infos, [], ["", *names], rank=0, world=world, replicas=replicas, min_bucket_bytes=fuse,
+        gather_dtype=(lambda d: torch.bfloat16) if cast else (lambda d: d),
+    )  # fmt: skip
+    return plan
+
+
+@settings(max_examples=200)
+@given(plan=plans(), reshard=st.booleans(), prefetch=st.integers(0, 3))
+def test_schedule_follows_the_plan(plan, reshard, prefetch):
+    s = build_schedule(plan, reshard=reshard, prefetch=prefetch)
+    names = [g.name for g in plan.groups]
+    assert list(s.order) == names and set(s.steps) == set(names)
+    moves = plan.world > 1 or any(lay.dtype != plan.dtypes[f] for g in plan.groups for lay in g.gather for f in lay.fqns)
+    for i, g in enumerate(plan.groups):
+        step = s.step(g.name)
+        assert step.gather == g.gather and step.reduce == g.reduce
+        assert step.units == plan.members(g.name)
+        # the root stays gathered; nothing reshards where gathering copies nothing
+        assert s.reshards(g.name) == (reshard and g.name != "" and moves)
+        assert s.forward_prefetch(g.name) == tuple(names[i + 1 : i + 1 + prefetch])
+        assert s.backward_prefetch(g.name) == tuple(reversed(names[max(0, i - prefetch) : i]))
+    c = s.counts()
+    shard = plan.world > 1
+    assert c.forward_gathers == (sum(len(g.gather) for g in plan.groups) if shard else 0)
+    assert c.regathers == (sum(len(g.gather) for g in plan.groups if s.reshards(g.name)) if shard else 0)
+    assert c.reduce_scatters == (sum(len(g.reduce) for g in plan.groups) if shard else 0)
+    assert c.all_reduces == (sum(len(g.reduce) for g in plan.groups) if plan.replicas > 1 else 0)
+    assert s.any_reshard == any(s.reshards(n) for n in names)
+
+
+@settings(max_examples=100)
+@given(plan=plans(), data=st.data())
+def test_schedule_takes_the_order_and_explicit_prefetch_it_is_given(plan, data):
+    names = [g.name for g in plan.groups]
+    order = data.draw(st.permutations(names))
+    picked = data.draw(st.lists(st.sampled_from(names), max_size=2)) if names else []
+    fwd = {names[0]: picked} if names else {}
+    s = build_schedule(plan, order=order, prefetch=1, forward_prefetch=fwd, backward_prefetch={n: [] for n in names[1:]})
+    assert list(s.order) == list(order)
+    for i, name in enumerate(order):
+        want = tuple(picked) if name in fwd else tuple(order[i + 1 : i + 2])
+        assert s.forward_prefetch(name) == want
+        assert s.backward_prefetch(name) == (() if name in names[1:] else tuple(order[max(0, i - 1) : i]))
+    # a partial order (groups not run yet) keeps the plan's order for the rest
+    if names:
+        assert list(build_schedule(plan, order=[names[-1]]).order) == [names[-1], *names[:-1]]
+
+
+def test_schedule_reshard_predicate_and_errors():
+    infos = [ParamInfo(f"{u or 'root'}.w", (4, 2), torch.float32, True, u) for u in ["", "a", "b"]]
+    plan = build_plan(infos, [], ["", "a", "b"], rank=0, world=2)
+    s = build_schedule(plan, reshard=lambda name: name != "a")  # a predicate may reshard the root too
+    assert [s.reshards(n) for n in ["", "a", "b"]] == [True, False, True]
+    assert s.reshards("nope") is False and s.forward_prefetch("nope") == ()
+    with pytest.raises(KeyError, match="no collective group 'nope'"):
+        s.step("nope")
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+        build_schedule(plan, prefetch=-1)
+    with pytest.raises(ValueError, match="order names groups"):
+        build_schedule(plan, order=["zz"])
+
+
+@given(order=st.lists(st.text("abc", min_size=1, max_size=2), unique=True, max_size=6), size=st.integers(0, 4), data=st.data())
+def test_window_is_the_nearest_names_on_one_side(order, size, data):
+    if not order:
+        assert window(order, "x", size, ahead=True) == ()
+        return
+    i = data.draw(st.integers(0, len(order) - 1))
+    assert window(order, order[i], size, ahead=True) == tuple(order[i + 1 : i + 1 + size])
+    assert window(order, order[i], size, ahead=False) == tuple(order[max(0, i - size) : i][::-1])
