@@ -91,6 +91,24 @@ def test_bucket_reduce_scatter_matches_sum_of_fulls(layout, data):
             torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
 
 
+@given(layout=buckets(), data=st.data())
+def test_concatenating_forms_equal_the_buffer_forms(layout, data):
+    """concat_shards / split_full / concat_full (what compiled graphs use) give exactly what
+    pack_shards / unpack_full / pack_full give, None members and padding included."""
+    fulls = [data.draw(fst.tensors(s.shape, layout.dtype)) for s in layout.specs]
+    segs = []
+    for rank in range(layout.world):
+        shards = [shard_tensor(x, s, rank) for x, s in zip(fulls, layout.specs)]
+        seg = layout.concat_shards(shards, rank)
+        assert _same(seg, layout.pack_shards(shards, rank))
+        segs.append(seg)
+    gathered = torch.stack(segs)
+    for a, b in zip(layout.split_full(gathered), layout.unpack_full(gathered)):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)  # randn: no NaN
+    some = [None if data.draw(st.booleans()) else x for x in fulls]
+    assert _same(layout.concat_full(some), layout.pack_full(some))
+
+
 @given(layout=buckets(max_members=3), batch=st.integers(1, 3), data=st.data())
 def test_bucket_batched_matches_unbatched(layout, batch, data):
     dtype = torch.float64

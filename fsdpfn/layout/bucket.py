@@ -226,6 +226,46 @@ class BucketLayout:
             out.append(seg.movedim(batch_ndim, batch_ndim + dim) if dim else seg)
         return out
 
+    # --- the same, without writes into buffers (compiled graphs) -----------------------------------
+    # The methods above fill a fresh buffer in place, which a compiled graph functionalises into a chain
+    # of whole-buffer copies (one per member). These build each result from its members in one
+    # concatenation instead; same layout, same values, no batch dimensions.
+    def concat_shards(self, shards: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        """``pack_shards`` as one concatenation: the ``(numel,)`` padded segment of ``rank``."""
+        self._check_count(shards)
+        parts = []
+        for (_fqn, _off, padded, _rows, n, _local, _view, dim), shard in zip(self._members(rank), shards):
+            flat = (shard.movedim(dim, 0) if dim else shard).reshape(-1).to(self.dtype)
+            parts.append(flat if n == padded else torch.cat([flat, flat.new_zeros(padded - n)]))
+        return torch.cat(parts)
+
+    def split_full(self, gathered: torch.Tensor) -> list[torch.Tensor]:
+        """``unpack_full`` without the shared copy-out buffer: each member's full tensor from the
+        ``(world, numel)`` gathered buffer (a view for a one-member bucket, one copy per member else)."""
+        g = gathered.view(self.world, self.numel)
+        if len(self.specs) == 1:
+            return [_full_view(g, self.specs[0], 0)]
+        return [
+            _full_view(g[:, off : off + size].reshape(-1), spec, 0) for spec, off, size in zip(self.specs, self.offsets, self.sizes)
+        ]
+
+    def concat_full(self, fulls: Sequence[torch.Tensor | None], *, device: torch.device | None = None) -> torch.Tensor:
+        """``pack_full`` as one concatenation: the ``(world, numel)`` reduce-scatter input (``None`` is zero)."""
+        self._check_count(fulls)
+        world = self.world
+        parts = []
+        for spec, full in zip(self.specs, fulls):
+            if full is None:
+                parts.append(torch.zeros(world, spec.padded_numel, dtype=self.dtype, device=device))
+                continue
+            rows = (full.reshape(1) if not spec.shape else full.movedim(spec.dim, 0)).to(self.dtype)
+            rows = rows.reshape(spec.rows, spec.row_numel)
+            pad = world * spec.chunk - spec.rows
+            if pad:
+                rows = torch.cat([rows, rows.new_zeros(pad, spec.row_numel)])
+            parts.append(rows.reshape(world, spec.padded_numel))
+        return torch.cat(parts, dim=1)
+
     def _check_count(self, tensors: Sequence[object]) -> None:
         if len(tensors) != len(self.fqns):
             raise ValueError(f"bucket of {list(self.fqns)} got {len(tensors)} tensors")

@@ -33,12 +33,11 @@ def run_traced(b: Buckets, tensors: Sequence[torch.Tensor | None]) -> list[torch
     for layout in b.layouts:
         members = [by_name[f] for f in layout.fqns]
         if b.kind == "gather":
-            flat = layout.pack_shards(members, b.rank, device=groups.device)
-            outs = layout.unpack_full(traced_all_gather(flat, groups))
+            outs = layout.split_full(traced_all_gather(layout.concat_shards(members, b.rank), groups))
             if b.scale != 1.0:
                 outs = [o * b.scale for o in outs]
         else:
-            mine = traced_reduce_scatter(layout.pack_full(members, device=groups.device), groups)
+            mine = traced_reduce_scatter(layout.concat_full(members, device=groups.device), groups)
             if b.scale != 1.0:
                 mine = mine * b.scale
             outs = layout.unpack_shards(mine, b.rank)
@@ -98,3 +97,5 @@ def warm(b: Buckets) -> None:
             c._geometry()
             for layout in c.layouts:
                 layout._members(c.rank)
+                for spec in layout.specs:  # cached properties, computed on first read
+                    (spec.numel, spec.rows, spec.chunk, spec.row_numel, spec.other_dims, spec.padded_numel)
