@@ -82,6 +82,8 @@ def peak_step(v: Variant, x: torch.Tensor, y: torch.Tensor, world: int) -> tuple
         sync(v.device)
         peak = resident + torch.cuda.max_memory_allocated(v.device) - before
         return loss, log, peak / MiB, {}
+    if v.compiled or v.profile_peak:  # compiled code allocates below the dispatcher
+        return profiled_peak(v, x, y)
     mt = _tracker()
     mt.track_external(*v.resident(), x, y)
     with mt, warnings.catch_warnings():
@@ -91,6 +93,41 @@ def peak_step(v: Variant, x: torch.Tensor, y: torch.Tensor, world: int) -> tuple
     dev = max(snap.values(), key=lambda d: d.get("Total", 0), default={})
     breakdown = {str(getattr(k, "value", k)): b / MiB for k, b in dev.items() if b}
     return loss, log, dev.get("Total", 0) / MiB, breakdown
+
+
+def profiled_peak(v: Variant, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[Coll], float, dict[str, float]]:
+    """A recorded step whose peak is read from the CPU allocator's own events (``torch.profiler`` with
+    ``profile_memory``): compiled kernels' buffers included, which ``MemTracker`` (a dispatch mode, which
+    ``torch.compile`` also refuses to trace under) cannot see. Peak = the bytes resident before the step
+    (``resident()``, the batch) + the highest running total of the step's allocations and frees.
+
+    The profiler records only the main thread: a buffer freed on gloo's thread (when a collective that
+    held it completes) has no free event. Such a block is taken as freed when its address is handed
+    out again; until then it counts as live, so the peak is an upper bound (most for fsdpfn's eager
+    core, which frees send buffers on gloo's thread; torch's CPU FSDP2 frees on the main thread)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    base = storage_bytes([*v.resident(), x, y])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss, log = v.record(x, y)
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.typed[0] == _EventType.Allocation:
+            events.append((e.start_time_ns, e.typed[1].ptr, e.typed[1].alloc_size))
+        stack.extend(e.children)
+    live: dict[int, int] = {}
+    total = high = 0
+    for _, ptr, n in sorted(events):
+        if n > 0:
+            total += n - live.pop(ptr, 0)  # an address handed out again was freed unseen
+            live[ptr] = n
+        else:
+            live.pop(ptr, None)
+            total += n
+        high = max(high, total)
+    return loss, log, (base + high) / MiB, {}
 
 
 def _tracker() -> Any:
@@ -143,13 +180,16 @@ def summarize(times: list[float]) -> dict[str, Any]:
 
 
 def add_ratios(variants: dict[str, dict[str, Any]], sharded: tuple[str, ...]) -> None:
-    """``step_vs_torch``, ``peak_vs_torch`` and ``step_vs_floor`` for every measured sharded variant."""
-    torch_v = variants.get("torch", {})
+    """``step_vs_torch``, ``peak_vs_torch`` and ``step_vs_floor`` for every measured sharded variant.
+    Compiled variants (``*_compiled``, ``*_traced``) are compared with ``torch_compiled``: torch's
+    ``fully_shard`` with compiled blocks, measured the same way."""
     local = variants.get("local", {})
     for name in sharded:
         r = variants.get(name)
         if not r or "skipped" in r:
             continue
+        compiled = name.endswith(("_compiled", "_traced"))
+        torch_v = variants.get("torch_compiled" if compiled else "torch", {})
         if "step_s" in torch_v:
             r["step_vs_torch"] = r["step_s"] / torch_v["step_s"]
             r["peak_vs_torch"] = r["peak_mib"] / torch_v["peak_mib"] if torch_v["peak_mib"] else None
@@ -168,16 +208,16 @@ def format_table(result: dict[str, Any]) -> str:
     head = (f"model {result['model']} ({result['params'] / 1e6:.2f}M params, batch {result['batch_per_rank']}/rank, "
             f"{result['dtype']}), world {result['world']}, {result['device']}, torch {result['torch_version']}, "
             f"{result['steps']} measured steps after {result['warmup']} warm-up")
-    cols = f"{'variant':<11} {'step ms median [min-max]':>28} {'cpu ms':>7} {'peak MiB':>9} {'comm ms':>8} {'step/torch':>10} {'peak/torch':>10} {'step/floor':>10}  final loss"
+    cols = f"{'variant':<19} {'step ms median [min-max]':>28} {'cpu ms':>7} {'peak MiB':>9} {'comm ms':>8} {'step/torch':>10} {'peak/torch':>10} {'step/floor':>10}  final loss"
     lines = [head, cols, "-" * len(cols)]
     for name, r in result["variants"].items():
         if "skipped" in r:
-            lines.append(f"{name:<11} skipped: {r['skipped']}")
+            lines.append(f"{name:<19} skipped: {r['skipped']}")
             continue
         step = f"{r['step_s'] * 1e3:.2f} [{r['step_s_min'] * 1e3:.2f}-{r['step_s_max'] * 1e3:.2f}]"
         comm = r.get("comm_s")
         lines.append(
-            f"{name:<11} {step:>28} {_fmt(r['cpu_s'] * 1e3 if 'cpu_s' in r else None, '7.1f'):>7} {r['peak_mib']:>9.1f} "
+            f"{name:<19} {step:>28} {_fmt(r['cpu_s'] * 1e3 if 'cpu_s' in r else None, '7.1f'):>7} {r['peak_mib']:>9.1f} "
             f"{_fmt(comm * 1e3 if comm is not None else None, '8.2f'):>8} "
             f"{_fmt(r.get('step_vs_torch'), '10.3f'):>10} {_fmt(r.get('peak_vs_torch'), '10.3f'):>10} "
             f"{_fmt(r.get('step_vs_floor'), '10.3f'):>10}  {r['final_loss']:.6g}"

@@ -29,10 +29,11 @@ import fsdpfn
 import fsdpfn.optim
 from bench_models import ModelSpec, loss_fn
 
-__all__ = ["Coll", "Variant", "build_variant", "compat_available", "SHARDED", "ALL_VARIANTS"]
+__all__ = ["Coll", "Variant", "build_variant", "compat_available", "COMPILED", "SHARDED", "ALL_VARIANTS"]
 
-ALL_VARIANTS = ("torch", "functional", "local", "compat")
-SHARDED = ("torch", "functional", "compat")
+COMPILED = ("torch_compiled", "compat_compiled", "functional_compiled", "functional_traced")
+ALL_VARIANTS = ("torch", "functional", "local", "compat", *COMPILED)
+SHARDED = ("torch", "functional", "compat", *COMPILED)
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 WINDOW = 2  # collectives in flight at once during a replay (a step overlaps about as many)
 
@@ -67,6 +68,9 @@ class Variant:
 
     name = ""
     sharded = False
+    compiled = False  # torch.compile'd (blocks, or the whole step)
+    backend = "inductor"  # torch.compile backend of the compiled variants (bench/step.py --compile-backend)
+    profile_peak = False  # measure the peak by the allocator's events even when eager (bench/step.py --peak)
 
     def __init__(self, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype):
         self.spec, self.mesh, self.device, self.dtype = spec, mesh, device, dtype
@@ -156,6 +160,9 @@ class TorchFSDP(_ModuleVariant):
 
     def __init__(self, *a: Any):
         super().__init__(*a)
+        if self.compiled:  # torchtitan's recipe: compile every block, then shard it
+            for block in self.model.blocks:  # type: ignore[union-attr]
+                block.compile(backend=self.backend)
         fully_shard, mp_cls = self._api()
         mp = mp_cls(param_dtype=self.dtype, reduce_dtype=torch.float32) if self.dtype != torch.float32 else mp_cls()
         for block in self.model.blocks:  # type: ignore[union-attr]
@@ -210,12 +217,16 @@ class Functional(Variant):
 
     name = "functional"
     sharded = True
+    traced = False  # the whole step in one graph (fsdpfn.compile_step)
     min_bucket_bytes: int | None = None  # fuse consecutive blocks (bench/step.py --min-bucket-bytes)
 
     def __init__(self, *a: Any):
         super().__init__(*a)
         mp = fsdpfn.MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) if self.dtype != torch.float32 else None
         units = [f"blocks.{i}" for i in range(len(self.model.blocks))]  # type: ignore[arg-type]
+        if self.compiled and not self.traced:
+            for block in self.model.blocks:  # type: ignore[union-attr]
+                block.compile(backend=self.backend)
         self.params = fsdpfn.shard(self.model, self.mesh, units=units, mp_policy=mp, min_bucket_bytes=self.min_bucket_bytes)
         # shard() leaves a real module untouched; move it to meta so the full weights are not kept
         # alive next to the shards (apply swaps the gathered tensors in for every call anyway).
@@ -225,8 +236,13 @@ class Functional(Variant):
         self.value_and_grad = fsdpfn.value_and_grad(lambda p, x, y: loss_fn(spec, apply(p, x), y))
         self.opt = fsdpfn.optim.adamw(**ADAMW)
         self.state = self.opt.init(self.params)
+        if self.traced:
+            self.compiled_step = fsdpfn.compile_step(lambda p, x, y: loss_fn(spec, apply(p, x), y), self.opt, backend=self.backend)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.traced:
+            loss, self.params, self.state = self.compiled_step(self.params, self.state, x, y)
+            return loss
         loss, grads = self.value_and_grad(self.params, x, y)
         self.params, self.state = self.opt.update(grads, self.state, self.params)
         return loss
@@ -236,10 +252,58 @@ class Functional(Variant):
         return [t for t in leaves if isinstance(t, torch.Tensor)]
 
     def record(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[Coll]]:
+        if self.traced:  # the collectives are in the graph, not issued by the core: the schedule's
+            return self.step(x, y), _schedule_log(self.params.plan)
         return _record_core(self.params.plan, lambda: self.step(x, y))
 
     def replay(self, log: list[Coll]) -> None:
         _replay_core(self.params.plan.comm, log, self.device)
+
+
+class TorchCompiled(TorchFSDP):
+    """``torch``, every block compiled first (``block.compile()``, then ``fully_shard``)."""
+
+    name = "torch_compiled"
+    compiled = True
+
+
+class CompatCompiled(Compat):
+    """``compat``, every block compiled first."""
+
+    name = "compat_compiled"
+    compiled = True
+
+
+class FunctionalCompiled(Functional):
+    """``functional``, every block compiled (graphs break at the units, the machinery runs eagerly)."""
+
+    name = "functional_compiled"
+    compiled = True
+
+
+class FunctionalTraced(Functional):
+    """``fsdpfn.compile_step``: the whole step (gathers and reduce-scatters included) in compiled graphs."""
+
+    name = "functional_traced"
+    compiled = True
+    traced = True
+
+
+def _schedule_log(plan: Any) -> list[Coll]:
+    """The collectives of one traced step, from the schedule: each group's gathers (again in backward
+    where it reshards) and its reduce-scatters."""
+    from fsdpfn.layout.schedule import build_schedule
+
+    schedule = build_schedule(plan)
+    world = plan.comm.world
+    if world == 1:
+        return []
+    log = []
+    for group in plan.groups:
+        n = 2 if schedule.reshards(group.name) else 1
+        log += [Coll("all_gather", lay.nbytes, lay.nbytes * world, torch.uint8) for lay in group.gather] * n
+        log += [Coll("reduce_scatter", lay.numel * world, lay.numel, lay.dtype) for lay in group.reduce]
+    return log
 
 
 def _record_core(plan: Any, step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, list[Coll]]:
@@ -358,5 +422,9 @@ def _replay_dist(log: list[Coll], device: torch.device) -> None:
 
 def build_variant(name: str, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype) -> Variant:
     """Instantiate the variant called ``name`` on a deep copy of ``base``."""
-    cls = {"torch": TorchFSDP, "functional": Functional, "local": Local, "compat": Compat, "reference": Reference}[name]
+    cls = {
+        "torch": TorchFSDP, "functional": Functional, "local": Local, "compat": Compat, "reference": Reference,
+        "torch_compiled": TorchCompiled, "compat_compiled": CompatCompiled,
+        "functional_compiled": FunctionalCompiled, "functional_traced": FunctionalTraced,
+    }[name]  # fmt: skip
     return cls(base, spec, mesh, device, dtype)

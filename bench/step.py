@@ -11,6 +11,17 @@ machine noise hits all alike:
 * ``local``: no sharding, no communication, each rank on its own batch: the compute floor.
 * ``compat``: ``fsdpfn.compat.fully_shard`` wrapped like ``torch``; skipped while ``fsdpfn.compat`` is missing.
 
+``--compile`` measures the compiled variants instead (``torch.compile``, backend ``--compile-backend``), each
+compared with ``torch_compiled``:
+
+* ``torch_compiled``: every block compiled (``block.compile()``), then ``fully_shard`` as in ``torch``.
+* ``compat_compiled``, ``functional_compiled``: the same for ``fsdpfn.compat`` and the functional layer.
+* ``functional_traced``: ``fsdpfn.compile_step``, the whole step in compiled graphs.
+
+Compiled variants' peaks come from the CPU allocator's events (``torch.profiler``): ``MemTracker`` (the eager
+variants') cannot see inside compiled kernels, and ``torch.compile`` refuses to trace under it. See
+``bench_measure.profiled_peak`` for why that number is an upper bound.
+
 Every variant starts from the same weights and sees the same batches (a pure function of seed, step
 and rank). An untimed ``reference`` (``local`` on the global batch: every rank's batch, gradients accumulated,
 computed redundantly on each rank) gives the loss every sharded variant must reproduce (``--check``).
@@ -33,7 +44,7 @@ import torch.distributed as dist
 import fsdpfn
 from bench_measure import add_ratios, format_table, peak_step, reduce_max, reduce_mean, summarize, timed_replay, timed_step
 from bench_models import MODELS, count_params, make_batches, build_model, spec_for
-from bench_variants import ALL_VARIANTS, SHARDED, Functional, Variant, build_variant, compat_available
+from bench_variants import ALL_VARIANTS, COMPILED, SHARDED, Functional, Variant, build_variant, compat_available
 
 COMPAT_MISSING = "fsdpfn.compat not available"
 REPLAYS = 5  # collective replays per sharded variant (median)
@@ -70,7 +81,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(MODELS), default="overhead")
     p.add_argument("--steps", type=int, default=20, help="measured steps per variant (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
-    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help=f"comma list of {', '.join(ALL_VARIANTS)}")
+    p.add_argument("--variants", default=None, help=f"comma list of {', '.join(ALL_VARIANTS)} (default: the eager ones, "
+                   "or with --compile the compiled ones and local)")
+    p.add_argument("--compile", action="store_true", help="measure the compiled variants: " + ", ".join(COMPILED))
+    p.add_argument("--peak", choices=["auto", "profiler"], default="auto",
+                   help="peak memory: auto (MemTracker for eager variants; the allocator's events, an upper bound, for "
+                        "compiled ones) or profiler (the allocator's events for every variant)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled variants (default inductor)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     p.add_argument("--check", action="store_true", help="exit 1 if a sharded variant's final loss differs from the reference")
@@ -84,6 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "bytes (fsdpfn.shard(..., min_bucket_bytes=) / root.set_min_bucket_bytes); default: one per block, like torch")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tiny models, for the smoke test
     args = p.parse_args(argv)
+    if args.variants is None:
+        args.variants = ",".join((*COMPILED, "local") if args.compile else (v for v in ALL_VARIANTS if v not in COMPILED))
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in ALL_VARIANTS]
     if unknown or not args.variants:
@@ -116,13 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     names = []
     for name in args.variants:
-        if name == "compat" and not compat_available():
+        if name.startswith("compat") and not compat_available():
             say(f"note: skipping variant 'compat': {COMPAT_MISSING} (import fsdpfn.compat failed)")
             results[name] = {"skipped": COMPAT_MISSING}
         else:
             names.append(name)
 
     Functional.min_bucket_bytes = args.min_bucket_bytes
+    Variant.backend = args.compile_backend
+    Variant.profile_peak = args.peak == "profiler"
     base = build_model(spec, args.seed)
     n_params = count_params(base)
     variants: dict[str, Variant] = {n: build_variant(n, base, spec, mesh, device, dtype) for n in names}
@@ -173,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         per_step = reduce_max(times[n], world)
         r: dict[str, Any] = summarize(per_step)
         r["peak_mib"] = reduce_max([peaks[n]], world)[0]
+        r["peak_method"] = "profiler" if variants[n].compiled or variants[n].profile_peak else "memtracker"
         r["cpu_s"] = statistics.median(reduce_max(cpus[n], world))  # the busiest rank's, per step
         if breakdown[n]:
             r["peak_breakdown_mib"] = breakdown[n]  # rank 0's, by MemTracker category
@@ -199,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "fsdpfn_commit": fsdpfn_commit(),
         "model": args.model,
         "min_bucket_bytes": args.min_bucket_bytes,
+        "compile_backend": args.compile_backend if any(n in COMPILED for n in names) else None,
         "tiny": args.tiny,
         "params": n_params,
         "batch_per_rank": spec.batch,

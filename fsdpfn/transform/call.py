@@ -164,15 +164,7 @@ class Call:
     def unit_done(self, group: str, unit: str) -> bool:
         """Note that unit ``unit`` of group ``group`` finished its forward; true once every unit of the
         group has (a fused group is dropped only then: its units share one gathered buffer)."""
-        members = self.plan.members(group)
-        if len(members) == 1:
-            return True
-        done = self.members_done.setdefault(group, set())
-        done.add(unit)
-        if len(done) < len(members):
-            return False
-        del self.members_done[group]
-        return True
+        return group_done(self.plan, self.members_done, group, unit)
 
     def release(self, name: str) -> None:
         """Forget unit ``name``'s gathered copy after its forward (reshard)."""
@@ -240,6 +232,20 @@ class Call:
         full = self.gathered.get(name) or self.regather(name)
         grad = self.tracks_grad.get(name, False)
         return {f: t.detach().requires_grad_(grad) for f, t in full.items()}
+
+
+def group_done(plan: Any, members_done: dict[str, set[str]], group: str, unit: str) -> bool:
+    """Record in ``members_done`` that ``unit`` of ``group`` finished its forward; true once all of the
+    group's units have (and the record is cleared for the group's next use)."""
+    members = plan.members(group)
+    if len(members) == 1:
+        return True
+    done = members_done.setdefault(group, set())
+    done.add(unit)
+    if len(done) < len(members):
+        return False
+    del members_done[group]
+    return True
 
 
 def _reduce_dtypes(plan: Any) -> dict[str, torch.dtype]:

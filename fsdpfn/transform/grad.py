@@ -63,13 +63,19 @@ def value_and_grad(
             for handle in deferred:  # reduce-scatters left in flight by backward: done before any read
                 handle.wait()
         grads: Any = Unreduced(sink, plan) if sink is not None else shard_grads(plan, found)
-        if check_finite:
-            check_grads_finite(grads, plan)
-        plan.comm.guard.steps += 1
-        value = value.detach()
-        return ((value, aux), grads) if has_aux else (value, grads)
+        return finish(plan, value, aux, grads, has_aux=has_aux, check_finite=check_finite)
 
     return g
+
+
+def finish(plan: Any, value: torch.Tensor, aux: Any, grads: Any, *, has_aux: bool, check_finite: bool) -> Any:
+    """The result of a differentiated step: ``(value, grads)`` or ``((value, aux), grads)``, ``value``
+    detached, the gradients checked for NaN/Inf when asked; counts the step for the collective guard."""
+    if check_finite:
+        check_grads_finite(grads, plan)
+    plan.comm.guard.steps += 1
+    value = value.detach()
+    return ((value, aux), grads) if has_aux else (value, grads)
 
 
 def grad_inputs(params: Sharded[torch.Tensor], what: str) -> tuple[Sharded[torch.Tensor], list[torch.Tensor]]:

@@ -19,7 +19,7 @@ import torch
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.ops.traced import warm
 from fsdpfn.transform.call import GradMode
-from fsdpfn.transform.grad import _scale, check_grads_finite, grad_inputs, shard_grads, split_value, value_and_grad
+from fsdpfn.transform.grad import _scale, finish, grad_inputs, shard_grads, split_value, value_and_grad
 
 __all__ = ["compile_step"]
 
@@ -89,12 +89,7 @@ def compile_step(
             out = compiled(tree, *args, **kwargs)
         value, aux = split_value(out, has_aux, "compile_step")
         found = torch.autograd.grad(value, inputs, allow_unused=True) if value.requires_grad and inputs else (None,) * len(inputs)
-        grads = shard_grads(plan, found)
-        if check_finite:
-            check_grads_finite(grads, plan)
-        plan.comm.guard.steps += 1
-        value = value.detach()
-        return ((value, aux), grads) if has_aux else (value, grads)
+        return finish(plan, value, aux, shard_grads(plan, found), has_aux=has_aux, check_finite=check_finite)
 
     if optimizer is None:
 

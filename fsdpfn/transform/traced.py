@@ -18,7 +18,7 @@ from fsdpfn.layout import Sharded
 from fsdpfn.layout.schedule import Schedule
 from fsdpfn.ops.api import check_shards, gather_collective
 from fsdpfn.ops.traced import traced_gather, warm
-from fsdpfn.transform.call import OpenCall
+from fsdpfn.transform.call import OpenCall, group_done
 from fsdpfn.transform.casting import cast_inputs, cast_output
 
 if TYPE_CHECKING:
@@ -51,15 +51,7 @@ class TracedCall:
 
     def unit_done(self, group: str, unit: str) -> bool:
         """Note that ``unit`` of ``group`` finished its forward; true once all of the group's have."""
-        members = self.plan.members(group)
-        if len(members) == 1:
-            return True
-        done = self.members_done.setdefault(group, set())
-        done.add(unit)
-        if len(done) < len(members):
-            return False
-        del self.members_done[group]
-        return True
+        return group_done(self.plan, self.members_done, group, unit)
 
 
 def run_traced(apply: Apply, params: Sharded[torch.Tensor], fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
