@@ -237,6 +237,41 @@ def test_activation_checkpointing_recomputes_with_gathered_parameters(reshard, w
             torch.testing.assert_close(grads[n], fsdpfn.shard_tensor(p.grad, fsdpfn.ShardSpec(tuple(p.shape), 2), rank))
 
 
+def _raising_backward_worker():
+    """A backward that raises after the units' values went into their modules: nothing is left behind."""
+    import torch.nn.modules.module as module_hooks
+
+    torch.manual_seed(0)
+    model = _Checkpointed("inside")
+    own = {n: p for n, p in model.named_parameters()}
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1", "blocks.2"])
+    apply = fsdpfn.fsdp(model)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    loss_fn = lambda p: apply(p, x).pow(2).mean()  # noqa: E731
+    want = fsdpfn.value_and_grad(loss_fn)(params)
+
+    def fail(_grad):
+        raise RuntimeError("boom in backward")
+
+    handle = model.blocks[0].register_forward_hook(lambda _m, _a, out: out.register_hook(fail) and None)
+    try:
+        fsdpfn.value_and_grad(loss_fn)(params)
+    except RuntimeError as e:
+        assert "boom in backward" in str(e)
+    else:
+        raise AssertionError("the backward did not raise")
+    handle.remove()
+    hooks = len(module_hooks._global_forward_pre_hooks) + len(module_hooks._global_forward_hooks)
+    got = fsdpfn.value_and_grad(loss_fn)(params)
+    restored = all(p is own[n] for n, p in model.named_parameters())
+    return hooks, restored, torch.equal(got[0], want[0]) and all(torch.equal(got[1][k], want[1][k]) for k in want[1].keys())
+
+
+def test_a_backward_that_raises_leaves_no_values_or_hooks_behind():
+    for hooks, restored, same in spmd(2, _raising_backward_worker):
+        assert hooks == 0 and restored and same
+
+
 class _TiedLM(nn.Module):
     def __init__(self):
         super().__init__()

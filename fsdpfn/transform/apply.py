@@ -26,8 +26,8 @@ from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import check_shards, gather_collective, reduce_scale
 from fsdpfn.transform.call import Call, OpenCall
 from fsdpfn.transform.casting import cast_inputs, cast_output
-from fsdpfn.transform.eager import eager, under_compile
-from fsdpfn.transform.recompute import RecomputeSwaps
+from fsdpfn.transform.eager import eager, stable_graph_choice, under_compile
+from fsdpfn.transform.recompute import BackwardSwaps
 from fsdpfn.transform.remat import RematSpec, remat, unflatten_out
 from fsdpfn.transform.traced import enter_unit, exit_unit, run_traced
 
@@ -78,7 +78,7 @@ class Apply:
         self._backward: weakref.WeakSet[Call] = weakref.WeakSet()
         self._hooked: set[Any] = set()
         self._unit_swaps: dict[str, list[_Swap]] = {}
-        self._recompute = RecomputeSwaps(self)
+        self._recompute = BackwardSwaps(self)
         self._targets: dict[str, tuple[dict[str, Any], str]] = {}
         self._unit_hooks: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self._remat_depth = 0  # > 0 while remat runs a unit: the unit hooks stand aside
@@ -164,6 +164,8 @@ class Apply:
         plan = params.plan
         self._validate(plan)
         self.close_stale()
+        if self._recompute.active and not _in_backward():  # a backward that raised left its swaps in
+            self._recompute.leave_all()
         if any(o.call.plan is plan for o in self._forward):
             raise RuntimeError(
                 f"apply: called inside another apply of the same parameters ({type(self.module).__name__}); "
@@ -175,6 +177,7 @@ class Apply:
             raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
         call = self.new_call(params, functorch)
         call.remat = self.reshard_after_forward and functorch and _only_grad_transforms()
+        call.released = self._recompute.leave
         self._install_hooks(plan)
         opened = OpenCall(call, anchor=_caller_frame() if traced else None)
         self._forward.append(opened)
@@ -218,8 +221,8 @@ class Apply:
         plan = call.plan
         plan.memo[("order", id(self))] = list(call.order)
         self._backward.add(call)
-        if torch.is_grad_enabled():
-            self._recompute.arm_on(out)
+        if torch.is_grad_enabled() and "" in plan.group_of and not _functorch_active():
+            self._recompute.arm_on(call, "", out)
         cast = cast_output(plan, out, "")
         return out if cast is None else cast
 
@@ -305,12 +308,12 @@ class Apply:
     def _install_hooks(self, plan: ShardPlan) -> None:
         for unit in plan.units:
             if unit.name and unit.name not in self._hooked:
+                stable_graph_choice()
                 for mod in self.unit_modules(unit.name):
                     pre, post = self.unit_hooks(unit.name)
                     mod.register_forward_pre_hook(pre, with_kwargs=True)
                     mod.register_forward_hook(post, always_call=True)
                 self._hooked.add(unit.name)
-            self._recompute.add_unit(plan, unit.name)
 
     def unit_modules(self, name: str) -> list[nn.Module]:
         """The modules whose forward runs unit ``name`` (its own submodule)."""
@@ -344,7 +347,7 @@ class Apply:
                 self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, full, name))
                 return cast_inputs(call.plan, args, kwargs, name)
             if _in_backward():
-                call = self._recompute_call(name)
+                call = self._recompute.current.get(name) or self._recompute_call(name)
                 if call is not None:
                     values = call.values_for_recompute(call.plan.group_of[name])
                     self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, values, name))
@@ -371,8 +374,8 @@ class Apply:
                 if call.reshards(group) and group in call.gathered and self.release_after_module(name):
                     if call.unit_done(group, name):
                         call.release(group)
-                if torch.is_grad_enabled():
-                    self._recompute.arm_on(out)
+                if torch.is_grad_enabled() and not _functorch_active():  # torch.func: remat recomputes
+                    self._recompute.arm_on(call, name, out)
                 if call.plan.unit_policies:
                     return cast_output(call.plan, out, name)
             return None

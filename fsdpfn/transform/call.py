@@ -11,7 +11,7 @@ copy is dropped as soon as its gradient reduction starts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -21,6 +21,7 @@ import torch
 from fsdpfn.core import Handle
 from fsdpfn.layout import Sharded, UnitPlan
 from fsdpfn.layout.schedule import Schedule
+from fsdpfn.transform.eager import eager
 from fsdpfn.ops.functions import Buckets, CallInfo, apply_buckets
 from fsdpfn.ops.api import check_shards, gather_collective
 
@@ -88,6 +89,7 @@ class Call:
         self.in_forward = True
         self.remat = False  # units run through fsdpfn.remat (torch.func gradient transforms)
         self.deferral_needs_leaves = True  # deferred reductions only when the shards are autograd leaves
+        self.released: Callable[[Call, str], None] | None = None  # told when a group's reduction starts
 
     # --- forward ----------------------------------------------------------------------------
     def _collective(self, unit: UnitPlan) -> Buckets:
@@ -185,7 +187,8 @@ class Call:
                 h.wait()
         self.pending.clear()
 
-    # --- saved-tensor hooks --------------------------------------------------------------------
+    # --- saved-tensor hooks (eager even inside a compiled call: their state is per call) ---------
+    @eager
     def pack(self, t: torch.Tensor) -> Any:
         """Replace a saved tensor that aliases a resharded unit's buffer by a ``Packed`` reference."""
         if not self.storages or not isinstance(t, torch.Tensor) or t.numel() == 0 or t.layout != torch.strided:
@@ -196,6 +199,7 @@ class Call:
         self.packed_units.add(hit[0])
         return Packed(hit[0], hit[1], t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
+    @eager
     def unpack(self, x: Any) -> torch.Tensor:
         """Re-gather a packed tensor's unit on first use in backward."""
         if not isinstance(x, Packed):
@@ -226,6 +230,8 @@ class Call:
         # The unit's gradient reduction is starting: every use of its parameters in backward is done.
         self.regathered.pop(name, None)
         self.gathered.pop(name, None)
+        if self.released is not None:
+            self.released(self, name)
 
     def values_for_recompute(self, name: str) -> dict[str, torch.Tensor]:
         """Unit values for an activation-checkpoint recompute in backward (same requires_grad as forward)."""

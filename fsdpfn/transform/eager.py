@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["REASON", "eager", "under_compile"]
+__all__ = ["REASON", "eager", "stable_graph_choice", "under_compile"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,3 +47,21 @@ def under_compile() -> bool:
     get = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
     get = getattr(get, "get_eval_frame_callback", None)
     return bool(get is not None and get() not in (None, False))
+
+
+def stable_graph_choice() -> None:
+    """Make dynamo try a code object's compiled graphs in the order they were compiled, not most recently
+    used first (process-wide; torch's own advice for checkpointed compiled code).
+
+    A block that breaks its graph at a unit inside it and a block of the same class that does not share
+    the code of their forward, and the guards of the graph before the break do not see the unit's hooks.
+    Tried most-recent-first, one block can take the other's graph at one step and its own at the next —
+    one more compilation in the second step, and, when an activation-checkpoint recompute takes another
+    graph than its forward did, torch's CheckpointError. In compile order the choice never changes.
+
+    Example:
+        >>> stable_graph_choice()
+    """
+    setter = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "_set_lru_cache", None)
+    if setter is not None:
+        setter(False)

@@ -1,110 +1,103 @@
-"""Activation-checkpoint recomputes *inside* a unit: the unit's values, swapped in while backward re-runs it.
+"""A unit's gathered values in its modules while the unit's backward runs (activation-checkpoint recompute).
 
-A non-reentrant checkpoint region inside a unit's forward (or inside the root's) is re-run in backward
-without the unit's own pre-hook, so the modules in it would read their own, stale, parameters. While a
-backward runs, module hooks put the unit's gathered values into every module that owns one of its
-parameters for the length of that module's forward, and take them out again after it.
-
-The hooks are global module hooks that exist only while a backward runs: armed by a prehook on the
-outputs of every unit and of the ``apply`` call, disarmed by a callback at the end of that backward.
-During forward no module carries a hook it did not have, so compiled code sees every block alike
-and shares one graph between them (per-module hooks are guarded on by id, one compilation per block).
+A non-reentrant checkpoint region is re-run in backward, and the modules in it read their parameters
+then. Where the region contains the unit's own module, the unit's pre-hook swaps the values in; where it
+lies inside the unit (or inside the root), nothing of fsdpfn runs before it. So, as FSDP2 does, a unit's
+values are put into every slot of its parameters when the unit's backward starts (a prehook on the
+grad_fn of each of its forward outputs, and of the ``apply`` call's for the root), gathering them again
+if the unit resharded, and taken out when the unit's gradient reduction starts (or, at the latest, when
+the backward ends). A unit that is a torch.nn built-in owning its parameters directly (a Linear, an
+Embedding) is skipped unless its values are at hand: nothing inside it can be recomputed without its
+hooks, and its backward may need no values at all (an input layer's weight gradient). No module carries a hook for this, so compiled code sees the same modules in the
+forward and in the recompute and runs the same graphs in both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as tree
-from torch import nn
 
-from fsdpfn.layout import ShardPlan
 from fsdpfn.transform.eager import eager
 
 if TYPE_CHECKING:
     from fsdpfn.transform.apply import Apply
+    from fsdpfn.transform.call import Call
 
-__all__ = ["RecomputeSwaps"]
-
-_Target = tuple[str, list[tuple[str, str]]]  # (unit, [(parameter name, owning fqn)])
+__all__ = ["BackwardSwaps"]
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class RecomputeSwaps:
-    """The recompute swapping of one ``Apply``: which modules own which unit's parameters, and the
-    global hooks that swap them while a backward runs."""
+class BackwardSwaps:
+    """The backward-time swaps of one ``Apply``: which call's values sit in which unit's slots."""
 
     def __init__(self, apply: Apply):
         self.apply = apply
-        self.targets: dict[int, tuple[nn.Module, list[_Target]]] = {}
-        self._units: set[str] = set()
-        self._handles: tuple[Any, Any] | None = None
-        self._swaps: dict[int, list[Any]] = {}
-        self._arm_hook: Callable[..., None] = self._arm
+        self.active: dict[tuple[int, str], tuple[Call, list[Any]]] = {}  # (id(call), unit) -> swaps
+        self.current: dict[str, Call] = {}  # unit -> the call whose backward is running it
+        self._queued = False
 
-    def add_unit(self, plan: ShardPlan, unit: str) -> None:
-        """Register the submodules that own unit ``unit``'s parameters (the unit's own modules excluded:
-        their unit hooks swap for themselves)."""
-        if unit in self._units:
-            return
-        self._units.add(unit)
-        apply = self.apply
-        own = {id(m) for m in (apply.unit_modules(unit) if unit else [apply.module])}
-        by_path: dict[str, list[tuple[str, str]]] = {}
-        for owner in plan.unit(unit).fqns:
-            for name in plan.names(owner):
-                by_path.setdefault(name.rpartition(".")[0], []).append((name, owner))
-        for path, names in by_path.items():
-            mod = apply.module.get_submodule(path)
-            if id(mod) not in own:
-                self.targets.setdefault(id(mod), (mod, []))[1].append((unit, names))
-
-    # --- arming ------------------------------------------------------------------------------------
-    def arm_on(self, out: Any) -> None:
-        """Install the hooks when a backward reaches any tensor of ``out`` (a forward's output)."""
-        if not self.targets:
-            return
+    def arm_on(self, call: Call, unit: str, out: Any) -> None:
+        """Swap ``unit``'s values in (from ``call``) when a backward first reaches a tensor of ``out``."""
+        hook = None
         for t in tree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                t.grad_fn.register_prehook(self._arm_hook)
+                hook = hook or functools.partial(self._enter, call, unit)
+                t.grad_fn.register_prehook(hook)
 
-    def _arm(self, _grads: Any) -> None:
-        if self._handles is None:
-            self._handles = (
-                nn.modules.module.register_module_forward_pre_hook(self._pre),
-                nn.modules.module.register_module_forward_hook(self._post, always_call=True),
+    @eager
+    def _enter(self, call: Call, unit: str, _grads: Any) -> None:
+        key = (id(call), unit)
+        if key in self.active or unit not in call.plan.group_of:
+            return
+        group = call.plan.group_of[unit]
+        if not self._reachable(call.plan, unit) and group not in call.gathered and group not in call.regathered:
+            return  # nothing but the unit's own hooks can read its values: gather again only if backward needs it
+        values = call.values_for_recompute(group)
+        self.active[key] = (call, self.apply._swap(call.plan, values, unit))
+        self.current[unit] = call
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.leave_all)
+
+    def _reachable(self, plan: Any, unit: str) -> bool:
+        """Whether a recompute could read unit ``unit``'s parameters without passing its own hooks: not when
+        every one of them sits directly on one of the unit's modules and those are torch.nn built-ins (a
+        Linear or an Embedding checkpoints nothing inside its forward)."""
+        key = ("recompute_reachable", id(self.apply), unit)
+        got = plan.memo.get(key)
+        if got is None:
+            apply = self.apply
+            modules = apply.unit_modules(unit) if unit else [apply.module]
+            owners = {id(m) for m in modules}
+            builtin = all(getattr(type(m).forward, "__module__", "").startswith("torch.nn.") for m in modules)
+            direct = all(
+                id(apply.module.get_submodule(name.rpartition(".")[0])) in owners
+                for fqn in plan.unit(unit).fqns
+                for name in plan.names(fqn)
             )
-            torch.autograd.Variable._execution_engine.queue_callback(self._disarm)
+            got = plan.memo[key] = not (builtin and direct)
+        return got
 
-    def _disarm(self) -> None:
-        if self._handles is not None:
-            for h in self._handles:
-                h.remove()
-            self._handles = None
+    def leave(self, call: Call, group: str) -> None:
+        """Take out the values of ``call``'s group ``group`` (its gradient reduction is starting)."""
+        for unit in call.plan.members(group):
+            hit = self.active.pop((id(call), unit), None)
+            if hit is not None:
+                self.apply._restore(hit[1])
+                if self.current.get(unit) is call:
+                    del self.current[unit]
 
-    # --- the hooks (eager, also under compile: a recompute of compiled code breaks around them) ------
-    @eager
-    def _pre(self, mod: nn.Module, _args: Any) -> None:
-        hit = self.targets.get(id(mod))
-        if hit is None or hit[0] is not mod:
-            return
-        apply = self.apply
-        if apply._forward or apply._remat_depth or not _in_backward():
-            return
-        swapped: list[Any] = []
-        for unit, names in hit[1]:
-            call = apply._recompute_call(unit)
-            if call is not None:
-                swapped += apply._swap_names(names, call.values_for_recompute(call.plan.group_of[unit]))
-        self._swaps.setdefault(id(mod), []).append(swapped)
-
-    @eager
-    def _post(self, mod: nn.Module, _args: Any, _out: Any) -> None:
-        stack = self._swaps.get(id(mod))
-        if stack and self.targets.get(id(mod), (None,))[0] is mod:
-            self.apply._restore(stack.pop())
+    def leave_all(self) -> None:
+        """Take out every value still in (the end of a backward, or the start of a forward after a
+        backward that raised)."""
+        self._queued = False
+        for _call, swapped in reversed(list(self.active.values())):
+            self.apply._restore(swapped)
+        self.active.clear()
+        self.current.clear()
