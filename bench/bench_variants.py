@@ -71,6 +71,7 @@ class Variant:
     compiled = False  # torch.compile'd (blocks, or the whole step)
     backend = "inductor"  # torch.compile backend of the compiled variants (bench/step.py --compile-backend)
     profile_peak = False  # measure the peak by the allocator's events even when eager (bench/step.py --peak)
+    compile_options: dict[str, Any] | None = None  # inductor options of the traced step (bench/step.py --compile-options)
 
     def __init__(self, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype):
         self.spec, self.mesh, self.device, self.dtype = spec, mesh, device, dtype
@@ -237,7 +238,7 @@ class Functional(Variant):
         self.opt = fsdpfn.optim.adamw(**ADAMW)
         self.state = self.opt.init(self.params)
         if self.traced:
-            self.compiled_step = fsdpfn.compile_step(lambda p, x, y: loss_fn(spec, apply(p, x), y), self.opt, backend=self.backend)
+            self.compiled_step = fsdpfn.compile_step(lambda p, x, y: loss_fn(spec, apply(p, x), y), self.opt, backend=self.backend, options=self.compile_options)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.traced:

@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peak", choices=["auto", "profiler"], default="auto",
                    help="peak memory: auto (MemTracker for eager variants; the allocator's events, an upper bound, for "
                         "compiled ones) or profiler (the allocator's events for every variant)")
+    p.add_argument("--compile-options", default=None,
+                   help="functional_traced: inductor options as JSON, e.g. '{\"reorder_for_compute_comm_overlap\": true}'")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled variants (default inductor)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Functional.min_bucket_bytes = args.min_bucket_bytes
     Variant.backend = args.compile_backend
+    Variant.compile_options = json.loads(args.compile_options) if args.compile_options else None
     Variant.profile_peak = args.peak == "profiler"
     base = build_model(spec, args.seed)
     n_params = count_params(base)
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "min_bucket_bytes": args.min_bucket_bytes,
         "compile_backend": args.compile_backend if any(n in COMPILED for n in names) else None,
+        "compile_options": args.compile_options,
         "tiny": args.tiny,
         "params": n_params,
         "batch_per_rank": spec.batch,
