@@ -31,7 +31,7 @@ from bench_models import ModelSpec, loss_fn
 
 __all__ = ["Coll", "Variant", "build_variant", "compat_available", "COMPILED", "SHARDED", "ALL_VARIANTS"]
 
-COMPILED = ("torch_compiled", "compat_compiled", "functional_compiled", "functional_traced")
+COMPILED = ("torch_compiled", "compat_compiled", "functional_compiled", "functional_traced", "functional_traced_a2a")
 ALL_VARIANTS = ("torch", "functional", "local", "compat", *COMPILED)
 SHARDED = ("torch", "functional", "compat", *COMPILED)
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
@@ -219,6 +219,7 @@ class Functional(Variant):
     name = "functional"
     sharded = True
     traced = False  # the whole step in one graph (fsdpfn.compile_step)
+    collectives = "native"  # how the traced step writes its collectives (compile_step's collectives=)
     min_bucket_bytes: int | None = None  # fuse consecutive blocks (bench/step.py --min-bucket-bytes)
 
     def __init__(self, *a: Any):
@@ -238,7 +239,7 @@ class Functional(Variant):
         self.opt = fsdpfn.optim.adamw(**ADAMW)
         self.state = self.opt.init(self.params)
         if self.traced:
-            self.compiled_step = fsdpfn.compile_step(lambda p, x, y: loss_fn(spec, apply(p, x), y), self.opt, backend=self.backend, options=self.compile_options)
+            self.compiled_step = fsdpfn.compile_step(lambda p, x, y: loss_fn(spec, apply(p, x), y), self.opt, backend=self.backend, options=self.compile_options, collectives=self.collectives)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.traced:
@@ -288,6 +289,13 @@ class FunctionalTraced(Functional):
     name = "functional_traced"
     compiled = True
     traced = True
+
+
+class FunctionalTracedAllToAll(FunctionalTraced):
+    """``fsdpfn.compile_step(..., collectives="all_to_all")``: gloo's faster all-to-all for every collective."""
+
+    name = "functional_traced_a2a"
+    collectives = "all_to_all"
 
 
 def _schedule_log(plan: Any) -> list[Coll]:
@@ -427,5 +435,6 @@ def build_variant(name: str, base: nn.Module, spec: ModelSpec, mesh: Any, device
         "torch": TorchFSDP, "functional": Functional, "local": Local, "compat": Compat, "reference": Reference,
         "torch_compiled": TorchCompiled, "compat_compiled": CompatCompiled,
         "functional_compiled": FunctionalCompiled, "functional_traced": FunctionalTraced,
+        "functional_traced_a2a": FunctionalTracedAllToAll,
     }[name]  # fmt: skip
     return cls(base, spec, mesh, device, dtype)

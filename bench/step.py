@@ -17,6 +17,7 @@ compared with ``torch_compiled``:
 * ``torch_compiled``: every block compiled (``block.compile()``), then ``fully_shard`` as in ``torch``.
 * ``compat_compiled``, ``functional_compiled``: the same for ``fsdpfn.compat`` and the functional layer.
 * ``functional_traced``: ``fsdpfn.compile_step``, the whole step in compiled graphs.
+* ``functional_traced_a2a``: the same with ``collectives="all_to_all"`` (gloo's faster collective).
 
 Compiled variants' peaks come from the CPU allocator's events (``torch.profiler``): ``MemTracker`` (the eager
 variants') cannot see inside compiled kernels, and ``torch.compile`` refuses to trace under it. See

@@ -55,7 +55,7 @@ class Graphs:
 
         def compiler(gm, inputs):
             ops = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-            into.append({k: sum(f"_c10d_functional.{k}" in o for o in ops) for k in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")})
+            into.append({k: sum(f"_c10d_functional.{k}" in o for o in ops) for k in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")})
             return boxed_nop(gm, inputs)
 
         return compiler
@@ -68,7 +68,7 @@ def _data(recipe, world, step, dtype):
     return x, y
 
 
-def _train(recipe, units, reshard, fuse, mp, traced, backend=None, ckpt=False, mesh=None):
+def _train(recipe, units, reshard, fuse, mp, traced, backend=None, ckpt=False, mesh=None, via="native"):
     """Train STEPS AdamW steps; returns losses, final shards, and (traced) the backend's counts and the
     schedule's."""
     import torch.distributed as dist
@@ -90,7 +90,7 @@ def _train(recipe, units, reshard, fuse, mp, traced, backend=None, ckpt=False, m
     state = opt.init(params)
     graphs = Graphs() if backend is None else None
     if traced:
-        step = fsdpfn.compile_step(loss_fn, opt, backend=backend or graphs)
+        step = fsdpfn.compile_step(loss_fn, opt, backend=backend or graphs, collectives=via)
     else:
         vg = fsdpfn.value_and_grad(loss_fn)
 
@@ -125,8 +125,8 @@ def _around(model):
     return forward
 
 
-def _compare(recipe, units, world, reshard, fuse, mp, ckpt=False, every_regather=False):
-    traced = spmd(world, _train, recipe, units, reshard, fuse, mp, True, None, ckpt)
+def _compare(recipe, units, world, reshard, fuse, mp, ckpt=False, every_regather=False, via="native"):
+    traced = spmd(world, _train, recipe, units, reshard, fuse, mp, True, None, ckpt, None, via)
     eager = spmd(world, _train, recipe, units, reshard, fuse, mp, False, None, ckpt)
     for rank, ((losses, shards, got, counts), (ref_losses, ref_shards, _, _)) in enumerate(zip(traced, eager)):
         for a, b in zip(losses, ref_losses):
@@ -138,6 +138,14 @@ def _compare(recipe, units, world, reshard, fuse, mp, ckpt=False, every_regather
         # step 1 runs eagerly; step 2 compiles one graph; step 3 reuses it
         assert per_step == [0, 1, 1], per_step
         assert len(fw) == 1 and len(bw) == 1, (fw, bw)
+        if via == "all_to_all":  # every gather and reduce-scatter is one all_to_all_single (none at world 1)
+            assert fw[0]["all_gather_into_tensor"] == bw[0]["all_gather_into_tensor"] == 0, (fw, bw)
+            assert bw[0]["reduce_scatter_tensor"] == 0, bw
+            if world > 1:
+                assert fw[0]["all_to_all_single"] == counts.forward_gathers, (fw, counts)
+                assert counts.reduce_scatters <= bw[0]["all_to_all_single"] <= counts.reduce_scatters + counts.regathers, (bw, counts)
+            continue
+        assert fw[0]["all_to_all_single"] == bw[0]["all_to_all_single"] == 0, (fw, bw)
         assert fw[0]["all_gather_into_tensor"] == counts.forward_gathers, (fw, counts)
         assert fw[0]["reduce_scatter_tensor"] == 0 and fw[0]["all_reduce"] == 0, fw
         # a resharding group is gathered again in backward only where backward reads its values (an
@@ -164,9 +172,25 @@ def test_traced_step_equals_the_eager_step(recipe, world, reshard, fuse, mp, dat
 
 
 @settings(max_examples=3, **COMPILED)
-@given(recipe=fst.model_recipes(kinds=("mlp",), min_width=2), world=fst.world_sizes(2, 3), reshard=st.booleans(), data=st.data())
-def test_traced_step_equals_the_eager_step_mlp(recipe, world, reshard, data):
-    _compare(recipe, data.draw(fst.unit_plans(recipe)), world, reshard, None, False)
+@given(
+    recipe=fst.model_recipes(kinds=("mlp",), min_width=2),
+    world=fst.world_sizes(2, 3),
+    reshard=st.booleans(),
+    via=st.sampled_from(["native", "all_to_all"]),
+    data=st.data(),
+)
+def test_traced_step_equals_the_eager_step_mlp(recipe, world, reshard, via, data):
+    _compare(recipe, data.draw(fst.unit_plans(recipe)), world, reshard, None, False, via=via)
+
+
+def test_all_to_all_collectives_equal_the_eager_step():
+    recipe = ModelRecipe("transformer", (4, 6, 3, 5, 7), seed=3)
+    _compare(recipe, ["blocks.0", "blocks.1"], 3, True, 2048, True, via="all_to_all")
+
+
+def test_compile_step_rejects_unknown_collectives():
+    with pytest.raises(ValueError, match="collectives"):
+        fsdpfn.compile_step(lambda p: p, collectives="ring")
 
 
 def test_fused_groups_move_fewer_collectives():

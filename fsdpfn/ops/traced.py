@@ -17,14 +17,15 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fsdpfn.core.traced import traced_all_gather, traced_reduce_scatter
+from fsdpfn.core.traced import Collectives, traced_all_gather, traced_reduce_scatter
 from fsdpfn.ops.functions import Buckets
 
 __all__ = ["TracedCollective", "run_traced", "traced_gather", "warm"]
 
 
-def run_traced(b: Buckets, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-    """``b.run(tensors)`` written with traceable operations (no handles, no side streams, no stats)."""
+def run_traced(b: Buckets, tensors: Sequence[torch.Tensor | None], via: Collectives = "native") -> list[torch.Tensor]:
+    """``b.run(tensors)`` written with traceable operations (no handles, no side streams, no stats), the
+    collectives written as ``via`` says (see ``core.traced.Collectives``)."""
     if b.in_place:
         return b.run_in_place(tensors)
     groups = b.comm.groups
@@ -33,11 +34,11 @@ def run_traced(b: Buckets, tensors: Sequence[torch.Tensor | None]) -> list[torch
     for layout in b.layouts:
         members = [by_name[f] for f in layout.fqns]
         if b.kind == "gather":
-            outs = layout.split_full(traced_all_gather(layout.concat_shards(members, b.rank), groups))
+            outs = layout.split_full(traced_all_gather(layout.concat_shards(members, b.rank), groups, via=via))
             if b.scale != 1.0:
                 outs = [o * b.scale for o in outs]
         else:
-            mine = traced_reduce_scatter(layout.concat_full(members, device=groups.device), groups)
+            mine = traced_reduce_scatter(layout.concat_full(members, device=groups.device), groups, via=via)
             if b.scale != 1.0:
                 mine = mine * b.scale
             outs = layout.unpack_shards(mine, b.rank)
@@ -46,13 +47,13 @@ def run_traced(b: Buckets, tensors: Sequence[torch.Tensor | None]) -> list[torch
 
 
 class TracedCollective(torch.autograd.Function):
-    """``TracedCollective.apply(b, *tensors)``: the bucket collective ``b``, whose backward is its adjoint
-    (a gather's is the reduce-scatter of the gradients of its trainable members)."""
+    """``TracedCollective.apply(b, via, *tensors)``: the bucket collective ``b``, whose backward is its
+    adjoint (a gather's is the reduce-scatter of the gradients of its trainable members)."""
 
     @staticmethod
-    def forward(ctx: Any, b: Buckets, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.b = b
-        return tuple(run_traced(b, tensors))
+    def forward(ctx: Any, b: Buckets, via: Collectives, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.b, ctx.via = b, via
+        return tuple(run_traced(b, tensors, via))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -60,8 +61,8 @@ class TracedCollective(torch.autograd.Function):
         adj = b.adjoint
         assert adj is not None, "collective without an adjoint"
         by_name = dict(zip(b.fqns, grads))
-        reduced = dict(zip(adj.fqns, run_traced(adj, [by_name.get(f) for f in adj.fqns])))
-        return (None, *(reduced.get(f) for f in b.fqns))
+        reduced = dict(zip(adj.fqns, run_traced(adj, [by_name.get(f) for f in adj.fqns], ctx.via)))
+        return (None, None, *(reduced.get(f) for f in b.fqns))
 
 
 class _OwnRegions(logging.Filter):
@@ -82,12 +83,12 @@ def _recompute_all(_ctx: Any, _op: Any, *_args: Any, **_kwargs: Any) -> Checkpoi
 _RECOMPUTE = functools.partial(create_selective_checkpoint_contexts, _recompute_all)
 
 
-def traced_gather(b: Buckets, shards: Sequence[torch.Tensor], *, recompute: bool) -> tuple[torch.Tensor, ...]:
+def traced_gather(b: Buckets, shards: Sequence[torch.Tensor], *, recompute: bool, via: Collectives = "native") -> tuple[torch.Tensor, ...]:
     """The full tensors of gather ``b`` from ``shards``; with ``recompute`` the backward gathers them
     again instead of keeping them (every op of the gather is marked for recomputation)."""
     if not recompute:
-        return TracedCollective.apply(b, *shards)
-    return checkpoint(TracedCollective.apply, b, *shards, use_reentrant=False, context_fn=_RECOMPUTE)
+        return TracedCollective.apply(b, via, *shards)
+    return checkpoint(TracedCollective.apply, b, via, *shards, use_reentrant=False, context_fn=_RECOMPUTE)
 
 
 def warm(b: Buckets) -> None:

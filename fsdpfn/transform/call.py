@@ -40,6 +40,7 @@ class GradMode:
     deferred: list[Handle] | None = None  # reductions value_and_grad waits for after autograd.grad
     deferred_infos: dict[str, CallInfo] = field(default_factory=dict)  # first gather of each unit (see Call)
     traced: bool = False  # the whole step is being traced into one graph (fsdpfn.compile_step)
+    collectives: str = "native"  # how the traced step writes its collectives (core.traced.Collectives)
 
 
 @dataclass(frozen=True)

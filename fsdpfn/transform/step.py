@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from fsdpfn.core.traced import Collectives
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.ops.traced import warm
 from fsdpfn.transform.call import GradMode
@@ -41,6 +42,7 @@ def compile_step(
     mode: str | None = None,
     options: dict[str, Any] | None = None,
     dynamic: bool | None = None,
+    collectives: Collectives = "native",
 ) -> Callable[..., Any]:
     """Compile a training step whole: the forward with its all-gathers, the backward with its
     reduce-scatters, as graphs the compiler schedules (``torch.compile(fullgraph=True)``).
@@ -52,6 +54,12 @@ def compile_step(
     optimizer it is ``step(params, opt_state, *args, **kwargs) -> (loss, params, opt_state)``, the update
     applied after the backward. ``backend``, ``mode``, ``options`` and ``dynamic`` go to
     ``torch.compile``.
+
+    ``collectives`` says how the graph writes gathers and reduce-scatters: ``"native"`` (the default) as
+    torch's ``all_gather_into_tensor`` / ``reduce_scatter_tensor``, which the compiler recognises and may
+    reorder or bucket; ``"all_to_all"`` as ``all_to_all_single``, the faster choice on gloo (CPU), whose
+    all-to-all moves the same bytes about twice as fast as its all-gather and reduce-scatter, at one more
+    full-size temporary per collective (docs/compile.md has the measurements).
 
     The first call on a plan runs eagerly (``value_and_grad``): it installs the unit hooks, checks the
     module against the plan and builds the bucket collectives that the compiled step reads; the second
@@ -68,6 +76,8 @@ def compile_step(
         >>> for x, y in batches:                                                             # doctest: +SKIP
         ...     loss, params, state = step(params, state, x, y)
     """
+    if collectives not in ("native", "all_to_all"):
+        raise ValueError(f'compile_step: collectives must be "native" or "all_to_all", got {collectives!r}')
     if optimizer is not None and not callable(getattr(optimizer, "update", None)):
         raise TypeError(
             f"compile_step: optimizer must be an fsdpfn.optim transformation (with init/update), got {type(optimizer).__name__}"
@@ -84,7 +94,7 @@ def compile_step(
             warmed.add(plan)
             return out
         tree, inputs = grad_inputs(params, "compile_step")
-        tree._mode = GradMode(scale=_scale(plan, reduce_op, divide_by), traced=True)
+        tree._mode = GradMode(scale=_scale(plan, reduce_op, divide_by), traced=True, collectives=collectives)
         with torch.enable_grad(), _TRACE_CONFIG():
             out = compiled(tree, *args, **kwargs)
         value, aux = split_value(out, has_aux, "compile_step")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fsdpfn.core.traced import Collectives
 from fsdpfn.layout import Sharded
 from fsdpfn.layout.schedule import Schedule
 from fsdpfn.ops.api import check_shards, gather_collective
@@ -33,8 +34,9 @@ class TracedCall:
     traced = True
     remat = False
 
-    def __init__(self, params: Sharded[torch.Tensor], *, scale: float, schedule: Schedule):
+    def __init__(self, params: Sharded[torch.Tensor], *, scale: float, schedule: Schedule, via: Collectives = "native"):
         self.params = params
+        self.via = via
         self.plan = params.plan
         self.scale = scale
         self.schedule = schedule
@@ -45,7 +47,7 @@ class TracedCall:
         """Gather group ``group`` into the graph (for recomputation in backward if it reshards)."""
         b = gather_collective(self.plan, (self.plan.group(group),), self.scale)
         shards = check_shards(self.params, b.fqns)
-        full = dict(zip(b.fqns, traced_gather(b, shards, recompute=self.schedule.reshards(group))))
+        full = dict(zip(b.fqns, traced_gather(b, shards, recompute=self.schedule.reshards(group), via=self.via)))
         self.gathered[group] = full
         return full
 
@@ -65,7 +67,7 @@ def run_traced(apply: Apply, params: Sharded[torch.Tensor], fn: Any, args: tuple
             "make a new compile_step when the loss starts using another apply"
         )
     mode = params._mode
-    call = TracedCall(params, scale=mode.scale if mode.scale is not None else apply.scale(plan), schedule=apply.schedule(plan))
+    call = TracedCall(params, scale=mode.scale if mode.scale is not None else apply.scale(plan), schedule=apply.schedule(plan), via=mode.collectives)  # type: ignore[arg-type]
     opened = OpenCall(call, traced=True)
     apply._forward.append(opened)
     swapped = []
