@@ -181,14 +181,14 @@ def summarize(times: list[float]) -> dict[str, Any]:
 
 def add_ratios(variants: dict[str, dict[str, Any]], sharded: tuple[str, ...]) -> None:
     """``step_vs_torch``, ``peak_vs_torch`` and ``step_vs_floor`` for every measured sharded variant.
-    Compiled variants (``*_compiled``, ``*_traced``) are compared with ``torch_compiled``: torch's
+    Compiled variants (``*_compiled``, ``*_traced*``) are compared with ``torch_compiled``: torch's
     ``fully_shard`` with compiled blocks, measured the same way."""
     local = variants.get("local", {})
     for name in sharded:
         r = variants.get(name)
         if not r or "skipped" in r:
             continue
-        compiled = name.endswith(("_compiled", "_traced"))
+        compiled = name.endswith(("_compiled", "_traced")) or "_traced_" in name
         torch_v = variants.get("torch_compiled" if compiled else "torch", {})
         if "step_s" in torch_v:
             r["step_vs_torch"] = r["step_s"] / torch_v["step_s"]
