@@ -385,3 +385,32 @@ def _state_tree_worker():
 def test_state_is_a_pytree_of_tensors_and_none():
     """The state flattens to tensors (None at frozen leaves) and maps back to an AdamWState."""
     assert spmd(1, _state_tree_worker) == [True]
+
+
+def _step_high_water(widths: list[int], kind: str) -> tuple[int, int, int]:
+    """(bytes allocated above what was resident during one update, total shard bytes, largest shard bytes)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(len(widths) - 1)])
+    grads = params.replace({k: torch.randn_like(v) for k, v in params.items()})
+    opt = optim.adamw() if kind == "adamw" else optim.sgd(lr=0.1, momentum=0.9, nesterov=True)
+    state = opt.init(params)
+    params, state = opt.update(grads, state, params)  # SGD's momentum buffers exist from here on
+    tracker = MemTracker()
+    tracker.track_external(*params.values(), *grads.values(), *(t for t in torch.utils._pytree.tree_leaves(state) if isinstance(t, torch.Tensor)))
+    with tracker:
+        before = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
+        opt.update(grads, state, params)
+    high = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - before
+    sizes = [v.numel() * v.element_size() for v in params.values()]
+    return high, sum(sizes), max(sizes)
+
+
+@given(widths=st.lists(st.integers(1, 96), min_size=3, max_size=9), kind=st.sampled_from(["adamw", "sgd"]))
+def test_an_update_holds_at_most_one_group_of_temporaries(widths, kind):
+    # torch's foreach kernels allocate temporaries as large as their inputs: over every shard at once
+    # that is one more copy of all of them, at the step's peak; in groups, at most one group's worth
+    for high, total, largest in spmd(2, _step_high_water, widths, kind):
+        bound = max(total / optim._common.FOREACH_PARTS, largest)
+        assert high <= bound + 4096, (high, total, largest)  # + the step counters and list overheads

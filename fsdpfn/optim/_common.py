@@ -216,6 +216,35 @@ def prepare_params(params: Sharded[torch.Tensor], fqns: Sequence[str], inplace: 
     return params.replace({} if inplace else {f: params[f].clone() for f in fqns})
 
 
+# A foreach kernel allocates temporaries as large as the tensors it is given (Adam's denominator, SGD's
+# Nesterov copy): given every shard at once, one more copy of all of them at the optimizer step, the
+# step's peak. Calls over groups of at most this fraction of the bytes (or the largest tensor) bound
+# that temporary, at a few more kernel launches.
+FOREACH_PARTS = 8
+
+
+def foreach_groups(fqns: Sequence[str], tensors: Sequence[torch.Tensor], parts: int = FOREACH_PARTS) -> list[list[str]]:
+    """``fqns`` cut, in order, into runs of at most ``max(total / parts, largest)`` bytes of ``tensors``.
+
+    Example:
+        >>> [len(g) for g in foreach_groups(["a", "b", "c"], [torch.zeros(4)] * 3, parts=3)]
+        [1, 1, 1]
+    """
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    if not sizes:
+        return []
+    cap = max(sum(sizes) / parts, max(sizes))
+    groups: list[list[str]] = [[]]
+    held = 0
+    for f, n in zip(fqns, sizes):
+        if groups[-1] and held + n > cap:
+            groups.append([])
+            held = 0
+        groups[-1].append(f)
+        held += n
+    return groups
+
+
 def real(t: torch.Tensor) -> torch.Tensor:
     """``t`` viewed as real pairs when complex (what ``torch.optim`` does for complex parameters)."""
     return torch.view_as_real(t) if t.is_complex() else t

@@ -25,6 +25,7 @@ from fsdpfn.optim._common import (
     check_state_tree,
     check_state_type,
     clone_tree,
+    foreach_groups,
     new_count,
     new_step,
     next_count,
@@ -89,7 +90,9 @@ def adamw(
     With ``inplace=True`` (the default) the parameter shards and the state tensors are updated in place
     and returned in new containers, so a step allocates no second copy (the inputs are donated); with
     ``inplace=False`` they are cloned first and the inputs stay untouched. Gradients are never modified.
-    Runs ``torch.optim``'s functional Adam kernel with ``foreach=True`` on this rank's shards; complex
+    Runs ``torch.optim``'s functional Adam kernel with ``foreach=True`` on this rank's shards, in groups of
+    at most an eighth of their bytes (or the largest shard), so its temporaries never add a whole copy of
+    the shards to the step's peak as one call over every shard would; complex
     parameters are viewed as real pairs, exactly as ``torch.optim.AdamW`` does.
 
     Example:
@@ -144,15 +147,15 @@ def adamw(
         if not inplace:
             state = AdamWState(state.count.clone(), *(clone_tree(t) for t in state[1:]))
         lr_now = resolve_lr(where, lr, int(state.count.item()) + 1)
-        if fqns:
-            with torch.no_grad():
+        with torch.no_grad():
+            for group in foreach_groups(fqns, [new_params[f] for f in fqns]):  # bounded temporaries
                 _ADAMW(
-                    [real(new_params[f]) for f in fqns],
-                    [real(grads[f]) for f in fqns],
-                    [real(state.exp_avg[f]) for f in fqns],
-                    [real(state.exp_avg_sq[f]) for f in fqns],
-                    [real(state.max_exp_avg_sq[f]) for f in fqns] if amsgrad else [],
-                    [state.step[f] for f in fqns],
+                    [real(new_params[f]) for f in group],
+                    [real(grads[f]) for f in group],
+                    [real(state.exp_avg[f]) for f in group],
+                    [real(state.exp_avg_sq[f]) for f in group],
+                    [real(state.max_exp_avg_sq[f]) for f in group] if amsgrad else [],
+                    [state.step[f] for f in group],
                     foreach=True,
                     amsgrad=amsgrad,
                     beta1=beta1,

@@ -20,6 +20,7 @@ from fsdpfn.optim._common import (
     check_state_tree,
     check_state_type,
     clone_tree,
+    foreach_groups,
     new_count,
     new_step,
     next_count,
@@ -68,7 +69,7 @@ def sgd(
     returned in new containers (the inputs are donated); with ``inplace=False`` they are cloned first
     and the inputs stay untouched. Gradients are never modified (torch's foreach Nesterov path adds into
     the gradients; here it works on a copy). Runs ``torch.optim.sgd.sgd(..., foreach=True)`` on this
-    rank's shards; complex parameters are viewed as real pairs (SGD is elementwise, so this is exact).
+    rank's shards, in groups of at most an eighth of their bytes (or the largest shard: bounded temporaries); complex parameters are viewed as real pairs (SGD is elementwise, so this is exact).
 
     Example:
         >>> opt = fsdpfn.optim.sgd(lr=0.1, momentum=0.9, nesterov=True)   # doctest: +SKIP
@@ -114,7 +115,8 @@ def sgd(
         lr_now = resolve_lr(where, lr, int(state.count.item()) + 1)
         if fqns:
             with torch.no_grad():
-                _step(fqns, new_params, grads, state, lr_now, momentum, dampening, weight_decay, nesterov, maximize)
+                for group in foreach_groups(fqns, [new_params[f] for f in fqns]):  # bounded temporaries
+                    _step(group, new_params, grads, state, lr_now, momentum, dampening, weight_decay, nesterov, maximize)
         return new_params, state._replace(count=next_count(state.count, inplace))
 
     return GradientTransformation(init, update)
