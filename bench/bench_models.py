@@ -3,6 +3,8 @@
 * ``compute``: 8 residual MLP blocks, Linear(512->2048)-GELU-Linear(2048->512), batch 64 per rank.
 * ``overhead``: 48 residual MLP blocks of width 64 (Linear(64->256)-GELU-Linear(256->64)), batch 32
   per rank: so little compute per unit that the per-unit cost of the sharding machinery shows.
+* ``ln_mlp``: 12 pre-norm residual MLP blocks, LayerNorm-Linear(384->1152)-GELU-Linear(1152->384),
+  batch 48 per rank: the model #15 measured (one the project had not tuned for).
 * ``gpt1b``: a ~1B-parameter pre-norm GPT (16 layers, d_model 2048, 16 heads, seq 1024, vocab 50304,
   untied head), batch 4 per rank: for a GPU only.
 
@@ -39,11 +41,13 @@ class ModelSpec:
     seq: int = 0
     vocab: int = 0
     gpu_only: bool = False
+    norm: bool = False  # mlp: a LayerNorm before each block's first Linear
 
 
 MODELS: dict[str, ModelSpec] = {
     "compute": ModelSpec("compute", "mlp", blocks=8, width=512, hidden=2048, batch=64),
     "overhead": ModelSpec("overhead", "mlp", blocks=48, width=64, hidden=256, batch=32),
+    "ln_mlp": ModelSpec("ln_mlp", "mlp", blocks=12, width=384, hidden=1152, batch=48, norm=True),
     "gpt1b": ModelSpec("gpt1b", "gpt", blocks=16, width=2048, hidden=8192, batch=4, heads=16, seq=1024, vocab=50304, gpu_only=True),
 }
 
@@ -51,6 +55,7 @@ MODELS: dict[str, ModelSpec] = {
 TINY: dict[str, ModelSpec] = {
     "compute": ModelSpec("compute", "mlp", blocks=3, width=16, hidden=32, batch=8),
     "overhead": ModelSpec("overhead", "mlp", blocks=4, width=8, hidden=16, batch=4),
+    "ln_mlp": ModelSpec("ln_mlp", "mlp", blocks=3, width=12, hidden=36, batch=4, norm=True),
     "gpt1b": ModelSpec("gpt1b", "gpt", blocks=2, width=32, hidden=128, batch=2, heads=2, seq=16, vocab=64, gpu_only=True),
 }
 
@@ -61,15 +66,17 @@ def spec_for(name: str, tiny: bool = False) -> ModelSpec:
 
 
 class MLPBlock(nn.Module):
-    """``x + fc2(gelu(fc1(x)))``."""
+    """``x + fc2(gelu(fc1(x)))`` (``fc1(norm(x))`` with ``norm``)."""
 
-    def __init__(self, width: int, hidden: int):
+    def __init__(self, width: int, hidden: int, norm: bool = False):
         super().__init__()
+        self.norm = nn.LayerNorm(width) if norm else None
         self.fc1 = nn.Linear(width, hidden)
         self.fc2 = nn.Linear(hidden, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(x)))
+        h = self.norm(x) if self.norm is not None else x
+        return x + self.fc2(F.gelu(self.fc1(h)))
 
 
 class MLPStack(nn.Module):
@@ -77,7 +84,7 @@ class MLPStack(nn.Module):
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        self.blocks = nn.ModuleList(MLPBlock(spec.width, spec.hidden) for _ in range(spec.blocks))
+        self.blocks = nn.ModuleList(MLPBlock(spec.width, spec.hidden, spec.norm) for _ in range(spec.blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
