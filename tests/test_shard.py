@@ -1,12 +1,17 @@
 """shard(): unit plans, ownership, ties, buffers, policies, and errors that name the culprit."""
 
+import math
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fsdpfn
 from fsdpfn.ops import resolve_units
 from fsdpfn.testing import spmd
+from fsdpfn.testing import strategies as fst
 from fsdpfn.testing.models import TinyBlock, TinyTransformer
 
 
@@ -119,6 +124,12 @@ def _error_worker(case):
         fsdpfn.shard(_model(), mesh, units=["block.1"])
     elif case == "mesh_shape":
         fsdpfn.init_mesh((3,))
+    elif case == "twice":
+        fsdpfn.shard(_model(), mesh, units=["blocks.0", "blocks.1", "blocks.0"])
+    elif case == "donated":
+        m = _model()
+        fsdpfn.shard(m, mesh)
+        fsdpfn.shard(m, mesh)
 
 
 @pytest.mark.parametrize(
@@ -131,6 +142,8 @@ def _error_worker(case):
         ("mp", TypeError, "mp_policy must be"),
         ("units", ValueError, r"TinyTransformer has no submodule 'block\.1'; did you mean 'blocks\.1'"),
         ("mesh_shape", ValueError, r"shape \(3,\) covers 3 ranks but the world has 2"),
+        ("twice", ValueError, r"units: 'blocks\.0' is named twice"),
+        ("donated", ValueError, r"TinyTransformer's parameters were donated to an earlier shard\(\) call"),
     ],
 )
 def test_bad_input_names_the_culprit(case, exc, match):
@@ -149,3 +162,26 @@ def test_init_mesh_2d_is_hsdp():
     for world, replicas, shape, names in spmd(4, _hsdp_worker):
         assert (world, replicas, names) == (2, 2, ("replicate", "shard"))
         assert shape in {(3, 3), (2, 3)}
+
+
+def _resident_worker(recipe, units, donate):
+    """Bytes of parameter storage each rank holds after ``shard``: the module's and the tree's."""
+    model = recipe.build(torch.float32)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, donate=donate)
+    module_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters() if not p.is_meta)
+    shards = dict(params.params())
+    tree_bytes = sum(v.untyped_storage().nbytes() for v in shards.values())
+    local = sum(math.prod(params.specs[k].local_shape(params.plan.rank)) * v.element_size() for k, v in shards.items())
+    full = sum(p.numel() * p.element_size() for p in recipe.build(torch.float32).parameters())
+    return module_bytes, tree_bytes, local, full, all(p.is_meta for p in model.parameters()) if donate else None
+
+
+@settings(max_examples=8, deadline=None)
+@given(recipe=fst.model_recipes(), world=fst.world_sizes(1, 4), data=st.data())
+def test_shard_leaves_only_this_ranks_shards_resident(recipe, world, data):
+    units = data.draw(fst.unit_plans(recipe))
+    for module_bytes, tree_bytes, local, full, all_meta in spmd(world, _resident_worker, recipe, units, True):
+        assert module_bytes == 0 and all_meta  # the module's weights were donated
+        assert tree_bytes == local  # the tree holds its own shards, no view into a full tensor
+    kept = spmd(world, _resident_worker, recipe, units, False)
+    assert all(module_bytes == full for module_bytes, *_ in kept)  # donate=False: the weights stay

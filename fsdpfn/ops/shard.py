@@ -50,10 +50,33 @@ def resolve_units(module: nn.Module, units: Units) -> list[str]:
             close = difflib.get_close_matches(name, [n for n in named if n], n=5, cutoff=0.5)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise ValueError(f"units: {type(module).__name__} has no submodule {name!r}{hint}")
+        if name in chosen:
+            raise ValueError(
+                f"units: {name!r} is named twice; each unit is one collective group, so list every submodule "
+                "once (to put several submodules in one collective, use min_bucket_bytes)"
+            )
         if name:
             chosen.append(name)
     order = {fqn: i for i, fqn in enumerate(named)}
     return sorted(set(chosen), key=order.__getitem__)
+
+
+_DONATED = "_fsdpfn_donated"  # set on a module whose parameters shard() moved to meta
+
+
+def _donate(module: nn.Module, params: Iterable[nn.Parameter]) -> None:
+    """Replace ``params`` (this module's sharded parameters) by ``meta`` parameters of the same shape,
+    dtype and ``requires_grad`` under every name they have: their storage is released unless the caller
+    still holds the old ``Parameter`` objects."""
+    ids = {id(p) for p in params}
+    new: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is not None and id(p) in ids:
+                if id(p) not in new:
+                    new[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                mod._parameters[attr] = new[id(p)]
+    setattr(module, _DONATED, True)
 
 
 def _owner(names: Sequence[str], unit_names: Sequence[str]) -> str:
@@ -76,13 +99,22 @@ def shard(
     ignored_params: Iterable[nn.Parameter] | None = None,
     init: Callable[[nn.Module], None] | None = None,
     min_bucket_bytes: int | None = None,
+    donate: bool = True,
 ) -> Sharded[torch.Tensor]:
     """Shard ``module``'s parameters over ``mesh`` and return this rank's ``Sharded`` tree.
 
     Each unit's parameters travel in one collective per dtype; parameters outside every unit belong
     to the root unit, and a unit inside another owns its own parameters. Tied parameters (one
     ``Parameter`` under two names) are sharded once, under their first name. Buffers ride along
-    unsharded. A real module is left untouched.
+    unsharded.
+
+    A real module's parameters are *donated* (``donate=True``, the default), as ``jax.jit`` donates
+    buffers: once this rank's shards are copied out, every sharded parameter of ``module`` is replaced by
+    a ``meta`` parameter of the same shape, and no rank keeps the full weights resident (unless the
+    caller still holds the old ``Parameter`` objects). ``fsdp(module)`` needs nothing more: it swaps values in for each
+    call. Ignored parameters and buffers stay where they are. Pass ``donate=False`` to keep the module's
+    weights (a reference model in a test, ranks that are threads sharing one module); a donated module
+    cannot be sharded again (its weights are gone: shard the module once, or with ``donate=False``).
 
     A module built on the ``meta`` device is materialised one unit at a time on the mesh's device
     (``reset_parameters()`` of each module that owns parameters, or ``init(module)`` when given) and
@@ -101,6 +133,13 @@ def shard(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard: expected an nn.Module, got {type(module).__name__}")
+    if getattr(module, _DONATED, False):
+        raise ValueError(
+            f"shard: this {type(module).__name__}'s parameters were donated to an earlier shard() call (they are "
+            "on the meta device now; sharding it again would initialise new weights). Reuse the Sharded tree that "
+            "call returned (fsdpfn.save/load or to_dtensor to move it to another mesh), or pass donate=False to "
+            "the first shard() to keep the weights"
+        )
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"shard: mp_policy must be a fsdpfn.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if isinstance(offload_policy, CPUOffloadPolicy):
@@ -171,4 +210,6 @@ def shard(
     else:
         shards = {f: shard_tensor(found[f].detach(), plan.specs[f], groups.rank) for f in plan.params}
         buffers = {fqn: b.detach().clone() for fqn, b in module.named_buffers()}
+        if donate:
+            _donate(module, found.values())
     return Sharded._from_children([shards[f] for f in plan.params] + [buffers[b] for b in plan.buffers], plan)
