@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_fsdp import FSDPTestMultiThread
 
@@ -125,6 +126,8 @@ class _ThreadedTraining:
             fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         rank = dist.get_rank()
+        default = init_device_mesh("cpu", (self.world_size,))  # torch's default, made in this rank's thread
+        assert model[0].weight.device_mesh == default and default.mesh_dim_names is None, model[0].weight.device_mesh
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         tol = TOL if param_dtype is None else dict(rtol=1e-3, atol=1e-5)
         where = f"[{self.IMPL}, world {self.world_size}, rank {rank}]"
@@ -151,3 +154,33 @@ for _impl in IMPLS:
         _name = f"TestThreads_{_impl}_w{_world}"
         globals()[_name] = type(_name, (_ThreadedTraining, FSDPTestMultiThread), {"IMPL": _impl, "WORLD": _world})
 del _impl, _world, _name
+
+
+class TestThreadsDebugSwitch(FSDPTestMultiThread):
+    """fsdpfn only (torch has no such switch): ``check_collectives`` is per rank-thread, and the plan
+    check runs on the threaded group's collectives."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_each_rank_thread_checks_its_own_collectives(self) -> None:
+        from fsdpfn.core import Comm
+        from fsdpfn.debug import CollectivePlanError, check_collectives, checking
+
+        comm = Comm(init_device_mesh("cpu", (2,)))
+        assert comm.exchange is None  # the threaded group has no isend/irecv
+        rank = dist.get_rank()
+        with check_collectives():
+            assert checking()
+            got = comm.all_gather(torch.full((3,), float(rank)), label="same").wait()
+            torch.testing.assert_close(got, torch.tensor([[0.0] * 3, [1.0] * 3]))
+            dist.barrier()  # both threads are inside their blocks: neither switch leaked to the other
+            try:  # ranks diverge: rank 1 gathers another size, and both raise instead of hanging
+                comm.all_gather(torch.zeros(3 + rank), label=f"unit{rank}").wait()
+            except CollectivePlanError as e:
+                assert "unit0" in str(e) and "unit1" in str(e), e
+            else:
+                raise AssertionError("diverging collectives were not reported")
+            dist.barrier()
+        assert not checking()
