@@ -109,12 +109,18 @@ class _ThreadedTraining:
         # threaded group does not have (isend raises) — the plain collectives must be used instead.
         self._train(reshard_after_forward=True, param_dtype=None, shape=WIDE, steps=1)
 
+    def test_hsdp_trains_like_one_process(self) -> None:
+        # (replicate, shard) = (2, world / 2): each rank-thread builds the 2-D mesh and its groups
+        replicas = 2 if self.world_size > 1 else 1
+        self._train(reshard_after_forward=True, param_dtype=None, mesh_shape=(replicas, self.world_size // replicas))
+
     def _train(
         self,
         reshard_after_forward: bool,
         param_dtype: torch.dtype | None,
         shape: tuple[int, int] = (D, H),
         steps: int = STEPS,
+        mesh_shape: tuple[int, int] | None = None,
     ) -> None:
         fully_shard = self._fully_shard()
         d_in, hidden = shape
@@ -122,12 +128,18 @@ class _ThreadedTraining:
         values = _init(model, seed=7)
         ref = _Reference(_mlp(d_in, hidden), values, self.world_size, param_dtype)
         policy = self._policy(param_dtype)
+        if mesh_shape is None:  # torch's default mesh, made in this rank's thread
+            mesh = init_device_mesh("cpu", (self.world_size,))
+            kw = {}
+        else:
+            mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+            kw = {"mesh": mesh}
         for layer in (model[0], model[2]):
-            fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-        fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+            fully_shard(layer, reshard_after_forward=reshard_after_forward, mp_policy=policy, **kw)
+        fully_shard(model, reshard_after_forward=reshard_after_forward, mp_policy=policy, **kw)
         rank = dist.get_rank()
-        default = init_device_mesh("cpu", (self.world_size,))  # torch's default, made in this rank's thread
-        assert model[0].weight.device_mesh == default and default.mesh_dim_names is None, model[0].weight.device_mesh
+        assert model[0].weight.device_mesh == mesh, (model[0].weight.device_mesh, mesh)
+        assert model[0].weight.device_mesh.mesh_dim_names == mesh.mesh_dim_names
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         tol = TOL if param_dtype is None else dict(rtol=1e-3, atol=1e-5)
         where = f"[{self.IMPL}, world {self.world_size}, rank {rank}]"

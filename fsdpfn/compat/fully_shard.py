@@ -23,7 +23,7 @@ from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard"]
 
-_CLASSES: dict[tuple[type, type, str], type] = {}
+_CLASSES: dict[tuple[type, type, str], type] = {}  # FSDP<Original> per class: shared by every rank, holds no rank state
 
 
 @overload
@@ -166,7 +166,8 @@ def _shard(
         key = (cls, wrapper, prefix)
         new_cls = _CLASSES.get(key)
         if new_cls is None:
-            new_cls = _CLASSES[key] = type(f"{prefix}{cls.__name__}", (wrapper, cls), {"__deepcopy__": _unimplemented_deepcopy})
+            made = type(f"{prefix}{cls.__name__}", (wrapper, cls), {"__deepcopy__": _unimplemented_deepcopy})
+            new_cls = _CLASSES.setdefault(key, made)  # rank-threads racing here all get the same class
         mod.__class__ = new_cls
     return module
 
