@@ -2,6 +2,9 @@
 
 - ``check_collectives()`` (or ``FSDPFN_DEBUG=1``): before each collective the ranks compare fingerprints;
   if they diverge every rank raises ``CollectivePlanError`` naming each rank's unit and collective.
+  The switch is per thread (a rank may be a thread of PyTorch's threaded test group): each rank turns it
+  on at the same point of its own program; a thread that never set it follows the thread that made the
+  rank's communicator (CUDA autograd's workers), then the main thread.
 - Waits time out after ``FSDPFN_TIMEOUT`` seconds (default 600) with ``CollectiveTimeout``; a collective
   whose peer died raises ``CollectiveError``. Both name the unit and the last completed collective.
 

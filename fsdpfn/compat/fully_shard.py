@@ -7,7 +7,6 @@ Nothing is communicated here: every rank holds the full parameters (or ``meta`` 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
@@ -18,13 +17,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
 from fsdpfn.compat.state import ManagedParam, UnitState, set_state, state_of
-from fsdpfn.core import init_mesh, mesh_groups
+from fsdpfn.core import default_mesh, mesh_groups
 from fsdpfn.layout import ShardSpec, shard_tensor
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard"]
 
-_CLASSES: dict[tuple[type, type, str], type] = {}
+_CLASSES: dict[tuple[type, type, str], type] = {}  # FSDP<Original> per class: shared by every rank, holds no rank state
 
 
 @overload
@@ -87,7 +86,7 @@ def _shard(
     modules = _modules(module, kind)
     if dp_mesh_dims is not None:
         raise NotImplementedError(f"{kind}: dp_mesh_dims (an SPMD mesh with data-parallel dims) is not supported")
-    mesh = _default_mesh() if mesh is None else mesh
+    mesh = default_mesh() if mesh is None else mesh  # torch's default, made per call (never per process)
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"{kind}: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
@@ -167,7 +166,8 @@ def _shard(
         key = (cls, wrapper, prefix)
         new_cls = _CLASSES.get(key)
         if new_cls is None:
-            new_cls = _CLASSES[key] = type(f"{prefix}{cls.__name__}", (wrapper, cls), {"__deepcopy__": _unimplemented_deepcopy})
+            made = type(f"{prefix}{cls.__name__}", (wrapper, cls), {"__deepcopy__": _unimplemented_deepcopy})
+            new_cls = _CLASSES.setdefault(key, made)  # rank-threads racing here all get the same class
         mod.__class__ = new_cls
     return module
 
@@ -270,8 +270,3 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
         acc *= max(n, 1)
     return tuple(reversed(stride))
 
-
-@functools.cache
-def _default_mesh() -> DeviceMesh:
-    """A 1-D mesh over every rank (started from torchrun's environment, or a world of one), made once."""
-    return init_mesh()

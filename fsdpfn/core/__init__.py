@@ -2,6 +2,6 @@
 streams and events."""
 
 from fsdpfn.core.comm import Comm, CommStats, Handle
-from fsdpfn.core.mesh import MeshGroups, init_mesh, mesh_groups
+from fsdpfn.core.mesh import MeshGroups, default_mesh, init_mesh, mesh_groups
 
-__all__ = ["Comm", "CommStats", "Handle", "MeshGroups", "init_mesh", "mesh_groups"]
+__all__ = ["Comm", "CommStats", "Handle", "MeshGroups", "default_mesh", "init_mesh", "mesh_groups"]

@@ -9,7 +9,10 @@ the handle until the waiting stream is ordered after the event — no ``record_s
 
 All-gathers move raw bytes (any dtype, bool and complex included). Reduce-scatters sum in the buffer's
 dtype and scale afterwards, since gloo has no ``PREMUL_SUM``: NCCL's reduce-scatter (complex as pairs of
-reals) on CUDA; on CPU an all-to-all of raw bytes followed by a local sum, which is faster than gloo's.
+reals) on CUDA; on CPU with gloo point-to-point exchanges followed by a local sum, which is faster than
+gloo's. The exchanges are a gloo optimisation only: on any other CPU backend (PyTorch's threaded test
+group, where ranks are threads of one process and ``isend`` does not exist) every collective is the plain
+one the group implements (``all_gather_single``, ``reduce_scatter_single``, ``all_reduce``, ``broadcast``).
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ __all__ = ["Comm", "CommStats", "EXCHANGE_MIN_BYTES", "Handle"]
 # cost less than its all_gather there (4.5 ms); below ~4 MiB the collective, launched in ~0.1 ms and run
 # on gloo's own thread, wins (512 KiB: 0.8 ms against 1.9 ms). Reduce-scatters are exchanges at every
 # size: gloo's reduce_scatter is slower still, and an all-to-all would need one more full-size buffer.
+# Groups of other backends never use exchanges (see ``has_point_to_point``).
 EXCHANGE_MIN_BYTES = 4 << 20
-
 
 
 class Handle:
@@ -110,7 +113,13 @@ class Comm:
         self.stats = CommStats()
         self.guard = Guard(self.groups.rank)
         self._streams: dict[str, Any] = {}
-        self.exchange = Exchange(self.groups.shard_group, self.groups.rank, self.groups.world)
+        shard_group = self.groups.shard_group
+        # None: the shard group's backend has no point-to-point sends (e.g. the threaded test group)
+        self.exchange: Exchange | None = (
+            Exchange(shard_group, self.groups.rank, self.groups.world)
+            if shard_group is not None and has_point_to_point(shard_group)
+            else None
+        )
         self.exchange_min_bytes = EXCHANGE_MIN_BYTES  # CPU: exchanges from this size (tests lower it)
 
     @property
@@ -178,7 +187,7 @@ class Comm:
         group = self.groups.shard_group
         fp = self.guard.begin("all_gather", label, flat, group)
         send, recv = _as_bytes(flat), _as_bytes(out)
-        if flat.device.type != "cuda" and out.nbytes >= self.exchange_min_bytes:
+        if self.exchange is not None and flat.device.type != "cuda" and out.nbytes >= self.exchange_min_bytes:
             fn = self.exchange.gather_flat(send, recv.view(world, -1))
             return self._launch("gather", fn, keep=(flat,), result=out, fp=fp)
         return self._launch(
@@ -214,7 +223,7 @@ class Comm:
             return Handle(out)
         group = groups.shard_group
         fp = self.guard.begin("reduce_scatter", label, full, group)
-        if full.device.type != "cuda":
+        if self.exchange is not None and full.device.type != "cuda":
             fn, add, extra = self.exchange.reduce_flat(full, out)
             return self._launch("reduce", fn, keep=(full, extra), result=out, fp=fp, finish=_then(add, finish))
         send, recv = _as_reals(full).reshape(-1), _as_reals(out).reshape(-1)
@@ -233,7 +242,7 @@ class Comm:
         ``exchange_min_bytes``), with no packed buffer: see ``gather_bucket``/``reduce_bucket``."""
         groups = self.groups
         return (
-            groups.device_type != "cuda" and groups.world > 1 and layout.rows_contiguous
+            self.exchange is not None and groups.device_type != "cuda" and groups.world > 1 and layout.rows_contiguous
             and layout.numel * groups.world * layout.dtype.itemsize >= self.exchange_min_bytes
         )  # fmt: skip
 
@@ -248,6 +257,7 @@ class Comm:
         self.stats.track(buf)
         self.stats._note("all_gathers", label, layout.numel * groups.world * layout.dtype.itemsize)
         fp = self.guard.begin("all_gather", label, buf, groups.shard_group)
+        assert self.exchange is not None  # direct() says so
         fn = self.exchange.gather_direct(layout, shards, buf)  # type: ignore[arg-type]
         handle = self._launch("gather", fn, keep=tuple(shards), result=buf, fp=fp)
         handle.direct = True
@@ -267,6 +277,7 @@ class Comm:
         out = torch.empty(layout.numel, dtype=layout.dtype, device=groups.device)
         self.stats._note("reduce_scatters", label, layout.numel * groups.world * layout.dtype.itemsize)
         fp = self.guard.begin("reduce_scatter", label, out, groups.shard_group)
+        assert self.exchange is not None  # direct() says so
         fn, add, extra = self.exchange.reduce_direct(layout, fulls, out)  # type: ignore[arg-type]
 
         def finish(result: torch.Tensor) -> torch.Tensor:
@@ -331,6 +342,16 @@ class Comm:
             return work
 
         return self._launch("gather", fn, keep=(), result=t, fp=fp)
+
+
+def has_point_to_point(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` runs CPU tensors on gloo, whose ``isend``/``irecv`` the exchanges use. Other
+    backends (PyTorch's threaded test group among them) get the plain collectives instead."""
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):  # pragma: no cover - a group c10d does not know
+        return False
+    return backend == "gloo" or "cpu:gloo" in backend.split(",")
 
 
 def _then(first: Any, then: Any) -> Any:

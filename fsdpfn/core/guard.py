@@ -16,6 +16,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import threading
+import time
+import weakref
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,8 +39,12 @@ __all__ = [
     "checking",
 ]
 
-# Debug switch for the whole process (off unless FSDPFN_DEBUG=1); read by every Guard before a collective.
-_CHECK = {"on": os.environ.get("FSDPFN_DEBUG", "") not in ("", "0")}
+# The debug switch, per thread: a rank may be a thread (PyTorch's threaded test group), and ranks must
+# switch at the same point of their own programs, never when another rank-thread does. A thread that
+# never set it follows, in turn, the thread that made the ``Comm`` (so CUDA autograd's worker threads
+# check what the rank's thread checks), the main thread, then FSDPFN_DEBUG.
+_DEFAULT = os.environ.get("FSDPFN_DEBUG", "") not in ("", "0")
+_SWITCH: weakref.WeakKeyDictionary[threading.Thread, bool] = weakref.WeakKeyDictionary()
 
 
 class CollectiveError(RuntimeError):
@@ -52,21 +59,32 @@ class CollectivePlanError(CollectiveError):
     """Ranks were about to run different collectives; the message lists each rank's."""
 
 
-def checking() -> bool:
-    """Whether collective-plan checking is on."""
-    return _CHECK["on"]
+def checking(owner: threading.Thread | None = None) -> bool:
+    """Whether collective-plan checking is on for the calling thread (falling back to ``owner``'s
+    setting, then the main thread's, then ``FSDPFN_DEBUG``)."""
+    for thread in (threading.current_thread(), owner, threading.main_thread()):
+        if thread is not None:
+            on = _SWITCH.get(thread)
+            if on is not None:
+                return on
+    return _DEFAULT
 
 
 @contextlib.contextmanager
-def _restoring(previous: bool) -> Iterator[None]:
+def _restoring(thread: threading.Thread, previous: bool | None) -> Iterator[None]:
     try:
         yield
     finally:
-        _CHECK["on"] = previous
+        if previous is None:
+            _SWITCH.pop(thread, None)
+        else:
+            _SWITCH[thread] = previous
 
 
 def check_collectives(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
-    """Turn collective-plan checking on (or off); as a context manager, restore the previous setting.
+    """Turn collective-plan checking on (or off) for the calling thread — the rank — and the threads
+    that follow it; as a context manager, restore the previous setting. Every rank must make the same
+    call at the same point of its program (under a threaded process group, each rank-thread its own).
 
     Costs one small all-gather per collective while on (see docs/errors.md for the measured cost).
 
@@ -75,9 +93,10 @@ def check_collectives(enabled: bool = True) -> contextlib.AbstractContextManager
         >>> with fsdpfn.debug.check_collectives():      # for a block   # doctest: +SKIP
         ...     loss, grads = step(params, batch)
     """
-    previous = _CHECK["on"]
-    _CHECK["on"] = enabled
-    return _restoring(previous)
+    thread = threading.current_thread()
+    previous = _SWITCH.get(thread)
+    _SWITCH[thread] = enabled
+    return _restoring(thread, previous)
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,7 @@ class Guard:
     def __init__(self, rank: int, timeout: float | None = None):
         self.rank = rank
         self.timeout = float(timeout if timeout is not None else os.environ.get("FSDPFN_TIMEOUT", "600"))
+        self.owner = threading.current_thread()  # the rank's thread, whose debug switch we follow
         self.seq = 0
         self.steps = 0
         self.last_done: Fingerprint | None = None
@@ -116,7 +136,7 @@ class Guard:
         """Fingerprint the next collective; with checking on, compare it across ``group`` first."""
         self.seq += 1
         fp = Fingerprint(self.seq, kind, label, str(t.dtype), t.numel())
-        if checking() and dist.get_world_size(group) > 1:
+        if checking(self.owner) and dist.get_world_size(group) > 1:
             self._verify(fp, group)
         return fp
 
@@ -144,7 +164,7 @@ class Guard:
     def wait(self, work: Any, fp: Fingerprint) -> None:
         """Wait for ``work`` with the timeout; failures become errors that say what and where."""
         try:
-            work.wait(datetime.timedelta(seconds=self.timeout))
+            _wait(work, self.timeout)
         except RuntimeError as e:
             last = self.last_done.describe() if self.last_done else "none yet"
             where = f"{fp.describe()} on rank {self.rank} (after {self.steps} completed passes; last completed collective: {last})"
@@ -155,3 +175,27 @@ class Guard:
                 ) from e
             raise CollectiveError(f"collective {where} failed: {e}. A peer rank probably failed or exited.") from e
         self.last_done = fp
+
+
+def _wait(work: Any, timeout: float) -> None:
+    """``work.wait`` with a timeout, also for works that cannot wait with one (those made from a future,
+    as PyTorch's threaded test group returns, raise "wait() with finite timeout not implemented")."""
+    done = getattr(work, "is_completed", None)
+    if done is not None and done():
+        work.wait()  # raises the collective's error, if any
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=timeout))
+        return
+    except RuntimeError as e:
+        if "finite timeout not implemented" not in str(e):
+            raise
+    future = work.get_future()
+    deadline = time.monotonic() + timeout
+    pause = 1e-4
+    while not future.done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"wait timed out after {timeout:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    work.wait()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MeshGroups", "init_mesh", "mesh_groups"]
+__all__ = ["MeshGroups", "default_mesh", "init_mesh", "mesh_groups"]
 
 
 def _default_device_type() -> str:
@@ -20,6 +20,35 @@ def _default_device_type() -> str:
 
 def _backend(device_type: str) -> str:
     return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def _ensure_process_group(device_type: str) -> None:
+    """Start the default process group from torchrun's environment, or as a world of one."""
+    if dist.is_initialized():
+        return
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(_backend(device_type))
+    else:
+        dist.init_process_group(_backend(device_type), store=dist.HashStore(), rank=0, world_size=1)
+
+
+def default_mesh() -> DeviceMesh:
+    """The mesh ``torch.distributed.fsdp.fully_shard`` uses when given none: 1-D over the default
+    process group, without dim names, on ``cuda`` when a GPU is visible and ``cpu`` otherwise; the group
+    is started as ``init_mesh`` starts it when there is none yet.
+
+    Made anew on each call, in the calling thread, as torch does: a mesh belongs to the ranks (threads,
+    under PyTorch's threaded test group) of the process group it was made in, so it is never cached
+    per process.
+
+    Example:
+        >>> mesh = default_mesh()          # DeviceMesh('cpu', [0, 1]) on two ranks  # doctest: +SKIP
+    """
+    device_type = _default_device_type()
+    _ensure_process_group(device_type)
+    return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def init_mesh(
@@ -44,13 +73,7 @@ def init_mesh(
         raise ValueError(f"init_mesh: device {device!r} is not supported; use 'cpu' or 'cuda'")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError("init_mesh: device='cuda' was asked for but no GPU is visible; use device='cpu'")
-    if not dist.is_initialized():
-        if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(_backend(device_type))
-        else:
-            dist.init_process_group(_backend(device_type), store=dist.HashStore(), rank=0, world_size=1)
+    _ensure_process_group(device_type)
     world = dist.get_world_size()
     if shape is None:
         shape = (world,)
