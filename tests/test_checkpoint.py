@@ -50,7 +50,7 @@ def _rank() -> int:
 
 def _train(recipe, units, steps=2):
     model = recipe.build()
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, donate=False)
     opt = optim.adamw(lr=1e-2, weight_decay=0.1)
     state = opt.init(params)
     apply = fsdpfn.fsdp(model)
@@ -129,7 +129,7 @@ def _fsdp2(model, world):
 
 
 def _fsdpfn_save(path, seed):
-    params = fsdpfn.shard(TiedLM(seed=seed), fsdpfn.init_mesh(), units=BLOCKS)
+    params = fsdpfn.shard(TiedLM(seed=seed), fsdpfn.init_mesh(), units=BLOCKS, donate=False)
     ck.save(path, {"model": params, "epoch": 3})
 
 
@@ -147,14 +147,14 @@ def _fsdp2_save(path, seed, world):
 
 
 def _fsdpfn_load(path, seed):
-    params = fsdpfn.shard(TiedLM(seed=seed), fsdpfn.init_mesh(), units=BLOCKS)
+    params = fsdpfn.shard(TiedLM(seed=seed), fsdpfn.init_mesh(), units=BLOCKS, donate=False)
     got = ck.load(path, {"model": params})["model"]
     return ck.full_state_dict(got, rank0_only=False)
 
 
 def _fsdp2_state_to_sharded(seed, world):
     sd = _fsdp2(TiedLM(seed=seed), world).state_dict()
-    params = ck.from_dtensor(sd, fsdpfn.shard(TiedLM(seed=seed + 1), fsdpfn.init_mesh(), units=BLOCKS))
+    params = ck.from_dtensor(sd, fsdpfn.shard(TiedLM(seed=seed + 1), fsdpfn.init_mesh(), units=BLOCKS, donate=False))
     return ck.full_state_dict(params, rank0_only=False)
 
 
@@ -217,7 +217,7 @@ def _interrupted_saves(path, seed):
 
     from fsdpfn.checkpoint import atomic
 
-    params = fsdpfn.shard(TiedLM(seed=seed), fsdpfn.init_mesh(), units=BLOCKS)
+    params = fsdpfn.shard(TiedLM(seed=seed), fsdpfn.init_mesh(), units=BLOCKS, donate=False)
     ck.save(path, {"model": params})
     newer = torch.utils._pytree.tree_map(lambda t: t + 100, params)
     report = {}
@@ -358,9 +358,9 @@ def test_pickled_entries_and_scalars(tmp_path):
 
 # ---- mismatch ----------------------------------------------------------------------------------------
 def _mismatch(path):
-    params = fsdpfn.shard(TiedLM(seed=0), fsdpfn.init_mesh(), units=BLOCKS)
+    params = fsdpfn.shard(TiedLM(seed=0), fsdpfn.init_mesh(), units=BLOCKS, donate=False)
     ck.save(path, {"model": params, "epoch": 1, "other": torch.ones(1)})
-    other = fsdpfn.shard(TiedLM(vocab=9, depth=2), fsdpfn.init_mesh())
+    other = fsdpfn.shard(TiedLM(vocab=9, depth=2), fsdpfn.init_mesh(), donate=False)
     try:
         ck.load(path, {"model": other, "epoch": 0, "lr": 0.1})
     except ck.CheckpointMismatchError as e:
@@ -394,7 +394,7 @@ def test_mismatch_is_one_error_listing_everything(tmp_path):
 def _full_sd(seed, mp):
     model = TiedLM(seed=seed)
     policy = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mp else None
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=BLOCKS, mp_policy=policy)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=BLOCKS, mp_policy=policy, donate=False)
     sd = ck.full_state_dict(params)  # rank 0 only, on the CPU
     everywhere = ck.full_state_dict(params, rank0_only=False)
     fresh = TiedLM(seed=seed + 1)
@@ -517,7 +517,7 @@ class _WithCache(torch.nn.Module):
 def _non_persistent_worker():
     torch.manual_seed(0)
     model = _WithCache()
-    params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), donate=False)
     state = fsdpfn.full_state_dict(params, rank0_only=False)
     fresh = _WithCache()
     fresh.load_state_dict(state, strict=True)

@@ -16,7 +16,7 @@ def _deferred_worker(recipe, units, k, seed, reshard):
 
     rank = dist.get_rank()
     model = recipe.build(torch.float64)
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, donate=False)
     apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
     loss_fn = lambda p, x: apply(p, x).pow(2).mean()  # noqa: E731
     stats = params.plan.comm.stats
@@ -58,7 +58,7 @@ def _scaling_worker(dtype):
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3).to(dtype)
-    params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), donate=False)
     x = torch.full((2, 4), float(rank + 1), dtype=dtype)
     out = {}
     for label, apply_kw, vg_kw in [
@@ -91,7 +91,7 @@ def test_reduction_semantics_scale_exactly_as_stated(world, dtype):
 def _mixing_worker(case):
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 2)
-    params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), donate=False)
     apply = fsdpfn.fsdp(model)
     x = torch.ones(1, 2)
     _, reduced = fsdpfn.value_and_grad(lambda p: apply(p, x).sum())(params)
@@ -104,7 +104,7 @@ def _mixing_worker(case):
         opt = fsdpfn.optim.sgd(lr=0.1)
         opt.update(unreduced, opt.init(params), params)
     elif case == "other_plan":
-        fsdpfn.reduce(unreduced, fsdpfn.shard(model, fsdpfn.init_mesh()))
+        fsdpfn.reduce(unreduced, fsdpfn.shard(model, fsdpfn.init_mesh(), donate=False))
 
 
 @pytest.mark.parametrize(

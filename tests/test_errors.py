@@ -26,7 +26,7 @@ class _TwoLayer(nn.Module):
 
 def _setup():
     model = _TwoLayer()
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.1"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.1"], donate=False)
     return model, params, fsdpfn.fsdp(model)
 
 
@@ -39,6 +39,12 @@ def _meta_module():
 
 def _changed(model):
     model.blocks[1] = nn.Linear(4, 3)
+    return model
+
+
+def _donated():
+    model = _TwoLayer()
+    fsdpfn.shard(model, fsdpfn.init_mesh())
     return model
 
 
@@ -77,14 +83,16 @@ TRIGGERS = {
     "mesh-shape": (lambda m, p, a: fsdpfn.init_mesh((3,)), ValueError, r"covers 3 ranks but the world has 2"),
     "mesh-device": (lambda m, p, a: fsdpfn.init_mesh(device="xla"), ValueError, r"device 'xla' is not supported"),
     "mesh-no-gpu": (lambda m, p, a: fsdpfn.init_mesh(device="cuda"), ValueError, r"no GPU is visible"),
-    "param-device": (lambda m, p, a: fsdpfn.shard(m, _cuda_mesh()), ValueError, r"parameter 'blocks.0.weight' is on cpu but the mesh is on cuda; move the module"),
+    "param-device": (lambda m, p, a: fsdpfn.shard(m, _cuda_mesh(), donate=False), ValueError, r"parameter 'blocks.0.weight' is on cpu but the mesh is on cuda; move the module"),
     "shard-module": (lambda m, p, a: fsdpfn.shard(torch.zeros(2), fsdpfn.init_mesh()), TypeError, r"expected an nn.Module"),
-    "units-missing": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["block.1"]), ValueError, r"no submodule 'block.1'; did you mean 'blocks.1'"),
-    "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3), TypeError, r"units must be a list of submodule names"),
+    "units-missing": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["block.1"], donate=False), ValueError, r"no submodule 'block.1'; did you mean 'blocks.1'"),
+    "units-twice": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0", "blocks.0"], donate=False), ValueError, r"units: 'blocks.0' is named twice"),
+    "shard-donated": (lambda m, p, a: fsdpfn.shard(_donated(), fsdpfn.init_mesh()), ValueError, r"parameters were donated to an earlier shard\(\) call"),
+    "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3, donate=False), TypeError, r"units must be a list of submodule names"),
     "meta-no-reset": (lambda m, p, a: fsdpfn.shard(_meta_module(), fsdpfn.init_mesh()), ValueError, r"has no reset_parameters\(\); pass init="),
-    "min-bucket-bytes": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0"], min_bucket_bytes="1MB"), ValueError, r"min_bucket_bytes must be an int >= 0 \(bytes\), got '1MB'"),
-    "offload": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), offload_policy=fsdpfn.CPUOffloadPolicy()), NotImplementedError, r"CPUOffloadPolicy is not supported"),
-    "mp-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), mp_policy="bf16"), TypeError, r"mp_policy must be a fsdpfn.MixedPrecisionPolicy"),
+    "min-bucket-bytes": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0"], min_bucket_bytes="1MB", donate=False), ValueError, r"min_bucket_bytes must be an int >= 0 \(bytes\), got '1MB'"),
+    "offload": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), offload_policy=fsdpfn.CPUOffloadPolicy(), donate=False), NotImplementedError, r"CPUOffloadPolicy is not supported"),
+    "mp-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), mp_policy="bf16", donate=False), TypeError, r"mp_policy must be a fsdpfn.MixedPrecisionPolicy"),
     "sharded-missing": (lambda m, p, a: fsdpfn.Sharded({}, p.plan), KeyError, r"missing \["),
     "sharded-extra": (lambda m, p, a: fsdpfn.Sharded({**dict(p.items()), "x": 1}, p.plan), KeyError, r"not in the plan \['x'\]"),
     "leaf-shape": (lambda m, p, a: a(p.replace({"blocks.0.weight": torch.zeros(1, 1)}), torch.ones(1, 3)), ValueError, r"leaf 'blocks.0.weight' is \(1, 1\).*does not belong to this plan"),
@@ -109,7 +117,7 @@ TRIGGERS = {
     "reshard-missing": (lambda m, p, a: fsdpfn.reshard({}, p), KeyError, r"no full tensor for parameter"),
     "accumulate-mixed": (lambda m, p, a: fsdpfn.accumulate(_grads(m, p, a, reduce=False), _grads(m, p, a)), TypeError, r"grads is already reduced"),
     "optim-unreduced": (lambda m, p, a: fsdpfn.optim.sgd(lr=0.1).update(_grads(m, p, a, reduce=False), fsdpfn.optim.sgd(lr=0.1).init(p), p), TypeError, r"grads are Unreduced"),
-    "optim-other-plan": (lambda m, p, a: fsdpfn.optim.sgd(lr=0.1).update(_grads(m, fsdpfn.shard(m, fsdpfn.init_mesh()), a), fsdpfn.optim.sgd(lr=0.1).init(p), p), ValueError, r"grads were built for another plan"),
+    "optim-other-plan": (lambda m, p, a: fsdpfn.optim.sgd(lr=0.1).update(_grads(m, fsdpfn.shard(m, fsdpfn.init_mesh(), donate=False), a), fsdpfn.optim.sgd(lr=0.1).init(p), p), ValueError, r"grads were built for another plan"),
     "optim-hyper": (lambda m, p, a: fsdpfn.optim.sgd(lr=0.1, nesterov=True), ValueError, r"nesterov=True requires momentum > 0"),
     "clip-not-sharded": (lambda m, p, a: fsdpfn.clip_grad_norm({}, 1.0), TypeError, r"grads must be a fsdpfn.Sharded"),
 }

@@ -33,7 +33,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # ---- workers (module level: they run in the spmd pool) ---------------------------------------
 def _unshard_round_trip(tree, units):
     model = tree.build()
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, donate=False)
     stats = params.plan.comm.stats
     stats.reset()
     full = fsdpfn.unshard(params)
@@ -49,7 +49,7 @@ def _adjoint_and_grads(tree, units, seed):
 
     rank = dist.get_rank()
     model = tree.build()
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, donate=False)
     y = _rank_grads(tree, rank, seed)
     stats = params.plan.comm.stats
     shards = {k: v.clone().requires_grad_(params.plan.requires_grad[k]) for k, v in params.items()}
@@ -165,7 +165,7 @@ def _mixed_worker():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     model[1].to(torch.bfloat16)
-    params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), donate=False)
     full = fsdpfn.unshard(params)
     same = all(torch.equal(full[n], p) for n, p in model.named_parameters())
     s = {k: v.clone().requires_grad_() for k, v in params.items()}
@@ -225,7 +225,7 @@ def test_bad_input_to_ops_names_the_leaf(case, exc, match):
 def _batched_chain():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
     model[1].weight.requires_grad_(False)
-    params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), donate=False)
     from fsdpfn.ops.api import gather_collective
 
     g = gather_collective(params.plan, params.plan.units, 0.25)
@@ -252,7 +252,7 @@ def _world_one_gather():
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     out = {}
     for name, mp in (("plain", None), ("bf16", fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16))):
-        params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0"], mp_policy=mp)
+        params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0"], mp_policy=mp, donate=False)
         stats = params.plan.comm.stats
         stats.reset()
         full = fsdpfn.unshard(params)

@@ -101,7 +101,7 @@ def _tied_model():
 def _tied_worker():
     torch.manual_seed(0)
     model = _tied_model()
-    params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), donate=False)
     full = fsdpfn.unshard(params)
     return list(params.keys()), dict(params.plan.aliases), torch.equal(full["0.weight"], model[0].weight), params["1.weight"] is params["0.weight"]
 

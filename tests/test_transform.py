@@ -31,7 +31,7 @@ def _grads_worker(recipe, units, reshard, prefetch, seed, dtype=torch.float32, m
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = recipe.build(dtype)
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=min_bucket_bytes)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=min_bucket_bytes, donate=False)
     if exchange_min_bytes is not None:  # move every bucket the way large ones move (straight between tensors)
         params.plan.comm.exchange_min_bytes = exchange_min_bytes
     apply = fsdpfn.fsdp(model, reshard_after_forward=reshard, prefetch=prefetch)
@@ -100,7 +100,7 @@ def test_grads_match_single_process_autograd_f32(world, data, reshard, seed):
 def _live_worker(reshard):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2", "4"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2", "4"], donate=False)
     apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
     stats = params.plan.comm.stats
     x = torch.randn(3, 8)
@@ -132,7 +132,7 @@ def test_after_forward_with_reshard_no_unit_buffer_is_alive():
 def _fused_worker(prefetch, min_bucket_bytes, reshard):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(6)], nn.Linear(6, 2))  # units 0..5 alike; root: "6"
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(6)], min_bucket_bytes=min_bucket_bytes)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(6)], min_bucket_bytes=min_bucket_bytes, donate=False)
     apply = fsdpfn.fsdp(model, prefetch=prefetch, reshard_after_forward=reshard)
     stats = params.plan.comm.stats
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
@@ -213,7 +213,7 @@ def _ckpt_worker(reshard, where="unit"):
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = _Checkpointed(where)
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1", "blocks.2"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1", "blocks.2"], donate=False)
     # the module's own parameters are poisoned: a recompute that read them would be wrong
     with torch.no_grad():
         for p in model.parameters():
@@ -244,7 +244,7 @@ def _raising_backward_worker():
     torch.manual_seed(0)
     model = _Checkpointed("inside")
     own = {n: p for n, p in model.named_parameters()}
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1", "blocks.2"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1", "blocks.2"], donate=False)
     apply = fsdpfn.fsdp(model)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
     loss_fn = lambda p: apply(p, x).pow(2).mean()  # noqa: E731
@@ -292,7 +292,7 @@ def _tied_worker():
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = _TiedLM()
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["block", "frozen", "head"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["block", "frozen", "head"], donate=False)
     idx = torch.arange(8).reshape(2, 4) % 11
     apply = fsdpfn.fsdp(model)
     stats = params.plan.comm.stats
@@ -321,7 +321,7 @@ def test_tied_embedding_and_frozen_leaves():
 def _bad_apply(case):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["1"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["1"], donate=False)
     apply = fsdpfn.fsdp(model)
     x = torch.randn(2, 3)
     if case == "other_module":
@@ -381,7 +381,7 @@ def _modes_worker(seed):
     rank = dist.get_rank()
     recipe = ModelRecipe("transformer", (3, 6, 2, 5, 7), seed=seed, seq=3)
     model = recipe.build()
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1", "head"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1", "head"], donate=False)
     x = recipe.inputs(2, seed=rank)
     out = {}
     for reshard in (True, False):
@@ -407,7 +407,7 @@ def test_reshard_and_prefetch_modes_give_identical_results():
 def _stale_after_use():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), donate=False)
     apply = fsdpfn.fsdp(model)
     apply(params, torch.ones(1, 3))  # validated once ...
     model[1] = nn.Linear(4, 3)  # ... then the module changes under the same params
@@ -436,7 +436,7 @@ def _twice_worker(reshard, calls):
     import torch.distributed as dist
 
     model = _Twice()
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["block"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["block"], donate=False)
     apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
     loss_fn = lambda p: sum(apply(p, x).pow(2).sum() for _ in range(calls))  # noqa: E731
