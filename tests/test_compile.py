@@ -416,7 +416,7 @@ def _func_train(cfg, compiled, backend="aot_eager", default_backend=False):
         for block in _blocks(model):
             block.compile(**compile_kw)
     mp = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.mp else None
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=list(cfg.units), min_bucket_bytes=cfg.fuse, mp_policy=mp)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=list(cfg.units), min_bucket_bytes=cfg.fuse, mp_policy=mp, donate=False)
     if "after" in mode:
         for block in _blocks(model):
             block.compile(**compile_kw)
@@ -731,7 +731,7 @@ def _func_raise_step(compiled, fail_first):
     _reset()
     model = _failing_net()
     initial = [p.detach().clone() for p in model.parameters()]
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0", "blocks.1"], donate=False)
     apply = fsdpfn.fsdp(model)
     loss_fn = lambda p, x, y: F.mse_loss(apply(p, x), y)  # noqa: E731
     if compiled:

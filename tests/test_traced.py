@@ -83,7 +83,7 @@ def _train(recipe, units, reshard, fuse, mp, traced, backend=None, ckpt=False, m
     elif ckpt == "around":  # each block's call checkpointed (its hooks inside the region)
         model.forward = _around(model)
     policy = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(mesh), units=units, min_bucket_bytes=fuse, mp_policy=policy)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(mesh), units=units, min_bucket_bytes=fuse, mp_policy=policy, donate=False)
     apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
     loss_fn = lambda p, x, y: F.mse_loss(apply(p, x).float(), y)  # noqa: E731
     opt = fsdpfn.optim.adamw(lr=LR, eps=1e-4, weight_decay=0.1)
@@ -235,7 +235,7 @@ def _grads_only(world_unused=None):
     torch._dynamo.reset()
     recipe = ModelRecipe("mlp", (3, 5, 4, 2), seed=4)
     model = recipe.build()
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2"], donate=False)
     apply = fsdpfn.fsdp(model)
     x = recipe.inputs(4, seed=1)
 
@@ -268,7 +268,7 @@ def test_compile_step_rejects_what_is_not_an_optimizer():
 def _fullgraph_without_compile_step():
     torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["1"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["1"], donate=False)
     apply = fsdpfn.fsdp(model)
     f = torch.compile(lambda p, x: apply(p, x).sum(), fullgraph=True, backend="aot_eager")
     try:
@@ -286,7 +286,7 @@ def test_fullgraph_without_compile_step_says_what_to_use():
 def _apply_not_in_the_first_call():
     torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["1"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["1"], donate=False)
     use = [fsdpfn.fsdp(model)]
     step = fsdpfn.compile_step(lambda p, x: use[0](p, x).sum(), backend="aot_eager")
     x = torch.randn(2, 3)
@@ -308,7 +308,7 @@ def _func_and_compile(which):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["2"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["2"], donate=False)
     apply = fsdpfn.fsdp(model)
     x = torch.randn(2, 3)
     loss = lambda p: apply(p, x).pow(2).sum()  # noqa: E731
