@@ -58,7 +58,7 @@ def resolve_units(module: nn.Module, units: Units) -> list[str]:
         if name:
             chosen.append(name)
     order = {fqn: i for i, fqn in enumerate(named)}
-    return sorted(set(chosen), key=order.__getitem__)
+    return sorted(chosen, key=order.__getitem__)  # each name once: a repeat raised above
 
 
 _DONATED = "_fsdpfn_donated"  # set on a module whose parameters shard() moved to meta

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from fsdpfn.core import Handle
+from fsdpfn.core.traced import Collectives
 from fsdpfn.layout import Sharded, UnitPlan
 from fsdpfn.layout.schedule import Schedule
 from fsdpfn.transform.eager import eager
@@ -40,7 +41,7 @@ class GradMode:
     deferred: list[Handle] | None = None  # reductions value_and_grad waits for after autograd.grad
     deferred_infos: dict[str, CallInfo] = field(default_factory=dict)  # first gather of each unit (see Call)
     traced: bool = False  # the whole step is being traced into one graph (fsdpfn.compile_step)
-    collectives: str = "native"  # how the traced step writes its collectives (core.traced.Collectives)
+    collectives: Collectives = "native"  # how the traced step writes its collectives
 
 
 @dataclass(frozen=True)

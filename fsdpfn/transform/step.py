@@ -10,6 +10,7 @@ gradients after it, as ``fsdpfn.optim`` always does: locally on this rank's shar
 from __future__ import annotations
 
 import functools
+import typing
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -76,8 +77,8 @@ def compile_step(
         >>> for x, y in batches:                                                             # doctest: +SKIP
         ...     loss, params, state = step(params, state, x, y)
     """
-    if collectives not in ("native", "all_to_all"):
-        raise ValueError(f'compile_step: collectives must be "native" or "all_to_all", got {collectives!r}')
+    if collectives not in typing.get_args(Collectives):
+        raise ValueError(f"compile_step: collectives must be one of {typing.get_args(Collectives)}, got {collectives!r}")
     if optimizer is not None and not callable(getattr(optimizer, "update", None)):
         raise TypeError(
             f"compile_step: optimizer must be an fsdpfn.optim transformation (with init/update), got {type(optimizer).__name__}"

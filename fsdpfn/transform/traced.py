@@ -67,7 +67,7 @@ def run_traced(apply: Apply, params: Sharded[torch.Tensor], fn: Any, args: tuple
             "make a new compile_step when the loss starts using another apply"
         )
     mode = params._mode
-    call = TracedCall(params, scale=mode.scale if mode.scale is not None else apply.scale(plan), schedule=apply.schedule(plan), via=mode.collectives)  # type: ignore[arg-type]
+    call = TracedCall(params, scale=mode.scale if mode.scale is not None else apply.scale(plan), schedule=apply.schedule(plan), via=mode.collectives)
     opened = OpenCall(call, traced=True)
     apply._forward.append(opened)
     swapped = []
