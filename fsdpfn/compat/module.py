@@ -8,17 +8,16 @@ makes the first module called the root); the ``set_*`` methods change the knobs 
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal, NoReturn
 
 import torch
 from torch import nn
 
+from fsdpfn.compat.hooks import check_all_gather, check_reduce_scatter, update_custom
 from fsdpfn.compat.root import RootContext, lazy_root
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
 from fsdpfn.layout.plan import is_byte_count
-from fsdpfn.ops.api import gather_collective
 from fsdpfn.transform.eager import eager
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -149,7 +148,7 @@ class FSDPModule:
         ctx = lazy_root(top, top.modules[0])
         if st.unsharded is None and any(u.name == st.name for u in ctx.plan.units):
             params = ctx.params()
-            b = gather_collective(ctx.plan, (ctx.plan.unit(st.name),), ctx.scale(st.name))
+            b = ctx.collective(ctx.plan.unit(st.name))
             st.unsharded = (b.launch([params[f].detach() for f in b.fqns]), None, b)
         handle = UnshardHandle(st if st.unsharded is not None else None)
         if async_op:
@@ -232,15 +231,22 @@ class FSDPModule:
         """
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
-        _state(self).divide_factor = float(factor)
+        st = _state(self)
+        st.divide_factor = float(factor)
+        if st.custom is not None:
+            update_custom(st)  # the custom reduce-scatter's op depends on it
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated alias of ``set_gradient_divide_factor``."""
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Accepted: fsdpfn's collectives always sum and scale afterwards, so this changes nothing."""
-        _check_bool(enable, "enable")
+        """fsdpfn's own collectives always sum and scale afterwards, so for them this changes nothing; a
+        custom reduce-scatter then gets ``SUM`` and the all-reduce hook the unscaled sum, as in FSDP2."""
+        st = _state(self)
+        st.force_sum_reduction = _check_bool(enable, "enable")
+        if st.custom is not None:
+            update_custom(st)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """``True``: parameters that got no gradient on this rank still receive the reduced gradient
@@ -285,20 +291,44 @@ class FSDPModule:
             raise ValueError(f"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 (bytes) or None, got {min_bucket_bytes!r}")
         _state(self).min_bucket_bytes = min_bucket_bytes or None
 
-    # --- communication customisation: not supported -----------------------------------------------
+    # --- communication customisation (stored here, run by fsdpfn.core.custom) --------------------------
     def set_custom_all_gather(self, comm: Any) -> None:
-        """Not supported: raises ``NotImplementedError``."""
-        raise NotImplementedError("set_custom_all_gather: custom all-gather implementations are not supported by fsdpfn.compat")
+        """Gather this module's parameters with ``comm`` (torch's ``AllGather`` protocol) instead of the
+        built-in all-gather: FSDP2's calls, ``comm.allocate((world * n,), dtype=, device=)`` then
+        ``comm(output_tensor=, input_tensor=<view of the output at rank * n>, group=, async_op=False)``.
+
+        Example:
+            >>> model.layers[0].set_custom_all_gather(MyAllGather())   # doctest: +SKIP
+        """
+        check_all_gather(comm)
+        update_custom(_state(self), all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Not supported: raises ``NotImplementedError``."""
-        raise NotImplementedError(
-            "set_custom_reduce_scatter: custom reduce-scatter implementations are not supported by fsdpfn.compat"
-        )
+        """Reduce-scatter this module's gradients with ``comm`` (torch's ``ReduceScatter`` protocol):
+        ``comm.allocate`` for the flat input and output, then ``comm(output_tensor=, input_tensor=,
+        group=, op=)`` with FSDP2's op (``AVG`` for fp32/bf16, ``SUM`` for fp16 or forced sums).
+
+        Example:
+            >>> model.layers[0].set_custom_reduce_scatter(MyReduceScatter())   # doctest: +SKIP
+        """
+        check_reduce_scatter(comm)
+        update_custom(_state(self), reduce_scatter=comm)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
-        """Not supported: raises ``NotImplementedError``."""
-        raise NotImplementedError("set_all_reduce_hook: all-reduce hooks are not supported by fsdpfn.compat")
+        """Call ``hook(reduce_output)`` on this module's flat reduced gradient every time it is reduced:
+        after the replicate all-reduce with HSDP, after the reduce-scatter on a 1-D mesh (e.g. to
+        all-reduce over a group of your own). The hook may change the tensor in place. ``stream`` (CUDA,
+        1-D meshes only, as in FSDP2) is the stream it runs on; on CPU it is accepted and unused.
+
+        Example:
+            >>> model.layers[0].set_all_reduce_hook(my_all_reduce_over_my_group)   # doctest: +SKIP
+        """
+        st = _state(self)
+        if stream is not None and len(st.placements) > 1:
+            raise ValueError("stream cannot be set when using native HSDP")
+        if hook is not None and not callable(hook):
+            raise TypeError(f"set_all_reduce_hook: hook must be callable (reduce_output: Tensor) -> None, got {hook!r}")
+        update_custom(st, hook=hook, **({} if stream is None else {"stream": stream}))
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Not supported for ``True``: raises ``NotImplementedError``."""
@@ -361,10 +391,24 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Accepted for compatibility: all units under one fsdpfn root already share one ``Comm`` (and its
-    streams). Validates that every entry is an ``FSDPModule``."""
+    """Make the roots of ``modules`` (e.g. pipeline-parallel chunks, each its own root) run on one
+    ``Comm``: one set of side streams (CUDA) and one collective guard, as FSDP2 shares its comm context.
+    Roots already initialised switch at their next forward; roots on another mesh keep their own.
+
+    Example:
+        >>> share_comm_ctx([stage0, stage1])   # doctest: +SKIP
+    """
     for module in modules:
         if not isinstance(module, FSDPModule):
             raise ValueError(f"Expects list of FSDPModules but got {module}")
-    if len({id(_state(m).top()) for m in modules}) > 1:
-        warnings.warn("share_comm_ctx: these modules belong to different roots; each root keeps its own Comm", stacklevel=2)
+    if not modules:
+        return
+    tops = list({id(t): t for t in (_state(m).top() for m in modules)}.values())
+    first = next((t.root.comm for t in tops if t.root is not None), None)
+    box: list[Any] = [first]
+    for top in tops:
+        top.comm_box = box
+        ctx = top.root
+        if ctx is not None and ctx.comm is not first and first is not None and ctx.comm.mesh == first.mesh:
+            ctx.comm = None
+            ctx._build()

@@ -64,7 +64,7 @@ class CompatCall(Call):
         self.deferral_needs_leaves = False  # the shards come from LocalShards, whose backward drains
 
     def _collective(self, unit: Any) -> Buckets:
-        return gather_collective(self.plan, (unit,), self.ctx.scale(unit.name))
+        return self.ctx.collective(unit)
 
     def info(self, name: str) -> CallInfo:
         st = self.ctx.knobs(name)
@@ -210,7 +210,15 @@ class RootContext:
             local = m.param.to_local()
             infos.append(ParamInfo(fqn, tuple(m.param.shape), local.dtype, m.param.requires_grad, unit))
         if self.comm is None:
-            self.comm = Comm(mesh, replicate_only=self.state.kind == "replicate")
+            box = self.state.comm_box  # share_comm_ctx: the first root to build makes the shared Comm
+            shared = box[0] if box is not None else None
+            replicate_only = self.state.kind == "replicate"
+            if shared is not None and shared.mesh == mesh and shared.replicate_only == replicate_only:
+                self.comm = shared
+            else:
+                self.comm = Comm(mesh, replicate_only=replicate_only)
+                if box is not None and shared is None:
+                    box[0] = self.comm
         groups = self.comm.groups
         unit_names = list(states)
         if "" not in states:
@@ -280,6 +288,12 @@ class RootContext:
         if st.divide_factor is not None:
             return 1.0 / st.divide_factor
         return 1.0 / (self.plan.world * self.plan.replicas)
+
+    def collective(self, unit: Any) -> Buckets:
+        """The gather (and, as its backward, reduce) of ``unit`` with its knobs: divide factor and the
+        user's collectives and all-reduce hook."""
+        st = self.unit_state(unit.name)
+        return gather_collective(self.plan, (unit,), self.scale(unit.name), None if st is None else st.custom)
 
     # --- calls ------------------------------------------------------------------------------------
     def params(self, deferred: list[Any] | None = None) -> Sharded[torch.Tensor]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fsdpfn.core.custom import CustomComms
 from fsdpfn.policy import MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ class UnitState:
     backward_prefetch: list[UnitState] | None = None
     post_optim_event: Any = None
     min_bucket_bytes: int | None = None  # fsdpfn extension, read on the root (set_min_bucket_bytes)
+    force_sum_reduction: bool = False
+    custom: CustomComms | None = None  # set_custom_all_gather / _reduce_scatter / set_all_reduce_hook (compat.hooks)
+    comm_box: list[Any] | None = None  # share_comm_ctx: one [Comm | None] shared by several roots
     # runtime
     root: RootContext | None = None  # the root whose plan runs this state (set by lazy init)
     name: str = ""  # this state's unit name in the root's plan
@@ -74,6 +78,7 @@ class UnitState:
             self.reshards(is_root), self.mp_policy, self.divide_factor, self.requires_gradient_sync,
             self.requires_all_reduce, self.reduce_scatter_unused, self.forward_prefetch is None,
             self.backward_prefetch is None, len(self.modules) == 1,
+            None if self.custom is None else id(self),  # custom collectives run per unit, as in FSDP2
         )  # fmt: skip
 
     def reshards(self, is_root: bool) -> bool:

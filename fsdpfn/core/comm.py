@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 
 from fsdpfn.core.c10d import all_gather_single, reduce_scatter_single
+from fsdpfn.core.custom import CustomComms, gather_buffers, reduce_custom
 from fsdpfn.core.exchange import Exchange
 from fsdpfn.core.guard import CollectiveError, Fingerprint, Guard
+from fsdpfn.core.handle import Handle
 from fsdpfn.core.mesh import MeshGroups, mesh_groups
 from fsdpfn.core.stats import CommStats
 from fsdpfn.layout import BucketLayout
@@ -42,63 +44,6 @@ __all__ = ["Comm", "CommStats", "EXCHANGE_MIN_BYTES", "Handle"]
 EXCHANGE_MIN_BYTES = 4 << 20
 
 
-class Handle:
-    """An in-flight collective. ``wait()`` (idempotent) orders the caller after it and returns the result."""
-
-    __slots__ = ("_work", "_event", "_keep", "_finish", "_result", "_done", "_guard", "_fp", "direct", "__weakref__")
-
-    def __init__(
-        self,
-        result: torch.Tensor,
-        *,
-        work: Any = None,
-        event: Any = None,
-        keep: tuple = (),
-        finish: Any = None,
-        guard: Guard | None = None,
-        fp: Fingerprint | None = None,
-    ):
-        self._result = result
-        self._work = work
-        self._event = event
-        self._keep = keep
-        self._finish = finish
-        self._done = False
-        self._guard = guard
-        self._fp = fp
-        self.direct = False  # a bucket gathered parameter-major (Comm.gather_bucket)
-
-    def wait(self) -> torch.Tensor:
-        """Block (CPU) or make the current stream wait (CUDA) until the collective is done."""
-        if not self._done:
-            self._done = True
-            if self._work is not None:
-                if self._guard is not None and self._fp is not None:
-                    self._guard.wait(self._work, self._fp)
-                else:
-                    self._work.wait()
-            if self._event is not None:
-                torch.cuda.current_stream().wait_event(self._event)
-            if self._finish is not None:
-                self._result = self._finish(self._result)
-            self._work = self._event = self._finish = None
-            self._keep = ()
-        return self._result
-
-    def peek(self) -> torch.Tensor:
-        """The buffer the result will be in, before ``wait()`` (only for collectives whose finishing
-        step works in place, such as ``reduce_scatter``): read it only after ``wait()``."""
-        return self._result
-
-    def __del__(self) -> None:
-        # A dropped handle must still order the caller after the collective before its buffers go.
-        if not self._done:
-            try:
-                self.wait()
-            except Exception:  # pragma: no cover - interpreter shutdown
-                pass
-
-
 class Comm:
     """Collectives of one mesh, with their streams (CUDA) and counters.
 
@@ -109,6 +54,7 @@ class Comm:
 
     def __init__(self, mesh: Any, *, replicate_only: bool = False):
         self.mesh = mesh
+        self.replicate_only = replicate_only
         self.groups: MeshGroups = mesh_groups(mesh, replicate_only=replicate_only)
         self.stats = CommStats()
         self.guard = Guard(self.groups.rank)
@@ -173,12 +119,19 @@ class Comm:
             _free_inputs_when_done(handle, work)
         return handle
 
-    def all_gather(self, flat: torch.Tensor, *, label: str = "") -> Handle:
-        """All-gather ``flat`` (``(*batch, n)``, any dtype) over the shard group into ``(world, *batch, n)``."""
+    def all_gather(self, flat: torch.Tensor, *, label: str = "", custom: CustomComms | None = None) -> Handle:
+        """All-gather ``flat`` (``(*batch, n)``, any dtype) over the shard group into ``(world, *batch, n)``
+        (with ``custom.all_gather``, the user's all-gather does it: see ``fsdpfn.core.custom``)."""
         world = self.groups.world
         if world == 1:
             return Handle(flat.unsqueeze(0))
         flat = flat.contiguous()
+        if custom is not None and custom.all_gather is not None:
+            fn, out = gather_buffers(custom.all_gather, flat, world, self.groups.rank, self.groups.shard_group)
+            self.stats.track(out)
+            self.stats._note("all_gathers", label, out.numel() * out.element_size())
+            fp = self.guard.begin("all_gather", label, flat, self.groups.shard_group)
+            return self._launch("gather", fn, keep=(flat,), result=out, fp=fp)
         out = flat.new_empty((world, *flat.shape))
         self.stats.track(out)
         self.stats._note("all_gathers", label, out.numel() * out.element_size())
@@ -194,22 +147,21 @@ class Comm:
             "gather", lambda a: all_gather_single(recv, send, group=group, async_op=a), keep=(flat,), result=out, fp=fp
         )
 
-    def reduce_scatter(self, full: torch.Tensor, *, scale: float = 1.0, label: str = "") -> Handle:
+    def reduce_scatter(
+        self, full: torch.Tensor, *, scale: float = 1.0, label: str = "", custom: CustomComms | None = None
+    ) -> Handle:
         """Sum ``full`` (``(world, *batch, n)``) over the shard group, keep this rank's ``(*batch, n)``,
-        all-reduce it over the replicate group (HSDP), then multiply by ``scale``."""
+        all-reduce it over the replicate group (HSDP), then multiply by ``scale``. With ``custom``, the
+        user's reduce-scatter and all-reduce hook take part as in FSDP2 (see ``fsdpfn.core.custom``)."""
         groups = self.groups
         if full.shape[0] != groups.world:
             raise ValueError(f"reduce_scatter: leading dim {full.shape[0]} != shard world {groups.world}")
         full = full.contiguous()
-        replicate = groups.replicate_group
+        if custom is not None and custom.reduces:
+            return reduce_custom(self, full, scale, custom, label)
 
         def finish(out: torch.Tensor) -> torch.Tensor:
-            if replicate is not None and out.numel():
-                self.stats._note("all_reduces", label, out.numel() * out.element_size())
-                fp2 = self.guard.begin("all_reduce", label, out, replicate)
-                work = dist.all_reduce(_as_reals(out), group=replicate, async_op=out.device.type != "cuda")
-                if work is not None:
-                    self.guard.wait(work, fp2)
+            self._all_reduce_replicas(out, label)
             if scale != 1.0:
                 out.mul_(scale)
             return out
@@ -236,6 +188,16 @@ class Comm:
             finish=finish,
         )
 
+    def _all_reduce_replicas(self, out: torch.Tensor, label: str) -> None:
+        """Sum ``out`` in place over the replicate group (HSDP); nothing without one."""
+        replicate = self.groups.replicate_group
+        if replicate is not None and out.numel():
+            self.stats._note("all_reduces", label, out.numel() * out.element_size())
+            fp2 = self.guard.begin("all_reduce", label, out, replicate)
+            work = dist.all_reduce(_as_reals(out), group=replicate, async_op=out.device.type != "cuda")
+            if work is not None:
+                self.guard.wait(work, fp2)
+
     # --- bucket collectives from unpacked tensors --------------------------------------------------
     def direct(self, layout: BucketLayout) -> bool:
         """Whether ``layout``'s collectives go straight between the tensors (exchanges on CPU from
@@ -246,13 +208,16 @@ class Comm:
             and layout.numel * groups.world * layout.dtype.itemsize >= self.exchange_min_bytes
         )  # fmt: skip
 
-    def gather_bucket(self, layout: BucketLayout, shards: Sequence[torch.Tensor | None], *, label: str = "") -> Handle:
+    def gather_bucket(
+        self, layout: BucketLayout, shards: Sequence[torch.Tensor | None], *, label: str = "", custom: CustomComms | None = None
+    ) -> Handle:
         """All-gather a bucket's shards. The result is ``(world, numel)`` rank-major (unpack with
         ``layout.unpack_full``) or, when ``direct(layout)``, parameter-major (``layout.unpack_direct``):
         ``Handle.direct`` says which."""
         groups = self.groups
-        if not self.direct(layout) or any(t is None for t in shards):
-            return self.all_gather(layout.pack_shards(shards, groups.rank, device=groups.device), label=label)
+        if not self.direct(layout) or any(t is None for t in shards) or (custom is not None and custom.gathers):
+            flat = layout.pack_shards(shards, groups.rank, device=groups.device)
+            return self.all_gather(flat, label=label, custom=custom)
         buf = torch.empty(layout.full_numel, dtype=layout.dtype, device=groups.device)
         self.stats.track(buf)
         self.stats._note("all_gathers", label, layout.numel * groups.world * layout.dtype.itemsize)
@@ -264,16 +229,23 @@ class Comm:
         return handle
 
     def reduce_bucket(
-        self, layout: BucketLayout, fulls: Sequence[torch.Tensor | None], *, scale: float = 1.0, label: str = ""
+        self,
+        layout: BucketLayout,
+        fulls: Sequence[torch.Tensor | None],
+        *,
+        scale: float = 1.0,
+        label: str = "",
+        custom: CustomComms | None = None,
     ) -> Handle:
         """Reduce-scatter a bucket's full gradients into this rank's padded ``(numel,)`` segment (unpack
         with ``layout.unpack_shards``), then scale; from the gradients themselves when ``direct(layout)``
         and they are contiguous in the bucket dtype, else through ``layout.pack_full``."""
         groups = self.groups
-        if not self.direct(layout) or groups.replicate_group is not None or any(
+        if (custom is not None and custom.reduces) or not self.direct(layout) or groups.replicate_group is not None or any(
             f is None or f.dtype != layout.dtype or not f.is_contiguous() for f in fulls
         ):
-            return self.reduce_scatter(layout.pack_full(fulls, device=groups.device), scale=scale, label=label)
+            full = layout.pack_full(fulls, device=groups.device)
+            return self.reduce_scatter(full, scale=scale, label=label, custom=custom)
         out = torch.empty(layout.numel, dtype=layout.dtype, device=groups.device)
         self.stats._note("reduce_scatters", label, layout.numel * groups.world * layout.dtype.itemsize)
         fp = self.guard.begin("reduce_scatter", label, out, groups.shard_group)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from fsdpfn.core.custom import CustomComms
 from fsdpfn.layout import Sharded, ShardPlan, UnitPlan, Unreduced, shard_tensor
 from fsdpfn.layout.plan import ParamInfo, bucket_by_dtype
 from fsdpfn.ops.functions import Buckets, apply_buckets, collective_pair, reduce_collective
@@ -71,9 +72,10 @@ def check_shards(params: Sharded[Any], fqns: Sequence[str]) -> list[torch.Tensor
     return out
 
 
-def gather_collective(plan: ShardPlan, units: tuple[UnitPlan, ...], scale: float) -> Buckets:
-    """The (cached) differentiable gather of ``units``, whose backward reduces with ``scale``."""
-    key = ("gather", tuple(u.name for u in units), scale)
+def gather_collective(plan: ShardPlan, units: tuple[UnitPlan, ...], scale: float, custom: CustomComms | None = None) -> Buckets:
+    """The (cached) differentiable gather of ``units``, whose backward reduces with ``scale``; ``custom``:
+    the user's collectives and all-reduce hook for these units (``fsdpfn.compat``'s ``set_custom_*``)."""
+    key = ("gather", tuple(u.name for u in units), scale, custom)
     b = plan.memo.get(key)
     if b is None:
         b = plan.memo[key] = collective_pair(
@@ -86,6 +88,7 @@ def gather_collective(plan: ShardPlan, units: tuple[UnitPlan, ...], scale: float
             dtypes=dict(plan.dtypes),
             scale=scale,
             label=",".join(u.label for u in units),
+            custom=custom,
         )
     return b
 

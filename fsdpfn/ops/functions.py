@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from fsdpfn.core import Comm, Handle
+from fsdpfn.core.custom import CustomComms
 from fsdpfn.layout import BucketLayout
 
 __all__ = ["Buckets", "CallInfo", "ReduceFunction", "UnshardFunction", "apply_buckets", "collective_pair", "reduce_collective"]
@@ -40,6 +41,7 @@ class Buckets:
     scale: float = 1.0
     batch_ndim: int = 0
     label: str = ""
+    custom: CustomComms | None = None  # the user's collectives / all-reduce hook (FSDP2's set_custom_*)
     adjoint: Buckets | None = field(default=None, repr=False)
     _batched: dict[int, Buckets] = field(default_factory=dict, repr=False)
     _memo: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -62,6 +64,8 @@ class Buckets:
         """Nothing to move: one shard rank and no batching (and, for a reduce, no replicas to all-reduce
         over), so the collective is the identity: results are the inputs, cast and scaled."""
         groups = self.comm.groups
+        if self.kind == "reduce" and self.custom is not None and self.custom.reduces:
+            return False  # the hook runs even where nothing moves, as in FSDP2
         return groups.world == 1 and not self.batch_ndim and (self.kind == "gather" or groups.replicas == 1)
 
     def run_in_place(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
@@ -101,15 +105,15 @@ class Buckets:
             members = [by_name[f] for f in layout.fqns]
             if not batch:  # the core packs, or moves the tensors themselves where that is cheaper
                 if self.kind == "gather":
-                    pending.append(self.comm.gather_bucket(layout, members, label=self.label))
+                    pending.append(self.comm.gather_bucket(layout, members, label=self.label, custom=self.custom))
                 else:
-                    pending.append(self.comm.reduce_bucket(layout, members, scale=self.scale, label=self.label))
+                    pending.append(self.comm.reduce_bucket(layout, members, scale=self.scale, label=self.label, custom=self.custom))
             elif self.kind == "gather":
                 flat = layout.pack_shards(members, self.rank, batch=batch, device=device)
-                pending.append(self.comm.all_gather(flat, label=self.label))
+                pending.append(self.comm.all_gather(flat, label=self.label, custom=self.custom))
             else:
                 flat = layout.pack_full(members, batch=batch, device=device)
-                pending.append(self.comm.reduce_scatter(flat, scale=self.scale, label=self.label))
+                pending.append(self.comm.reduce_scatter(flat, scale=self.scale, label=self.label, custom=self.custom))
         return pending
 
     def finish(self, pending: Sequence[Handle]) -> list[torch.Tensor]:
@@ -174,6 +178,7 @@ def collective_pair(
     dtypes: dict[str, torch.dtype],
     scale: float,
     label: str = "",
+    custom: CustomComms | None = None,
 ) -> Buckets:
     """The gather collective over ``fqns`` wired to its adjoint chain.
 
@@ -181,8 +186,8 @@ def collective_pair(
     ``scale`` and returns them in their parameters' ``dtypes``; the reduce's own backward gathers again.
     """
     gather_dtype = {f: lay.dtype for lay in gather for f in lay.fqns}
-    g = Buckets("gather", comm, rank, tuple(fqns), tuple(gather), tuple(gather_dtype[f] for f in fqns), label=label)
-    r = reduce_collective(comm, rank, reduce_fqns, reduce, dtypes, scale, label, grad_dtypes=gather_dtype)
+    g = Buckets("gather", comm, rank, tuple(fqns), tuple(gather), tuple(gather_dtype[f] for f in fqns), label=label, custom=custom)
+    r = reduce_collective(comm, rank, reduce_fqns, reduce, dtypes, scale, label, grad_dtypes=gather_dtype, custom=custom)
     object.__setattr__(g, "adjoint", r)
     return g
 
@@ -197,11 +202,12 @@ def reduce_collective(
     label: str = "",
     *,
     grad_dtypes: dict[str, torch.dtype],
+    custom: CustomComms | None = None,
 ) -> Buckets:
     """The reduce collective over ``fqns`` (results in ``dtypes``), its adjoint gathering in ``grad_dtypes``."""
     fqns = tuple(fqns)
-    r = Buckets("reduce", comm, rank, fqns, tuple(layouts), tuple(dtypes[f] for f in fqns), scale, label=label)
-    g = Buckets("gather", comm, rank, fqns, tuple(layouts), tuple(grad_dtypes[f] for f in fqns), scale, label=label)
+    r = Buckets("reduce", comm, rank, fqns, tuple(layouts), tuple(dtypes[f] for f in fqns), scale, label=label, custom=custom)
+    g = Buckets("gather", comm, rank, fqns, tuple(layouts), tuple(grad_dtypes[f] for f in fqns), scale, label=label, custom=custom)
     object.__setattr__(r, "adjoint", g)
     object.__setattr__(g, "adjoint", r)
     return r

@@ -1,0 +1,68 @@
+"""``Handle``: one in-flight collective of the communication core (see ``fsdpfn.core.comm``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fsdpfn.core.guard import Fingerprint, Guard
+
+__all__ = ["Handle"]
+
+
+class Handle:
+    """An in-flight collective. ``wait()`` (idempotent) orders the caller after it and returns the result."""
+
+    __slots__ = ("_work", "_event", "_keep", "_finish", "_result", "_done", "_guard", "_fp", "direct", "__weakref__")
+
+    def __init__(
+        self,
+        result: torch.Tensor,
+        *,
+        work: Any = None,
+        event: Any = None,
+        keep: tuple = (),
+        finish: Any = None,
+        guard: Guard | None = None,
+        fp: Fingerprint | None = None,
+    ):
+        self._result = result
+        self._work = work
+        self._event = event
+        self._keep = keep
+        self._finish = finish
+        self._done = False
+        self._guard = guard
+        self._fp = fp
+        self.direct = False  # a bucket gathered parameter-major (Comm.gather_bucket)
+
+    def wait(self) -> torch.Tensor:
+        """Block (CPU) or make the current stream wait (CUDA) until the collective is done."""
+        if not self._done:
+            self._done = True
+            if self._work is not None:
+                if self._guard is not None and self._fp is not None:
+                    self._guard.wait(self._work, self._fp)
+                else:
+                    self._work.wait()
+            if self._event is not None:
+                torch.cuda.current_stream().wait_event(self._event)
+            if self._finish is not None:
+                self._result = self._finish(self._result)
+            self._work = self._event = self._finish = None
+            self._keep = ()
+        return self._result
+
+    def peek(self) -> torch.Tensor:
+        """The buffer the result will be in, before ``wait()`` (only for collectives whose finishing
+        step works in place, such as ``reduce_scatter``): read it only after ``wait()``."""
+        return self._result
+
+    def __del__(self) -> None:
+        # A dropped handle must still order the caller after the collective before its buffers go.
+        if not self._done:
+            try:
+                self.wait()
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
