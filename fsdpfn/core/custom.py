@@ -179,8 +179,9 @@ def reduce_custom(comm: Any, full: torch.Tensor, scale: float, custom: CustomCom
     # reduce-scatter) or the plain sum (the core's)
     before = scale * steps.post * (steps.pre / steps.op_scale if user is not None else 1.0)
 
-    def finish(out: torch.Tensor) -> torch.Tensor:
-        comm._all_reduce_replicas(out, label)
+    def finish(out: torch.Tensor, all_reduce: bool = True) -> torch.Tensor:
+        if all_reduce:
+            comm._all_reduce_replicas(out, label)
         if before != 1.0:
             out.mul_(before)
         run_hook(custom, out)
@@ -191,9 +192,9 @@ def reduce_custom(comm: Any, full: torch.Tensor, scale: float, custom: CustomCom
     if user is None:
         if groups.world == 1:
             return Handle(finish(full[0]))  # the caller's packed buffer: finishing in place is safe
-        handle = comm.reduce_scatter(full, label=label)
+        handle = comm.reduce_scatter(full, label=label)  # the core's, with its replicate all-reduce
         inner = handle._finish
-        handle._finish = finish if inner is None else (lambda out: finish(inner(out)))
+        handle._finish = (lambda out: finish(out, False)) if inner is None else (lambda out: finish(inner(out), False))
         return handle
     fn, inp, out = reduce_buffers(user, full, steps, groups.shard_group)
     comm.stats._note("reduce_scatters", label, full.numel() * full.element_size())
