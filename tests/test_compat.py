@@ -1304,15 +1304,7 @@ def _w_unsupported():
 
     model = _build(_lib(COMPAT), mesh)
     calls = [
-        ("set_custom_all_gather", lambda: model.set_custom_all_gather(object())),
-        ("set_custom_reduce_scatter", lambda: model.set_custom_reduce_scatter(object())),
-        ("set_all_reduce_hook", lambda: model.set_all_reduce_hook(lambda t: None)),
         ("set_symm_mem_for_comm", lambda: model.set_symm_mem_for_comm()),
-        (
-            "set_allocate_memory_from_process_group_for_comm",
-            lambda: model.set_allocate_memory_from_process_group_for_comm(True),
-        ),
-        ("set_separate_reduce_scatter_group", lambda: model.set_separate_reduce_scatter_group(True)),
     ]
     for what, fn in calls:
         _raises(NotImplementedError, fn, what)

@@ -332,3 +332,44 @@ def test_comm_memory_knobs_on_cpu(lib):
     r = spmd(2, _unsupported_on_cpu, lib, timeout=TIMEOUT)[0]
     assert r["symm_mem"] == ("RuntimeError" if lib == TORCH else "NotImplementedError")
     assert r["pg_alloc"] == "accepted"
+
+
+class GroupOfReduceScatter(RecordingReduceScatter):
+    """Records whether each reduce-scatter ran on the all-gather's (the mesh's) group, and its ranks."""
+
+    def __init__(self, mesh_group) -> None:
+        super().__init__()
+        self.mesh_group = mesh_group
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls.append((group is self.mesh_group, dist.get_process_group_ranks(group)))
+        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _separate_group(lib: str) -> dict:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _sharded(lib, mesh)
+    rs = GroupOfReduceScatter(mesh.get_group())
+    model[2].set_custom_reduce_scatter(rs)
+    for step, enable in enumerate((False, True, True, False)):
+        model.set_separate_reduce_scatter_group(enable)
+        model(_x(step)).pow(2).sum().backward()
+    return {"calls": [c for c in rs.calls if c[0] != "allocate"], **_state(model)}
+
+
+def _check_separate_group(lib: str) -> list:
+    got = _separate_group(lib)
+    if lib == COMPAT:
+        want = _separate_group(TORCH)
+        for k, v in want.items():
+            if k != "calls":
+                torch.testing.assert_close(got[k], v, **TOL, msg=lambda m: f"{k}: {m}")
+    return got["calls"]
+
+
+@pytest.mark.parametrize("lib", LIBS)
+def test_separate_reduce_scatter_group(lib):
+    # off, on, on (the same group again), off: the reduce-scatter's group is the mesh's or a new one
+    # over the same ranks; gradients are the same either way
+    for calls in spmd(2, _check_separate_group, lib, timeout=TIMEOUT):
+        assert calls == [(True, [0, 1]), (False, [0, 1]), (False, [0, 1]), (True, [0, 1])], calls

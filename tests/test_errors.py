@@ -151,6 +151,28 @@ def _compat_load_plain():
     model.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
 
 
+class _OneElement:
+    """An AllGather-shaped object whose allocate ignores the size it is asked for."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(1, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return None
+
+
+def _compat_bad_allocate():
+    model = _compat_model()
+    model.blocks[1].set_custom_all_gather(_OneElement())
+    model(torch.ones(1, 3))
+
+
+def _compat_pg_alloc_custom():
+    model = _compat_model()
+    model.set_custom_all_gather(_OneElement())
+    model.set_allocate_memory_from_process_group_for_comm(True)
+
+
 def _compat_placement():
     from torch.distributed.tensor import Shard
 
@@ -222,7 +244,11 @@ COMPAT_TRIGGERS = {
     "compat-subclass": (lambda m, p, a: _compat_subclass(), NotImplementedError, r"'weight' of Linear is a WithHook with fsdp_pre_all_gather"),
     "compat-offload-cuda": (lambda m, p, a: _compat_offload_cuda(), NotImplementedError, r"CPUOffloadPolicy on a cuda mesh"),
     "compat-other-mesh": (lambda m, p, a: _compat_other_mesh(), NotImplementedError, r"module 'blocks.1' was sharded on a different mesh"),
-    "compat-custom-comm": (lambda m, p, a: _compat_model().set_custom_all_gather(None), NotImplementedError, r"set_custom_all_gather"),
+    "compat-custom-comm": (lambda m, p, a: _compat_model().set_symm_mem_for_comm(), NotImplementedError, r"set_symm_mem_for_comm: symmetric-memory collectives are not supported"),
+    "compat-comm-protocol": (lambda m, p, a: _compat_model().set_custom_all_gather(object()), TypeError, r"set_custom_all_gather: object is not a torch.distributed.fsdp AllGather: it needs an allocate\(size, \*, dtype, device\) method"),
+    "compat-comm-allocate": (lambda m, p, a: _compat_bad_allocate(), ValueError, r"set_custom_all_gather: _OneElement.allocate\(\(\d+,\), dtype=torch.float32, device=cpu\) returned \(1,\) torch.float32 on cpu"),
+    "compat-hook-callable": (lambda m, p, a: _compat_model().set_all_reduce_hook(3), TypeError, r"set_all_reduce_hook: hook must be callable"),
+    "compat-pg-alloc-custom": (lambda m, p, a: _compat_pg_alloc_custom(), AssertionError, r"cannot call set_allocate_memory_from_process_group\(\) when all gather comm is custom: _OneElement"),
     "compat-divide-factor": (lambda m, p, a: _compat_model().set_gradient_divide_factor(0), ValueError, r"factor must be a positive number, got 0"),
     "compat-prefetch-list": (lambda m, p, a: _compat_prefetch_list(), ValueError, r"Expects FSDPModule but got <class 'torch.nn.modules.linear.Linear'>"),
     "compat-min-bucket-bytes": (lambda m, p, a: _compat_model().set_min_bucket_bytes("1MB"), ValueError, r"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 \(bytes\) or None, got '1MB'"),

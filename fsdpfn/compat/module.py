@@ -331,20 +331,39 @@ class FSDPModule:
         update_custom(st, hook=hook, **({} if stream is None else {"stream": stream}))
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
-        """Not supported for ``True``: raises ``NotImplementedError``."""
-        if enable:
-            raise NotImplementedError("set_separate_reduce_scatter_group: a separate reduce-scatter group is not supported")
+        """Run gradient reduce-scatters on a process group of their own over the shard ranks, so they can
+        progress alongside all-gathers. **Differs**: one switch per root (its ``Comm``): reductions of
+        all its units move when any of them asks, from the next forward, which creates the group
+        (collective: call it on every rank)."""
+        value = _check_bool(enable, "enable")
+        for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
+            _state(m).separate_reduce_group = value
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not supported for ``True``: raises ``NotImplementedError``."""
-        if enable:
+        """``True`` on a CPU mesh: accepted and changes nothing, as in FSDP2 on gloo (which cannot
+        allocate, so FSDP2 falls back to plain ``torch.empty``). On a CUDA mesh ``True`` raises
+        ``NotImplementedError``: fsdpfn's buffers come from the caching allocator. Like FSDP2, refused
+        (``AssertionError``) after ``set_custom_all_gather``/``set_custom_reduce_scatter``."""
+        st = _state(self)
+        custom = st.custom
+        if custom is not None and (custom.all_gather is not None or custom.reduce_scatter is not None):
+            which = "all gather" if custom.all_gather is not None else "reduce scatter"
+            obj = custom.all_gather if custom.all_gather is not None else custom.reduce_scatter
+            raise AssertionError(
+                f"cannot call set_allocate_memory_from_process_group() when {which} comm is custom: {type(obj).__name__}"
+            )
+        if _check_bool(enable, "enable") and st.mesh.device_type != "cpu":
             raise NotImplementedError(
-                "set_allocate_memory_from_process_group_for_comm: process-group memory allocation is not supported"
+                "set_allocate_memory_from_process_group_for_comm(True): allocating collective buffers from the process "
+                f"group is not supported by fsdpfn.compat on a {st.mesh.device_type} mesh; leave it off"
             )
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
-        """Not supported: raises ``NotImplementedError``."""
-        raise NotImplementedError("set_symm_mem_for_comm: symmetric-memory collectives are not supported by fsdpfn.compat")
+        """Not supported: raises ``NotImplementedError`` (FSDP2 needs NCCL symmetric memory for it and
+        raises ``RuntimeError`` on CPU/gloo; fsdpfn has no symmetric-memory buffers on any device)."""
+        raise NotImplementedError(
+            "set_symm_mem_for_comm: symmetric-memory collectives are not supported by fsdpfn.compat; leave it off"
+        )
 
     # --- nn.Module integration ----------------------------------------------------------------------
     def _apply(self, *args: Any, **kwargs: Any) -> Any:

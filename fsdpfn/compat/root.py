@@ -336,6 +336,8 @@ class RootContext:
         if event is not None:
             self.comm.wait_event(event)
             self.state.post_optim_event = None
+        # every rank reaches this point together: where a separate reduce-scatter group is created
+        self.comm.separate_reduce_group(any(st.separate_reduce_group for st in self.states.values()))
         self.deferred = []  # this forward's reductions; its LocalShards backward waits for them
         params = self.params(self.deferred)
         opened, args, kwargs = self.apply.begin(params, args, kwargs, traced)

@@ -67,6 +67,24 @@ class Comm:
             else None
         )
         self.exchange_min_bytes = EXCHANGE_MIN_BYTES  # CPU: exchanges from this size (tests lower it)
+        # reduce-scatters run here: the shard group, or a second group over its ranks (separate_reduce_group)
+        self.reduce_group = shard_group
+        self.reduce_exchange = self.exchange
+        self._separate: tuple[Any, Exchange | None] | None = None
+
+    def separate_reduce_group(self, enable: bool) -> None:
+        """Run reduce-scatters on a process group of their own over the shard ranks (``True``), so they
+        can progress alongside all-gathers, or on the shard group again (``False``). The first ``True``
+        creates the group: collective over the shard ranks, so every rank must call it at the same point."""
+        shard_group = self.groups.shard_group
+        if not enable or shard_group is None or self.groups.world == 1:
+            self.reduce_group, self.reduce_exchange = shard_group, self.exchange
+            return
+        if self._separate is None:
+            group = dist.new_group(dist.get_process_group_ranks(shard_group), use_local_synchronization=True)
+            exchange = Exchange(group, self.groups.rank, self.groups.world) if has_point_to_point(group) else None
+            self._separate = (group, exchange)
+        self.reduce_group, self.reduce_exchange = self._separate
 
     @property
     def world(self) -> int:
@@ -173,10 +191,10 @@ class Comm:
         self.stats._note("reduce_scatters", label, full.numel() * full.element_size())
         if out.numel() == 0:
             return Handle(out)
-        group = groups.shard_group
+        group = self.reduce_group
         fp = self.guard.begin("reduce_scatter", label, full, group)
-        if self.exchange is not None and full.device.type != "cuda":
-            fn, add, extra = self.exchange.reduce_flat(full, out)
+        if self.reduce_exchange is not None and full.device.type != "cuda":
+            fn, add, extra = self.reduce_exchange.reduce_flat(full, out)
             return self._launch("reduce", fn, keep=(full, extra), result=out, fp=fp, finish=_then(add, finish))
         send, recv = _as_reals(full).reshape(-1), _as_reals(out).reshape(-1)
         return self._launch(
@@ -248,9 +266,9 @@ class Comm:
             return self.reduce_scatter(full, scale=scale, label=label, custom=custom)
         out = torch.empty(layout.numel, dtype=layout.dtype, device=groups.device)
         self.stats._note("reduce_scatters", label, layout.numel * groups.world * layout.dtype.itemsize)
-        fp = self.guard.begin("reduce_scatter", label, out, groups.shard_group)
-        assert self.exchange is not None  # direct() says so
-        fn, add, extra = self.exchange.reduce_direct(layout, fulls, out)  # type: ignore[arg-type]
+        fp = self.guard.begin("reduce_scatter", label, out, self.reduce_group)
+        assert self.reduce_exchange is not None  # direct() says so
+        fn, add, extra = self.reduce_exchange.reduce_direct(layout, fulls, out)  # type: ignore[arg-type]
 
         def finish(result: torch.Tensor) -> torch.Tensor:
             add(result)

@@ -196,7 +196,7 @@ def reduce_custom(comm: Any, full: torch.Tensor, scale: float, custom: CustomCom
         inner = handle._finish
         handle._finish = (lambda out: finish(out, False)) if inner is None else (lambda out: finish(inner(out), False))
         return handle
-    fn, inp, out = reduce_buffers(user, full, steps, groups.shard_group)
+    fn, inp, out = reduce_buffers(user, full, steps, comm.reduce_group)
     comm.stats._note("reduce_scatters", label, full.numel() * full.element_size())
-    fp = comm.guard.begin("reduce_scatter", label, full, groups.shard_group)
+    fp = comm.guard.begin("reduce_scatter", label, full, comm.reduce_group)
     return comm._launch("reduce", fn, keep=(inp,), result=out, fp=fp, finish=finish)
