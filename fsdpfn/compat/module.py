@@ -337,7 +337,9 @@ class FSDPModule:
         (collective: call it on every rank)."""
         value = _check_bool(enable, "enable")
         for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
-            _state(m).separate_reduce_group = value
+            st = _state(m)
+            st.separate_reduce_group = value
+            (st.root.state if st.root is not None else st.top()).reduce_group_changed = True
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """``True`` on a CPU mesh: accepted and changes nothing, as in FSDP2 on gloo (which cannot

@@ -292,8 +292,10 @@ class RootContext:
     def collective(self, unit: Any) -> Buckets:
         """The gather (and, as its backward, reduce) of ``unit`` with its knobs: divide factor and the
         user's collectives and all-reduce hook."""
-        st = self.unit_state(unit.name)
-        return gather_collective(self.plan, (unit,), self.scale(unit.name), None if st is None else st.custom)
+        st = self.unit_state(unit.name)  # (scale() inlined: this runs for every unit of every call)
+        knobs = st or self.state
+        scale = 1.0 / knobs.divide_factor if knobs.divide_factor is not None else 1.0 / (self.plan.world * self.plan.replicas)
+        return gather_collective(self.plan, (unit,), scale, None if st is None else st.custom)
 
     # --- calls ------------------------------------------------------------------------------------
     def params(self, deferred: list[Any] | None = None) -> Sharded[torch.Tensor]:
@@ -336,8 +338,10 @@ class RootContext:
         if event is not None:
             self.comm.wait_event(event)
             self.state.post_optim_event = None
-        # every rank reaches this point together: where a separate reduce-scatter group is created
-        self.comm.separate_reduce_group(any(st.separate_reduce_group for st in self.states.values()))
+        if self.state.reduce_group_changed:  # set_separate_reduce_scatter_group since the last forward
+            self.state.reduce_group_changed = False
+            # every rank reaches this point together: where a separate reduce-scatter group is created
+            self.comm.separate_reduce_group(any(st.separate_reduce_group for st in self.states.values()))
         self.deferred = []  # this forward's reductions; its LocalShards backward waits for them
         params = self.params(self.deferred)
         opened, args, kwargs = self.apply.begin(params, args, kwargs, traced)

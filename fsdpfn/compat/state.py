@@ -58,6 +58,7 @@ class UnitState:
     min_bucket_bytes: int | None = None  # fsdpfn extension, read on the root (set_min_bucket_bytes)
     force_sum_reduction: bool = False
     separate_reduce_group: bool = False  # set_separate_reduce_scatter_group (root-wide, see RootContext.begin)
+    reduce_group_changed: bool = False  # on the top state: some unit below changed separate_reduce_group
     custom: CustomComms | None = None  # set_custom_all_gather / _reduce_scatter / set_all_reduce_hook (compat.hooks)
     comm_box: list[Any] | None = None  # share_comm_ctx: one [Comm | None] shared by several roots
     # runtime
