@@ -90,7 +90,7 @@ TRIGGERS = {
     "shard-donated": (lambda m, p, a: fsdpfn.shard(_donated(), fsdpfn.init_mesh()), ValueError, r"parameters were donated to an earlier shard\(\) call"),
     "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3, donate=False), TypeError, r"units must be a list of submodule names"),
     "meta-no-reset": (lambda m, p, a: fsdpfn.shard(_meta_module(), fsdpfn.init_mesh()), ValueError, r"has no reset_parameters\(\); pass init="),
-    "min-bucket-bytes": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0"], min_bucket_bytes="1MB", donate=False), ValueError, r"min_bucket_bytes must be an int >= 0 \(bytes\), got '1MB'"),
+    "min-bucket-bytes": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0"], min_bucket_bytes="1MB", donate=False), ValueError, r"min_bucket_bytes must be an int >= 0 \(bytes\), 'auto' or None, got '1MB'"),
     "offload": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), offload_policy=fsdpfn.CPUOffloadPolicy(), donate=False), NotImplementedError, r"CPUOffloadPolicy is not supported"),
     "mp-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), mp_policy="bf16", donate=False), TypeError, r"mp_policy must be a fsdpfn.MixedPrecisionPolicy"),
     "sharded-missing": (lambda m, p, a: fsdpfn.Sharded({}, p.plan), KeyError, r"missing \["),
@@ -225,7 +225,7 @@ COMPAT_TRIGGERS = {
     "compat-custom-comm": (lambda m, p, a: _compat_model().set_custom_all_gather(None), NotImplementedError, r"set_custom_all_gather"),
     "compat-divide-factor": (lambda m, p, a: _compat_model().set_gradient_divide_factor(0), ValueError, r"factor must be a positive number, got 0"),
     "compat-prefetch-list": (lambda m, p, a: _compat_prefetch_list(), ValueError, r"Expects FSDPModule but got <class 'torch.nn.modules.linear.Linear'>"),
-    "compat-min-bucket-bytes": (lambda m, p, a: _compat_model().set_min_bucket_bytes("1MB"), ValueError, r"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 \(bytes\) or None, got '1MB'"),
+    "compat-min-bucket-bytes": (lambda m, p, a: _compat_model().set_min_bucket_bytes("1MB"), ValueError, r"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 \(bytes\), 'auto' or None, got '1MB'"),
     "compat-reset-non-root": (lambda m, p, a: (lambda mm: (mm(torch.ones(1, 3)), mm.blocks[1].reset_iter_state()))(_compat_model()), RuntimeError, r"reset_iter_state must be called on the root FSDP module \(FSDP_TwoLayer\)"),
     "compat-replicate-on-fsdp": (lambda m, p, a: _compat_replicate_on_fsdp(), RuntimeError, r"Cannot apply `replicate\(\)` on a Module already managed by `fully_shard`"),
 }

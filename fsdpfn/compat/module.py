@@ -269,20 +269,24 @@ class FSDPModule:
         _state(self).post_optim_event = event
 
     # --- fsdpfn extensions ----------------------------------------------------------------------------
-    def set_min_bucket_bytes(self, min_bucket_bytes: int | None) -> None:
+    def set_min_bucket_bytes(self, min_bucket_bytes: int | Literal["auto"] | None) -> None:
         """fsdpfn only (FSDP2 has no such knob): fuse runs of consecutive ``fully_shard`` units below this
         root into collective groups of at least ``min_bucket_bytes`` gathered bytes, as
         ``fsdpfn.shard(..., min_bucket_bytes=)`` does. Call it on the root module (the one whose forward
         you call); it applies from the next forward. Units fuse only with neighbours whose settings
         agree (reshard, mixed precision, gradient sync and divide factor, no explicit prefetch lists);
         changing a unit's setting later splits its group again at the next forward. ``None``: off.
+        ``"auto"``: sizes chosen from the mesh's measured all-gather cost, as ``fsdpfn.shard``'s default
+        (see ``fsdpfn.layout.autobucket``).
 
         Example:
             >>> for block in model.blocks: fully_shard(block)                  # doctest: +SKIP
             >>> fully_shard(model).set_min_bucket_bytes(1 << 20)               # doctest: +SKIP
         """
-        if min_bucket_bytes is not None and not is_byte_count(min_bucket_bytes):
-            raise ValueError(f"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 (bytes) or None, got {min_bucket_bytes!r}")
+        if min_bucket_bytes not in (None, "auto") and not is_byte_count(min_bucket_bytes):
+            raise ValueError(
+                f"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 (bytes), 'auto' or None, got {min_bucket_bytes!r}"
+            )
         _state(self).min_bucket_bytes = min_bucket_bytes or None
 
     # --- communication customisation: not supported -----------------------------------------------

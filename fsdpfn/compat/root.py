@@ -19,8 +19,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
-from fsdpfn.core import Comm
+from fsdpfn.core import Comm, measure_link
 from fsdpfn.layout import ParamInfo, Sharded, ShardPlan, build_plan
+from fsdpfn.layout.autobucket import LinkCost
 from fsdpfn.layout.plan import FUSED
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import gather_collective
@@ -150,6 +151,7 @@ class RootContext:
         self.opened: OpenCall | None = None  # the running call
         self.deferred: list[Any] = []
         self.comm: Comm | None = None
+        self.link: LinkCost | None = None  # the mesh's all-gather cost, measured once (min_bucket_bytes="auto")
         self.states: dict[str, UnitState] = {}
         self.acc: dict[str, torch.Tensor] = {}  # unreduced grads of every unit (fqns are unique)
         self._fusion: Any = None  # what the plan's groups were built from
@@ -223,6 +225,7 @@ class RootContext:
             unit_names,
             min_bucket_bytes=min_bytes,
             fuse_key=keys.__getitem__,
+            link=self._link,
             rank=groups.rank,
             world=groups.world,
             aliases=aliases,
@@ -241,6 +244,13 @@ class RootContext:
                 self.acc.update(st.acc)
                 st.acc = self.acc
         self.states = states
+
+    def _link(self) -> LinkCost:
+        """The mesh's all-gather cost, measured on first need (``min_bucket_bytes="auto"``) and kept."""
+        if self.link is None:
+            assert self.comm is not None
+            self.link = measure_link(self.comm)
+        return self.link
 
     def _fusion_inputs(self, states: dict[str, UnitState]) -> tuple[int | None, dict[str, Any]]:
         return self.state.min_bucket_bytes, {n: st.fuse_key(st is self.state) for n, st in states.items()}

@@ -54,7 +54,7 @@ class UnitState:
     forward_prefetch: list[UnitState] | None = None
     backward_prefetch: list[UnitState] | None = None
     post_optim_event: Any = None
-    min_bucket_bytes: int | None = None  # fsdpfn extension, read on the root (set_min_bucket_bytes)
+    min_bucket_bytes: int | str | None = "auto"  # fsdpfn extension, read on the root (set_min_bucket_bytes)
     # runtime
     root: RootContext | None = None  # the root whose plan runs this state (set by lazy init)
     name: str = ""  # this state's unit name in the root's plan
