@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
-from fsdpfn.compat.state import ManagedParam, UnitState, set_state, state_of
+from fsdpfn.compat.state import ManagedParam, UnitState, mark_sharded, set_state, sharded_as, state_of
 from fsdpfn.core import default_mesh, mesh_groups
 from fsdpfn.layout import ShardSpec, shard_tensor
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -104,6 +104,7 @@ def _shard(
     taken = {id(m.param) for st in inner for m in st.managed}
     managed: list[ManagedParam] = []
     by_id: dict[int, ManagedParam] = {}
+    joins: list[tuple[ManagedParam, nn.Module, str]] = []
     for root in modules:
         for mod in root.modules():
             for attr, p in list(mod._parameters.items()):
@@ -111,6 +112,11 @@ def _shard(
                     continue
                 if id(p) in by_id:
                     by_id[id(p)].slots.append((mod, attr))
+                    continue
+                earlier = sharded_as(p)
+                if earlier is not None:  # tied to a parameter an earlier call sharded: one parameter
+                    if p is not earlier.param:  # the plain original, still registered here
+                        joins.append((earlier, mod, attr))
                     continue
                 if hasattr(p, "fsdp_pre_all_gather") or hasattr(p.data, "fsdp_pre_all_gather"):
                     raise NotImplementedError(
@@ -133,8 +139,13 @@ def _shard(
                 by_id[id(p)] = ManagedParam(p, [(mod, attr)])
                 managed.append(by_id[id(p)])
     hooked: set[int] = set()
+    for earlier, mod, attr in joins:
+        earlier.slots.append((mod, attr))
+        mod._parameters[attr] = earlier.param
     for m in managed:
+        mark_sharded(m.param, m)
         m.param = _to_dtensor(m.param, mesh, placements, groups, device, kind)
+        mark_sharded(m.param, m)
         for mod, attr in m.slots:
             mod._parameters[attr] = m.param
             if id(mod) not in hooked:
