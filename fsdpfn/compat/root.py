@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdpfn.compat.checks import check_materialized, state_name
 from fsdpfn.compat.state import UnitState, drop_unsharded, sharded_as, state_of
 from fsdpfn.core import Comm
 from fsdpfn.layout import ParamInfo, Sharded, ShardPlan, build_plan
@@ -159,6 +160,12 @@ class RootContext:
     # --- set-up -----------------------------------------------------------------------------------
     def _build(self) -> None:
         """Collect the states below the root and make one plan over them."""
+        if len(self.state.modules) > 1:
+            raise RuntimeError(
+                f"{state_name(self.state.kind)} requires a single root module but got {self.state.modules}\n"
+                f"these modules were passed to one {self.state.kind} call; apply {self.state.kind} to a module "
+                "holding them all (e.g. the model) and run forward through it"
+            )
         module_names = {}
         for fqn, mod in self.module.named_modules(remove_duplicate=False):
             module_names.setdefault(id(mod), fqn)
@@ -174,10 +181,11 @@ class RootContext:
                 continue
             unit_at[fqn] = fqn
             if st.root is not None and st.root is not self:
+                who = state_name(self.state.kind)
                 raise RuntimeError(
-                    f"FSDP state has already been lazily initialized for {fqn!r} ({type(mod).__name__}): it ran (forward "
-                    f"or unshard) as a root of its own before the root module {type(self.module).__name__}. FSDP "
-                    "requires running forward through the root module first"
+                    f"{who} state has already been lazily initialized for {fqn}\n{who} requires running forward "
+                    f"through the root module first\n{fqn!r} ({type(mod).__name__}) ran (forward or unshard) as a root "
+                    f"of its own before the root module {type(self.module).__name__}; call the root's forward first"
                 )
             states[fqn] = st
         mesh = self.state.mesh
@@ -300,7 +308,7 @@ class RootContext:
     # --- calls ------------------------------------------------------------------------------------
     def params(self, deferred: list[Any] | None = None) -> Sharded[torch.Tensor]:
         """This call's tree: the local shards of the registered ``DTensor`` parameters."""
-        stale = False
+        stale = meta = False
         for fqn, m in self.managed.items():
             mod, attr = m.slots[0]
             current = mod._parameters.get(attr)
@@ -310,6 +318,9 @@ class RootContext:
                     mo._parameters[at] = current
                 m.param = current
             stale = stale or m.param.dtype != self.plan.dtypes[fqn]
+            meta = meta or m.param.is_meta
+        if meta:
+            check_materialized(self)
         fusing = self._fusion[0] or self.state.min_bucket_bytes
         if stale or (fusing and self._fusion != self._fusion_inputs(self.states)):
             self._build()  # e.g. model.to(dtype): same units, new dtypes; or a knob that splits a fused group
