@@ -64,8 +64,10 @@ def _shard(lib: str, plan: list, reshard: bool) -> TiedLM:
     return model
 
 
-def _train(lib: str, plan: list, reshard: bool) -> tuple:
+def _train(lib: str, plan: list, reshard: bool, convert: bool = False) -> tuple:
     model = _shard(lib, plan, reshard)
+    if convert:  # module.to(...) after fully_shard converts each registration of the tied parameter
+        model.double().float()
     tied = model.head.weight is model.emb.weight
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     try:
@@ -98,6 +100,14 @@ def test_a_parameter_tied_across_fully_shard_calls_trains_as_one_parameter(plan,
     assert keys == sorted(["emb.weight", "head.weight", "mid.weight", "mid.bias"]), keys
     for n, w in want.items():
         torch.testing.assert_close(got[n], w, **TOL, msg=lambda m: f"{plan} {n}: {m}")
+
+
+def test_the_tie_survives_module_to():
+    want = _reference()
+    tied, _, got, _ = spmd(WORLD, _train, "fsdpfn.compat", PLANS["embedding-and-head-units"], True, True)[0]
+    assert tied, "model.double().float() untied head.weight from emb.weight"
+    for n, w in want.items():
+        torch.testing.assert_close(got[n], w, **TOL, msg=lambda m: f"{n}: {m}")
 
 
 def test_torch_refuses_what_fsdpfn_keeps():

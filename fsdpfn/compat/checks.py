@@ -2,7 +2,8 @@
 FSDP2's errors: for the same misuse the same exception class, and a message that starts with the text
 torch 2.13 prints (code and tests that catch FSDP2's errors keep working), followed, where it adds
 something, by what to do in fsdpfn. Where FSDP2's error is an accident of its implementation (an
-``AttributeError`` from a mesh that is a string) it is still reproduced: callers may catch it.
+``AttributeError`` from a mesh that is a string) it is still reproduced: callers may catch it. Where
+fsdpfn.compat raised a ``ValueError`` before matching FSDP2, the error is of a class deriving from both.
 
 Example:
     >>> from fsdpfn.compat import fully_shard
@@ -26,6 +27,11 @@ if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
 
 __all__ = [
+    "AppliedTwiceError",
+    "EmptyModuleListError",
+    "NotAMeshError",
+    "NotAModuleError",
+    "NotAModuleInListError",
     "check_materialized",
     "check_mesh",
     "check_modules",
@@ -34,6 +40,27 @@ __all__ = [
     "shard_dim_of",
     "state_name",
 ]
+
+
+# FSDP2's class first; also a ValueError, which fsdpfn.compat raised for these before matching FSDP2.
+class AppliedTwiceError(AssertionError, ValueError):
+    """``fully_shard``/``replicate`` applied again to a module it was applied to (FSDP2: ``AssertionError``)."""
+
+
+class NotAModuleError(TypeError, ValueError):
+    """``fully_shard(3)``: not a module nor an iterable of them (FSDP2: ``TypeError``)."""
+
+
+class NotAModuleInListError(AttributeError, ValueError):
+    """A list holding something that is not a module (FSDP2: ``AttributeError``)."""
+
+
+class EmptyModuleListError(IndexError, ValueError):
+    """``fully_shard([])`` (FSDP2: ``IndexError``)."""
+
+
+class NotAMeshError(AttributeError, ValueError):
+    """A mesh that is not a ``DeviceMesh`` (FSDP2: ``AttributeError``, reading its ``ndim``)."""
 
 
 def _say(torch_text: str, advice: str = "") -> str:
@@ -54,25 +81,25 @@ def check_modules(module: Any, kind: str) -> list[nn.Module]:
         try:
             modules = list(module)
         except TypeError:
-            raise TypeError(
+            raise NotAModuleError(
                 _say(f"'{type(module).__name__}' object is not iterable", f"{kind} expects an nn.Module or a list of them")
             ) from None
         for m in modules:
             if not isinstance(m, nn.Module):
-                raise AttributeError(
+                raise NotAModuleInListError(
                     _say(
                         f"'{type(m).__name__}' object has no attribute 'modules'",
                         f"{kind} expects an nn.Module or a list of them; the list holds a {type(m).__name__}",
                     )
                 )
         if not modules:
-            raise IndexError(_say("tuple index out of range", f"{kind} got an empty list of modules"))
+            raise EmptyModuleListError(_say("tuple index out of range", f"{kind} got an empty list of modules"))
     for m in modules:
         st = state_of(m)
         if st is None:
             continue
         if st.kind == kind:
-            raise AssertionError(
+            raise AppliedTwiceError(
                 "Each distinct composable distributed API can only be applied to a module once. "
                 f"{kind} has already been applied to the following module:\n{m}\n"
                 "Apply it once per module, bottom-up: blocks first, then the root"
@@ -94,7 +121,7 @@ def check_mesh(mesh: Any, kind: str, dp_mesh_dims: Any) -> DeviceMesh:
     """FSDP2's mesh checks: a ``DeviceMesh`` of 1 (FSDP) or 2 named dims (HSDP); ``replicate``: 1 dim.
     ``dp_mesh_dims`` is validated as FSDP2 does, then refused (not supported by fsdpfn.compat)."""
     if not hasattr(mesh, "ndim"):
-        raise AttributeError(
+        raise NotAMeshError(
             _say(
                 f"'{type(mesh).__name__}' object has no attribute 'ndim'",
                 f"{kind}: mesh must be a torch.distributed.device_mesh.DeviceMesh (e.g. fsdpfn.init_mesh() or "
@@ -129,7 +156,9 @@ def check_mesh(mesh: Any, kind: str, dp_mesh_dims: Any) -> DeviceMesh:
 
 
 def _check_dp_mesh_dims(mesh: DeviceMesh, dims: Any) -> None:
-    if dims.shard is None and dims.replicate is None:  # attribute access as FSDP2's: same AttributeError
+    if not (hasattr(dims, "shard") and hasattr(dims, "replicate")):
+        return  # not a DataParallelMeshDims: refused as unsupported, whatever it is
+    if dims.shard is None and dims.replicate is None:
         raise ValueError("At least one of shard or replicate must be set in dp_mesh_dims")
     if mesh.mesh_dim_names is None:
         raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")
