@@ -130,6 +130,6 @@ def _separate_roots() -> str:
 
 
 def test_a_parameter_tied_across_two_roots_is_refused_naming_it():
-    msg = spmd(1, _separate_roots)[0]
+    msg = spmd(WORLD, _separate_roots)[0]
     assert msg.startswith("Parameter 'weight' is shared with a parameter already managed by another FSDP group"), msg
     assert "tied to 'weight' of FSDPEmbedding" in msg, msg
