@@ -15,7 +15,6 @@ from torch.distributed.tensor import Replicate
 
 from fsdpfn.compat.fully_shard import _shard
 from fsdpfn.compat.module import FSDPModule
-from fsdpfn.compat.state import state_of
 from fsdpfn.policy import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["ReplicateModule", "replicate"]
