@@ -5,16 +5,20 @@ FSDP2 refuses this at the first forward (``ValueError``: "Parameter ... is share
 managed by another FSDP group"); fsdpfn.compat keeps the tie, as ``fsdpfn.shard`` does: the parameter
 stays one ``DTensor`` registered under every name, belongs to the innermost ``fully_shard`` module that
 holds all its uses, and its gradient is the sum over both uses. Each case trains a few SGD steps at
-world 2 and compares every parameter with an unsharded single-process model trained on the same data.
+world 2 and compares every parameter with an unsharded single-process model trained on the same data;
+the named plans are the common layouts, the property draws any placement of the uses in units.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.distributed as dist
 from torch import nn
 
@@ -41,6 +45,7 @@ def _x(rank: int, step: int) -> torch.Tensor:
     return torch.randint(0, V, (BATCH,), generator=torch.Generator().manual_seed(rank + 10 * step))
 
 
+@functools.cache
 def _reference() -> dict[str, torch.Tensor]:
     """One process, the mean of the ranks' losses: what data parallelism over ``WORLD`` ranks computes."""
     model = TiedLM()
@@ -90,16 +95,37 @@ PLANS = {
 }
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+@st.composite
+def _plans(draw) -> list:
+    """Which modules get a ``fully_shard`` call of their own before the root's (the embedding and the
+    head possibly grouped in one call), in any order."""
+    grouped = draw(st.booleans())
+    parts = [("emb", "head")] if grouped else []
+    for name in ("mid",) if grouped else ("emb", "mid", "head"):
+        if draw(st.booleans()):
+            parts.append(name)
+    return draw(st.permutations(parts))
+
+
 @pytest.mark.parametrize("plan", list(PLANS))
-def test_a_parameter_tied_across_fully_shard_calls_trains_as_one_parameter(plan, reshard):
+def test_a_parameter_tied_across_fully_shard_calls_trains_as_one_parameter(plan):
+    _check_trains_as_one(PLANS[plan], reshard=True)
+
+
+@settings(max_examples=16)
+@given(plan=_plans(), reshard=st.booleans())
+def test_any_placement_of_the_tied_uses_trains_as_one_parameter(plan, reshard):
+    _check_trains_as_one(plan, reshard)
+
+
+def _check_trains_as_one(plan: list, reshard: bool) -> None:
     want = _reference()
-    tied, names, got, keys = spmd(WORLD, _train, "fsdpfn.compat", PLANS[plan], reshard)[0]
-    assert tied, "fully_shard untied head.weight from emb.weight"
-    assert names == list(want), names  # one parameter, under its first name
-    assert keys == sorted(["emb.weight", "head.weight", "mid.weight", "mid.bias"]), keys
+    tied, names, got, keys = spmd(WORLD, _train, "fsdpfn.compat", plan, reshard)[0]
+    assert tied, f"{plan}: fully_shard untied head.weight from emb.weight"
+    assert names == list(want), (plan, names)  # one parameter, under its first name
+    assert keys == sorted(["emb.weight", "head.weight", "mid.weight", "mid.bias"]), (plan, keys)
     for n, w in want.items():
-        torch.testing.assert_close(got[n], w, **TOL, msg=lambda m: f"{plan} {n}: {m}")
+        torch.testing.assert_close(got[n], w, **TOL, msg=lambda m: f"{plan} reshard={reshard} {n}: {m}")
 
 
 def test_the_tie_survives_module_to():
