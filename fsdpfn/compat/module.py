@@ -170,8 +170,8 @@ class FSDPModule:
         st = _state(self)
         if st.root is not None and st.root.state is not st:
             raise RuntimeError(
-                f"reset_iter_state must be called on the root FSDP module ({type(st.root.module).__name__}), "
-                f"not on {type(self).__name__}"
+                f"reset_iter_state must be called on the root FSDP module\nthe root is {type(st.root.module).__name__}, "
+                f"not this {type(self).__name__}"
             )
         states = st.root.states.values() if st.root is not None else [st]
         for s in states:
@@ -251,8 +251,10 @@ class FSDPModule:
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Accepted for compatibility: fsdpfn holds one reduce-scatter input per unit, freed when it ends."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
-            raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
 
     # --- prefetch and events ----------------------------------------------------------------------
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:

@@ -19,9 +19,10 @@ from fsdpfn.policy import MixedPrecisionPolicy, OffloadPolicy
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
 
-__all__ = ["ManagedParam", "UnitState", "drop_unsharded", "state_of"]
+__all__ = ["ManagedParam", "UnitState", "drop_unsharded", "mark_sharded", "sharded_as", "state_of"]
 
 _ATTR = "_fsdpfn_compat_state"
+_SHARDED_AS = "_fsdpfn_compat_sharded_as"
 
 
 @dataclass(eq=False)
@@ -93,6 +94,18 @@ def state_of(module: nn.Module) -> UnitState | None:
 
 def set_state(module: nn.Module, state: UnitState) -> None:
     module.__dict__[_ATTR] = state
+
+
+def mark_sharded(original: nn.Parameter, managed: ManagedParam) -> None:
+    """Remember on the plain parameter ``fully_shard`` replaced that ``managed`` is its sharded form: a
+    later call that still finds it (tied to a module outside the earlier call) registers the same
+    ``DTensor`` instead of making a second, independent one."""
+    original.__dict__[_SHARDED_AS] = managed
+
+
+def sharded_as(original: nn.Parameter) -> ManagedParam | None:
+    """The ``ManagedParam`` an earlier ``fully_shard`` call made of ``original``, else ``None``."""
+    return original.__dict__.get(_SHARDED_AS)
 
 
 def drop_unsharded(state: UnitState) -> None:
