@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -114,6 +115,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args
+
+
+def cores_per_rank(device: torch.device, world: int) -> float:
+    """CPU cores each rank of this machine can use (0 on CUDA: the CPU floor does not apply)."""
+    if device.type != "cpu":
+        return 0.0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return len(os.sched_getaffinity(0)) / max(local, 1)
 
 
 def chosen_bucket_bytes(v: Variant) -> int | None:
@@ -202,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             comm: dict[str, list[float]] = {n: [] for n in names if variants[n].sharded}
             for _ in range(REPLAYS):
                 for n in comm:
-                    comm[n].append(timed_replay(variants[n], logs[n], world))
+                    comm[n].append(timed_replay(variants[n], logs[n], world))  # (wall, cpu)
         if lead and (step + 1) % max(1, rounds // 5) == 0:
             print(f"  round {step + 1}/{rounds}", flush=True)
 
@@ -223,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             r["final_loss"] = losses[i]
         if variants[n].sharded:
-            r["comm_s"] = sorted(reduce_max(comm[n], world))[len(comm[n]) // 2]
+            r["comm_s"] = sorted(reduce_max([w for w, _ in comm[n]], world))[len(comm[n]) // 2]
+            r["comm_cpu_s"] = sorted(reduce_max([c for _, c in comm[n]], world))[len(comm[n]) // 2]
             log = logs[n]
             r["bucket_bytes"] = chosen_bucket_bytes(variants[n])
             r["collectives"] = {
@@ -233,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         results[n] = r
     ordered = {n: results[n] for n in args.variants}
-    add_ratios(ordered, SHARDED)
+    add_ratios(ordered, SHARDED, cores_per_rank=cores_per_rank(device, world))
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world": world,
