@@ -131,29 +131,21 @@ def profiled_peak(v: Variant, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.T
 
 
 def _tracker() -> Any:
-    """A ``MemTracker`` that installs no gradient hooks on module parameters.
+    """``MemTracker`` without gradient hooks (see ``fsdpfn.testing.memory.memory_tracker``), every variant alike."""
+    from fsdpfn.testing.memory import memory_tracker
 
-    ``MemTracker``'s module pre-forward hook registers a post-accumulate-grad hook on every parameter it
-    finds in the module; under ``fsdpfn.fsdp`` those are the gathered (non-leaf) tensors swapped in for
-    the call, and the registration raises. The hooks only label gradients as ``Grad`` instead of
-    ``Temp``; the totals (and so the peak) do not depend on them. Used for every variant alike."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class _NoGradHookTracker(MemTracker):
-        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> tuple[int, int]:
-            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-
-    return _NoGradHookTracker()
+    return memory_tracker()
 
 
-def timed_replay(v: Variant, log: list[Coll], world: int) -> float:
-    """Seconds to issue and finish ``log`` once (fresh buffers, back to back, no compute)."""
+def timed_replay(v: Variant, log: list[Coll], world: int) -> tuple[float, float]:
+    """Wall seconds and process CPU seconds (every thread: gloo's, the kernel's socket copies) to issue
+    and finish ``log`` once (fresh buffers, back to back, no compute)."""
     barrier(world)
     sync(v.device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     v.replay(log)
     sync(v.device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, _cpu() - c0
 
 
 def _all_reduce(values: list[float], op: Any, world: int) -> list[float]:
@@ -179,8 +171,9 @@ def summarize(times: list[float]) -> dict[str, Any]:
     return {"step_s": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times), "step_s_all": times}
 
 
-def add_ratios(variants: dict[str, dict[str, Any]], sharded: tuple[str, ...]) -> None:
-    """``step_vs_torch``, ``peak_vs_torch`` and ``step_vs_floor`` for every measured sharded variant.
+def add_ratios(variants: dict[str, dict[str, Any]], sharded: tuple[str, ...], cores_per_rank: float = 0.0) -> None:
+    """``step_vs_torch``, ``peak_vs_torch``, ``step_vs_floor`` and (CPU, given ``cores_per_rank``)
+    ``step_vs_cpu_floor`` for every measured sharded variant.
     Compiled variants (``*_compiled``, ``*_traced*``) are compared with ``torch_compiled``: torch's
     ``fully_shard`` with compiled blocks, measured the same way."""
     local = variants.get("local", {})
@@ -197,6 +190,12 @@ def add_ratios(variants: dict[str, dict[str, Any]], sharded: tuple[str, ...]) ->
             floor = max(local["step_s"], r.get("comm_s", 0.0))
             r["step_floor_s"] = floor
             r["step_vs_floor"] = r["step_s"] / floor
+            if "cpu_s" in local and "comm_cpu_s" in r and cores_per_rank:
+                # The work itself: a rank's compute and its communication both take CPU time (gloo copies
+                # bytes on the CPU); on ``cores_per_rank`` cores they can overlap no further than this.
+                cpu_floor = max(floor, (local["cpu_s"] + r["comm_cpu_s"]) / cores_per_rank)
+                r["cpu_floor_s"] = cpu_floor
+                r["step_vs_cpu_floor"] = r["step_s"] / cpu_floor
 
 
 def _fmt(x: Any, spec: str) -> str:
@@ -208,7 +207,7 @@ def format_table(result: dict[str, Any]) -> str:
     head = (f"model {result['model']} ({result['params'] / 1e6:.2f}M params, batch {result['batch_per_rank']}/rank, "
             f"{result['dtype']}), world {result['world']}, {result['device']}, torch {result['torch_version']}, "
             f"{result['steps']} measured steps after {result['warmup']} warm-up")
-    cols = f"{'variant':<19} {'step ms median [min-max]':>28} {'cpu ms':>7} {'peak MiB':>9} {'comm ms':>8} {'step/torch':>10} {'peak/torch':>10} {'step/floor':>10}  final loss"
+    cols = f"{'variant':<19} {'step ms median [min-max]':>28} {'cpu ms':>7} {'peak MiB':>9} {'comm ms':>8} {'comm cpu':>8} {'step/torch':>10} {'peak/torch':>10} {'step/floor':>10} {'step/cpufl':>10}  final loss"
     lines = [head, cols, "-" * len(cols)]
     for name, r in result["variants"].items():
         if "skipped" in r:
@@ -219,7 +218,8 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"{name:<19} {step:>28} {_fmt(r['cpu_s'] * 1e3 if 'cpu_s' in r else None, '7.1f'):>7} {r['peak_mib']:>9.1f} "
             f"{_fmt(comm * 1e3 if comm is not None else None, '8.2f'):>8} "
+            f"{_fmt(r['comm_cpu_s'] * 1e3 if 'comm_cpu_s' in r else None, '8.2f'):>8} "
             f"{_fmt(r.get('step_vs_torch'), '10.3f'):>10} {_fmt(r.get('peak_vs_torch'), '10.3f'):>10} "
-            f"{_fmt(r.get('step_vs_floor'), '10.3f'):>10}  {r['final_loss']:.6g}"
+            f"{_fmt(r.get('step_vs_floor'), '10.3f'):>10} {_fmt(r.get('step_vs_cpu_floor'), '10.3f'):>10}  {r['final_loss']:.6g}"
         )
     return "\n".join(lines)

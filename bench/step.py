@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import sys
@@ -99,9 +100,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="compute dtype (default fp32; bf16 for gpt1b): bf16 = param_dtype bf16, reduce_dtype fp32")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank (default: torch's choice)")
-    p.add_argument("--min-bucket-bytes", type=int, default=None,
+    p.add_argument("--min-bucket-bytes", type=_bucket_bytes, default="auto",
                    help="functional and compat variants: fuse consecutive blocks into collectives of at least this many "
-                        "bytes (fsdpfn.shard(..., min_bucket_bytes=) / root.set_min_bucket_bytes); default: one per block, like torch")
+                        "bytes (fsdpfn.shard(..., min_bucket_bytes=) / root.set_min_bucket_bytes); 'none': one per block, "
+                        "like torch; default 'auto' (fsdpfn.shard's default, chosen from the measured link)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tiny models, for the smoke test
     args = p.parse_args(argv)
     if args.variants is None:
@@ -113,6 +115,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args
+
+
+def cores_per_rank(device: torch.device, world: int) -> float:
+    """CPU cores each rank of this machine can use (0 on CUDA: the CPU floor does not apply)."""
+    if device.type != "cpu":
+        return 0.0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return len(os.sched_getaffinity(0)) / max(local, 1)
+
+
+def chosen_bucket_bytes(v: Variant) -> int | None:
+    """The fusion threshold a functional or compat variant's plan uses (what ``"auto"`` chose)."""
+    params = getattr(v, "params", None)
+    plan = params.plan if params is not None else getattr(v, "_root_plan", lambda: None)()
+    return getattr(plan, "bucket_bytes", None)
+
+
+def _bucket_bytes(text: str) -> int | str | None:
+    """``--min-bucket-bytes``: an int, ``auto`` or ``none``."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             comm: dict[str, list[float]] = {n: [] for n in names if variants[n].sharded}
             for _ in range(REPLAYS):
                 for n in comm:
-                    comm[n].append(timed_replay(variants[n], logs[n], world))
+                    comm[n].append(timed_replay(variants[n], logs[n], world))  # (wall, cpu)
         if lead and (step + 1) % max(1, rounds // 5) == 0:
             print(f"  round {step + 1}/{rounds}", flush=True)
 
@@ -208,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             r["final_loss"] = losses[i]
         if variants[n].sharded:
-            r["comm_s"] = sorted(reduce_max(comm[n], world))[len(comm[n]) // 2]
+            r["comm_s"] = sorted(reduce_max([w for w, _ in comm[n]], world))[len(comm[n]) // 2]
+            r["comm_cpu_s"] = sorted(reduce_max([c for _, c in comm[n]], world))[len(comm[n]) // 2]
             log = logs[n]
+            r["bucket_bytes"] = chosen_bucket_bytes(variants[n])
             r["collectives"] = {
                 "all_gather": sum(c.kind == "all_gather" for c in log),
                 "reduce_scatter": sum(c.kind == "reduce_scatter" for c in log),
@@ -217,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         results[n] = r
     ordered = {n: results[n] for n in args.variants}
-    add_ratios(ordered, SHARDED)
+    add_ratios(ordered, SHARDED, cores_per_rank=cores_per_rank(device, world))
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world": world,

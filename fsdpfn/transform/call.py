@@ -214,6 +214,7 @@ class Call:
         """Unit ``name``'s full parameters again (no autograd), prefetching the unit backward needs next."""
         full = self.regathered.get(name)
         if full is None:
+            self._finish_deferred_reductions()
             b = self._collective(self.plan.group(name))
             if b.in_place:
                 outs = b.run_in_place([t.detach() for t in self._shards(b)])
@@ -222,6 +223,16 @@ class Call:
             full = self.regathered[name] = dict(zip(b.fqns, outs))
             self._prefetch_backward(name)
         return full
+
+    def _finish_deferred_reductions(self) -> None:
+        # On CPU a unit's backward starts only after the reduction still in flight is done: that frees its
+        # full-size input before this unit's gradients are made, so the peak is never a unit's gradients
+        # plus another's reduction (torch's CPU FSDP2 reduces synchronously: that is its peak). On CUDA
+        # the overlap stays, as in FSDP2.
+        if self.deferred and self.plan.comm.groups.device_type != "cuda":
+            for handle in self.deferred:
+                handle.wait()
+            self.deferred.clear()
 
     def _prefetch_backward(self, name: str) -> None:
         for prev in self.backward_prefetch(name):
