@@ -282,8 +282,9 @@ class FSDPModule:
         root into collective groups of at least ``min_bucket_bytes`` gathered bytes, as
         ``fsdpfn.shard(..., min_bucket_bytes=)`` does. Call it on the root module (the one whose forward
         you call); it applies from the next forward. Units fuse only with neighbours whose settings
-        agree (reshard, mixed precision, gradient sync and divide factor, no explicit prefetch lists);
-        changing a unit's setting later splits its group again at the next forward. ``None``: off.
+        agree (reshard, mixed precision, gradient sync and divide factor, no explicit prefetch lists,
+        no custom collectives or all-reduce hook); changing a unit's setting later splits its group
+        again at the next forward. ``None``: off.
         ``"auto"``: sizes chosen from the mesh's measured all-gather cost, as ``fsdpfn.shard``'s default
         (see ``fsdpfn.layout.autobucket``).
 
