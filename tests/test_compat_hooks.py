@@ -2,7 +2,8 @@
 (parametrised) in the same worker: ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (torch's
 ``AllGather`` / ``ReduceScatter`` objects, called with FSDP2's arguments), ``set_all_reduce_hook`` (on the
 reduce-scatter output on a 1-D mesh, on the all-reduce output with HSDP, scaled as FSDP2 scales it),
-``share_comm_ctx``, and the meta-device initialisation with rank 0's weights broadcast into the shards.
+``share_comm_ctx``, ``set_separate_reduce_scatter_group``, the CPU behaviour of the memory knobs, and the
+meta-device initialisation with rank 0's weights broadcast into the shards.
 
 Each worker records what the objects and hooks were called with; the test asserts the expected calls
 (checked on torch itself by the ``torch`` parametrisation) and, for fsdpfn, that calls, hook inputs,
@@ -378,3 +379,42 @@ def test_separate_reduce_scatter_group(lib):
     # over the same ranks; gradients are the same either way
     for calls in spmd(2, _check_separate_group, lib, timeout=TIMEOUT):
         assert calls == [(True, [0, 1]), (False, [0, 1]), (False, [0, 1]), (True, [0, 1])], calls
+
+
+def _fused(lib: str) -> dict:
+    """Five units; fsdpfn fuses its neighbours into groups (set_min_bucket_bytes), except the unit with
+    a hook, which must still see its own reduction once per backward."""
+    api = importlib.import_module(lib)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(5)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for block in model:
+            api.fully_shard(block, mesh=mesh)
+        api.fully_shard(model, mesh=mesh)
+    if lib == COMPAT:
+        model.set_min_bucket_bytes(1 << 20)
+    seen = []
+    model[2].set_all_reduce_hook(lambda t: seen.append(tuple(t.shape)))
+    for step in range(2):
+        model(_x(step)).pow(2).sum().backward()
+    if lib == COMPAT:  # the neighbours did fuse; the hooked unit stayed alone
+        from fsdpfn.compat.state import state_of
+
+        group_of = state_of(model).root.plan.group_of
+        assert group_of["2"] == "2" and group_of["0"] == group_of["1"] != "0", dict(group_of)
+    return {"seen": seen, **_state(model)}
+
+
+def _check_fused() -> list:
+    got, want = _fused(COMPAT), _fused(TORCH)
+    for k, v in want.items():
+        if k != "seen":
+            torch.testing.assert_close(got[k], v, **TOL, msg=lambda m: f"{k}: {m}")
+    return [got["seen"], want["seen"]]
+
+
+def test_a_unit_with_a_hook_is_not_fused_with_its_neighbours():
+    for got, want in spmd(2, _check_fused, timeout=TIMEOUT):
+        assert got == want == [((4 * 4 + 4) // 2,)] * 2, (got, want)
