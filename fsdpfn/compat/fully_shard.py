@@ -14,9 +14,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
 from fsdpfn.compat.state import ManagedParam, UnitState, set_state, state_of
+from fsdpfn.compat.tp import spmd_layout, tp_param
 from fsdpfn.core import default_mesh, mesh_groups
 from fsdpfn.layout import ShardSpec, shard_tensor
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -118,23 +120,12 @@ def _shard(
                         "fsdp_pre_all_gather/fsdp_post_all_gather: the tensor-subclass all-gather extension is not "
                         "supported by fsdpfn.compat"
                     )
-                if isinstance(p, DTensor):
-                    raise ValueError(
-                        f"{kind}: parameter {attr!r} of {type(mod).__name__} is already a DTensor; shard a module "
-                        "whose parameters are plain tensors (is it managed by another fully_shard root?)"
-                    )
-                if shard_placement_fn is not None:
-                    chosen = shard_placement_fn(p)
-                    if chosen is not None and chosen != Shard(0):
-                        raise NotImplementedError(
-                            f"{kind}: shard_placement_fn returned {chosen!r} for parameter {attr!r} of "
-                            f"{type(mod).__name__}; fsdpfn.compat shards on dim 0 only (return None or Shard(0))"
-                        )
-                by_id[id(p)] = ManagedParam(p, [(mod, attr)])
+                where = f"parameter {attr!r} of {type(mod).__name__}"
+                by_id[id(p)] = ManagedParam(p, [(mod, attr)], _shard_dim(shard_placement_fn, p, where, kind), where=where)
                 managed.append(by_id[id(p)])
     hooked: set[int] = set()
     for m in managed:
-        m.param = _to_dtensor(m.param, mesh, placements, groups, device, kind)
+        m.param = _to_dtensor(m, mesh, placements, groups, device, kind)
         for mod, attr in m.slots:
             mod._parameters[attr] = m.param
             if id(mod) not in hooked:
@@ -247,19 +238,48 @@ def _offload(policy: Any, mesh: DeviceMesh, kind: str) -> OffloadPolicy:
     return OffloadPolicy()
 
 
-def _to_dtensor(p: nn.Parameter, mesh: DeviceMesh, placements: tuple[Any, ...], groups: Any, device: torch.device, kind: str) -> nn.Parameter:
-    shard_dims = [pl.dim for pl in placements if isinstance(pl, Shard)]
-    if p.is_meta:
-        if shard_dims:
-            spec = ShardSpec(tuple(p.shape), groups.world)
-            local = torch.empty(spec.local_shape(groups.rank), dtype=p.dtype, device="meta")
-        else:
-            local = torch.empty_like(p, device="meta")
+def _shard_dim(fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, where: str, kind: str) -> int:
+    """The dim ``shard_placement_fn`` chose for ``p`` (0 without one, or when it returns ``None``)."""
+    chosen = None if fn is None else fn(p)
+    if chosen is None:
+        return 0
+    if type(chosen).__name__ == "ShardPlacementResult":
+        raise NotImplementedError(
+            f"{kind}: shard_placement_fn returned a ShardPlacementResult for {where} (a per-parameter mesh); "
+            "fsdpfn.compat shards every parameter of a call on the call's mesh: return Shard(dim) or None"
+        )
+    if not isinstance(chosen, Shard) or isinstance(chosen, _StridedShard):
+        raise ValueError(f"{kind}: shard_placement_fn returned {chosen!r} for {where}; return Shard(dim) or None")
+    ndim = max(p.ndim, 1)  # a 0-d parameter shards like its 1-element flattening
+    if not -ndim <= chosen.dim < ndim:
+        raise ValueError(
+            f"{kind}: shard_placement_fn returned {chosen!r} for {where} of shape {tuple(p.shape)}; "
+            f"return Shard(dim) with dim in [{-ndim}, {ndim - 1}]"
+        )
+    return chosen.dim % ndim
+
+
+def _to_dtensor(m: ManagedParam, mesh: DeviceMesh, placements: tuple[Any, ...], groups: Any, device: torch.device, kind: str) -> nn.Parameter:
+    """``m.param`` as this rank's shard: a ``DTensor`` on ``mesh`` (on the dp + TP mesh for a TP parameter,
+    see ``tp.py``), split with ``torch.chunk`` along ``m.dim``."""
+    p = m.param
+    placements = tuple(Shard(m.dim) if isinstance(pl, Shard) else pl for pl in placements)
+    sharded = any(isinstance(pl, Shard) for pl in placements)
+    if isinstance(p, DTensor):
+        out_mesh, out_placements = spmd_layout(p, mesh, placements, m.dim, m.where, kind)
+        m.tp = tp_param(p)
+        data = p._local_tensor
     else:
-        full = p.detach().to(device)
-        local = shard_tensor(full, ShardSpec(tuple(p.shape), groups.world), groups.rank) if shard_dims else full.clone()
+        out_mesh, out_placements, data = mesh, placements, p
+    m.gathered = tuple(data.shape)
+    spec = ShardSpec(m.gathered, groups.world, m.dim)
+    if data.is_meta:
+        local = torch.empty(spec.local_shape(groups.rank) if sharded else data.shape, dtype=data.dtype, device="meta")
+    else:
+        full = data.detach().to(device)
+        local = shard_tensor(full, spec, groups.rank) if sharded else full.clone()
     local = local.contiguous()
-    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=_contiguous_stride(p.shape))
+    dt = DTensor.from_local(local, out_mesh, out_placements, run_check=False, shape=p.shape, stride=_contiguous_stride(p.shape))
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
