@@ -75,7 +75,7 @@ def _build(lib_name: str, kind: str, hidden: int, mp: bool, mesh, dim: int = 0):
 
     lib = importlib.import_module(lib_name)
     torch.manual_seed(0)
-    kw = {"mesh": mesh["dp"]}
+    kw = {"mesh": _dp(mesh)}
     if dim:
         kw["shard_placement_fn"] = lambda p: Shard(dim) if p.ndim > dim else None
     if mp:
@@ -99,10 +99,16 @@ def _build(lib_name: str, kind: str, hidden: int, mp: bool, mesh, dim: int = 0):
     return model
 
 
+def _dp(mesh):
+    """The data-parallel part of the mesh: ``dp`` (2-D), or ``(replicate, shard)`` (3-D HSDP x TP)."""
+    return mesh["dp"] if "dp" in mesh.mesh_dim_names else mesh["replicate", "shard"]
+
+
 def _input(kind: str, mesh, step: int):
     from torch.distributed.tensor import Shard
 
-    dp = mesh["dp"].get_local_rank()
+    dp = _dp(mesh).get_coordinate()
+    dp = dp[0] * 10 + dp[-1]
     g = torch.Generator().manual_seed(100 * dp + step)  # same batch on the two TP ranks of a dp rank
     if kind == "mlp":
         return torch.randn(3, D, generator=g)
@@ -112,9 +118,13 @@ def _input(kind: str, mesh, step: int):
 
 
 def _train(lib_name: str, kind: str, hidden: int, mp: bool, dim: int = 0) -> dict:
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if dist.get_world_size() == 8:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _build(lib_name, kind, hidden, mp, mesh, dim)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out: dict = {"loss": []}
@@ -167,6 +177,11 @@ def test_uneven_dp_splits_of_tp_shards_match_fsdp2(tp_rows):
     # hidden = 2 * tp_rows over tp 2 (TP itself needs even splits), then dp 2 over the TP-local rows:
     # odd counts split unevenly, and a 1-row TP shard leaves dp rank 1 empty
     spmd(4, _w_parity, "mlp", 2 * tp_rows, False, timeout=TIMEOUT)
+
+
+def test_hsdp_times_tp_3d_matches_fsdp2():
+    # world 8 = replicate 2 x shard 2 x tp 2: placements (Replicate(), _StridedShard(0, sf=2), Shard(0)) & co.
+    spmd(8, _w_parity, "mlp", 6, False, timeout=TIMEOUT)
 
 
 def _w_dcp(path: str) -> None:
