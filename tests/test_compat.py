@@ -1291,7 +1291,7 @@ def _w_unsupported():
     _raises(NotImplementedError, lambda: fully_shard(lin, mesh=mesh), "fsdp_pre_all_gather")
 
     torch.manual_seed(0)
-    _raises(NotImplementedError, lambda: fully_shard(Net(), mesh=mesh, dp_mesh_dims=(0,)), "dp_mesh_dims")
+    _raises(TypeError, lambda: fully_shard(Net(), mesh=mesh, dp_mesh_dims=(0,)), "dp_mesh_dims")  # supported: test_compat_tp.py
     torch.manual_seed(0)
     _raises(
         ValueError,

@@ -209,3 +209,48 @@ def _w_dcp(path: str) -> None:
 
 def test_dcp_checkpoints_interchange_with_fsdp2_tp(tmp_path):
     spmd(4, _w_dcp, str(tmp_path), timeout=TIMEOUT)
+
+
+# ---- dp_mesh_dims: parameters are DTensors on the whole (dp, tp) mesh, Replicate() on dp -------------------
+SPMD_PLACEMENTS = {"up.weight": 0, "up.bias": 0, "down.weight": 1, "down.bias": None, "head.weight": None, "head.bias": None}
+
+
+def _train_spmd(lib_name: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    lib = importlib.import_module(lib_name)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = MLP(D, 6)
+    for fqn, p in list(model.named_parameters()):
+        owner, _, attr = fqn.rpartition(".")
+        tp = SPMD_PLACEMENTS[fqn]
+        value = distribute_tensor(p.detach(), mesh, [Replicate(), Replicate() if tp is None else Shard(tp)])
+        setattr(model.get_submodule(owner), attr, nn.Parameter(value))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lib.fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out: dict = {"loss": []}
+    for step in range(STEPS):
+        x = _input("mlp", mesh, step)
+        loss = model(DTensor.from_local(x, mesh, [Shard(0), Replicate()])).pow(2).sum()
+        loss.backward()
+        out["loss"].append(loss.full_tensor().detach())
+        if step == 0:
+            out["grad"] = {n: (p.grad.placements, p.grad.full_tensor()) for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    out["param"] = {n: (p.device_mesh, p.placements, tuple(p.shape), p.to_local().detach().clone()) for n, p in model.named_parameters()}
+    out["state"] = {n: (v.device_mesh, v.placements, tuple(v.shape), v.to_local().clone()) for n, v in model.state_dict().items()}
+    return out
+
+
+def _w_spmd() -> None:
+    _compare(_train_spmd(TORCH), _train_spmd(COMPAT), dict(rtol=1e-5, atol=1e-6))
+
+
+def test_dp_mesh_dims_on_a_whole_spmd_mesh_matches_fsdp2():
+    spmd(4, _w_spmd, timeout=TIMEOUT)

@@ -197,6 +197,16 @@ def _compat_tp_shared_dims():
     fully_shard(_tp_model(mesh, Shard(0)), mesh=mesh)
 
 
+def _compat_spmd_plain():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from fsdpfn.compat import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    fully_shard(_TwoLayer(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+
+
 def _compat_tp_placements():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Partial
@@ -270,7 +280,8 @@ COMPAT_TRIGGERS = {
     "compat-tp-other-root": (lambda m, p, a: _compat_tp_other_root(), ValueError, r"parameter 'weight' of Linear is a DTensor on .*not a sub-mesh of the same device mesh as the data-parallel mesh"),
     "compat-tp-shared-dims": (lambda m, p, a: _compat_tp_shared_dims(), ValueError, r"parameter 'weight' of Linear is already a DTensor on .*shares mesh dims with the data-parallel mesh"),
     "compat-tp-placements": (lambda m, p, a: _compat_tp_placements(), NotImplementedError, r"parameter 'weight' of Linear has tensor-parallel placements \(Partial\(sum\),\)"),
-    "compat-dp-mesh-dims": (lambda m, p, a: _compat_model(dp_mesh_dims=object()), NotImplementedError, r"dp_mesh_dims"),
+    "compat-dp-mesh-dims": (lambda m, p, a: _compat_model(dp_mesh_dims=object()), TypeError, r"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims\(shard=..., replicate=...\) naming dims of the mesh, got object"),
+    "compat-spmd-param": (lambda m, p, a: _compat_spmd_plain(), ValueError, r"parameter 'weight' of Linear is a plain Parameter; with dp_mesh_dims every parameter must be a DTensor on the whole mesh"),
     "compat-subclass": (lambda m, p, a: _compat_subclass(), NotImplementedError, r"'weight' of Linear is a WithHook with fsdp_pre_all_gather"),
     "compat-offload-cuda": (lambda m, p, a: _compat_offload_cuda(), NotImplementedError, r"CPUOffloadPolicy on a cuda mesh"),
     "compat-other-mesh": (lambda m, p, a: _compat_other_mesh(), NotImplementedError, r"module 'blocks.1' was sharded on a different mesh"),

@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
 from fsdpfn.compat.state import ManagedParam, UnitState, set_state, state_of
-from fsdpfn.compat.tp import spmd_layout, tp_param
+from fsdpfn.compat.tp import SpmdMesh, spmd_layout, tp_param
 from fsdpfn.core import default_mesh, mesh_groups
 from fsdpfn.layout import ShardSpec, shard_tensor
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -86,11 +86,15 @@ def _shard(
     prefix: str = "FSDP",
 ) -> Any:
     modules = _modules(module, kind)
-    if dp_mesh_dims is not None:
+    if dp_mesh_dims is not None and kind != "fully_shard":
         raise NotImplementedError(f"{kind}: dp_mesh_dims (an SPMD mesh with data-parallel dims) is not supported")
     mesh = default_mesh() if mesh is None else mesh  # torch's default, made per call (never per process)
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"{kind}: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    spmd = None
+    if dp_mesh_dims is not None:  # parameters are DTensors on the whole mesh; fsdpfn communicates over its dp dims
+        spmd = SpmdMesh.of(mesh, dp_mesh_dims, kind)
+        mesh = spmd.dp_mesh
     if mesh.ndim not in (1, 2):
         raise ValueError(f"{kind} expects a 1D or 2D DeviceMesh but got {mesh.ndim}-D mesh {mesh}")
     mp = _policy(mp_policy, kind)
@@ -125,7 +129,7 @@ def _shard(
                 managed.append(by_id[id(p)])
     hooked: set[int] = set()
     for m in managed:
-        m.param = _to_dtensor(m, mesh, placements, groups, device, kind)
+        m.param = _to_dtensor(m, mesh, placements, groups, device, kind, spmd)
         for mod, attr in m.slots:
             mod._parameters[attr] = m.param
             if id(mod) not in hooked:
@@ -259,13 +263,18 @@ def _shard_dim(fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, where:
     return chosen.dim % ndim
 
 
-def _to_dtensor(m: ManagedParam, mesh: DeviceMesh, placements: tuple[Any, ...], groups: Any, device: torch.device, kind: str) -> nn.Parameter:
+def _to_dtensor(
+    m: ManagedParam, mesh: DeviceMesh, placements: tuple[Any, ...], groups: Any, device: torch.device, kind: str, spmd: SpmdMesh | None
+) -> nn.Parameter:
     """``m.param`` as this rank's shard: a ``DTensor`` on ``mesh`` (on the dp + TP mesh for a TP parameter,
-    see ``tp.py``), split with ``torch.chunk`` along ``m.dim``."""
+    on the whole mesh with ``dp_mesh_dims``; see ``tp.py``), split with ``torch.chunk`` along ``m.dim``."""
     p = m.param
     placements = tuple(Shard(m.dim) if isinstance(pl, Shard) else pl for pl in placements)
     sharded = any(isinstance(pl, Shard) for pl in placements)
-    if isinstance(p, DTensor):
+    if spmd is not None:
+        m.tp, out_placements = spmd.layout(p, m.dim, m.where, kind)
+        out_mesh, data = spmd.mesh, p._local_tensor
+    elif isinstance(p, DTensor):
         out_mesh, out_placements = spmd_layout(p, mesh, placements, m.dim, m.where, kind)
         m.tp = tp_param(p)
         data = p._local_tensor
