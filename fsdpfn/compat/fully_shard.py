@@ -1,7 +1,8 @@
 """``fully_shard``: FSDP2's entry point, sharding a module's parameters into ``DTensor``s in place.
 
-Nothing is communicated here: every rank holds the full parameters (or ``meta`` tensors) and keeps its
-``torch.chunk`` slice along dim 0. The module's class becomes ``FSDP<Original>`` (with the
+Nothing is communicated here: every rank holds the full parameters (or ``meta`` tensors; the TP-local
+tensors of tensor-parallel ones, see ``tp.py``) and keeps its ``torch.chunk`` slice along the shard dim
+(0 unless ``shard_placement_fn`` says otherwise). The module's class becomes ``FSDP<Original>`` (with the
 ``FSDPModule`` methods), and its forward runs through the root's plan (see ``root.py``).
 """
 
@@ -47,8 +48,11 @@ def fully_shard(
 ) -> Any:
     """Shard ``module``'s parameters (those not already sharded by a call on a submodule) over ``mesh``
     as ``nn.Parameter(DTensor)`` with ``(Shard(0),)`` placements (``(Replicate(), Shard(0))`` on a 2-D
-    HSDP mesh); one collective group per call. Same signature and behaviour as
-    ``torch.distributed.fsdp.fully_shard`` (torch 2.13); differences are listed in docs/compat.md.
+    HSDP mesh; ``Shard(d)`` where ``shard_placement_fn`` says so); one collective group per call.
+    Tensor-parallel ``DTensor`` parameters on a sibling sub-mesh (``mesh["tp"]`` beside ``mesh["dp"]``), or
+    on the whole mesh with ``dp_mesh_dims``, get FSDP2's dp + tp layout (docs/tensor_parallel.md). Same
+    signature and behaviour as ``torch.distributed.fsdp.fully_shard`` (torch 2.13); differences are
+    listed in docs/compat.md.
 
     Example:
         >>> from fsdpfn.compat import fully_shard
