@@ -220,23 +220,32 @@ def _train_spmd(lib_name: str) -> dict:
     from torch.distributed.fsdp import DataParallelMeshDims
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    import torch.distributed as dist
+
     lib = importlib.import_module(lib_name)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if dist.get_world_size() == 8:  # HSDP x TP: replicate 2 x shard 2 x tp 2
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "dp", "tp"))
+        dims = DataParallelMeshDims(shard="dp", replicate="replicate")
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dims = DataParallelMeshDims(shard="dp")
+    dp = mesh.ndim - 1  # data-parallel dims first, then tp
     torch.manual_seed(0)
     model = MLP(D, 6)
     for fqn, p in list(model.named_parameters()):
         owner, _, attr = fqn.rpartition(".")
         tp = SPMD_PLACEMENTS[fqn]
-        value = distribute_tensor(p.detach(), mesh, [Replicate(), Replicate() if tp is None else Shard(tp)])
+        value = distribute_tensor(p.detach(), mesh, [Replicate()] * dp + [Replicate() if tp is None else Shard(tp)])
         setattr(model.get_submodule(owner), attr, nn.Parameter(value))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        lib.fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+        lib.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     out: dict = {"loss": []}
+    coord = mesh.get_coordinate()
     for step in range(STEPS):
-        x = _input("mlp", mesh, step)
-        loss = model(DTensor.from_local(x, mesh, [Shard(0), Replicate()])).pow(2).sum()
+        x = torch.randn(3, D, generator=torch.Generator().manual_seed(100 * (coord[0] * 10 + coord[dp - 1]) + step))
+        loss = model(DTensor.from_local(x, mesh, [Shard(0)] * dp + [Replicate()])).pow(2).sum()
         loss.backward()
         out["loss"].append(loss.full_tensor().detach())
         if step == 0:
@@ -252,5 +261,6 @@ def _w_spmd() -> None:
     _compare(_train_spmd(TORCH), _train_spmd(COMPAT), dict(rtol=1e-5, atol=1e-6))
 
 
-def test_dp_mesh_dims_on_a_whole_spmd_mesh_matches_fsdp2():
-    spmd(4, _w_spmd, timeout=TIMEOUT)
+@pytest.mark.parametrize("world", [4, 8], ids=["dp_x_tp", "replicate_x_dp_x_tp"])
+def test_dp_mesh_dims_on_a_whole_spmd_mesh_matches_fsdp2(world):
+    spmd(world, _w_spmd, timeout=TIMEOUT)
