@@ -88,11 +88,15 @@ def _build(lib_name: str, kind: str, hidden: int, mp: bool, mesh, dim: int = 0):
         else:
             model = Blocks(D, hidden)
             for b in model.blocks:
-                parallelize_module(b, mesh["tp"], {
-                    "norm": SequenceParallel(),
-                    "up": ColwiseParallel(input_layouts=Shard(1)),
-                    "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-                })  # fmt: skip
+                if kind == "blocks":
+                    plan = {
+                        "norm": SequenceParallel(),
+                        "up": ColwiseParallel(input_layouts=Shard(1)),
+                        "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+                    }
+                else:  # plain TP: each block's output is the all-reduce's AsyncCollectiveTensor, saved by the next block
+                    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+                parallelize_module(b, mesh["tp"], plan)
             for b in model.blocks:
                 lib.fully_shard(b, **kw)
         lib.fully_shard(model, **kw)
@@ -113,6 +117,8 @@ def _input(kind: str, mesh, step: int):
     if kind == "mlp":
         return torch.randn(3, D, generator=g)
     x = torch.randn(2, 4, D, generator=g)
+    if kind == "blocks_tp":
+        return x
     tp = mesh["tp"]
     return DTensor.from_local(x.chunk(tp.size(), dim=1)[tp.get_local_rank()], tp, (Shard(1),))
 
@@ -161,9 +167,9 @@ def _w_parity(kind: str, hidden: int, mp: bool, dim: int = 0) -> None:
 
 
 @pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["mlp", "sequence_parallel_blocks"])
+@pytest.mark.parametrize("kind", ["mlp", "blocks_tp", "blocks"], ids=["mlp", "tp_blocks", "sequence_parallel_blocks"])
 def test_training_matches_fsdp2_with_tensor_parallel(kind, mp):
-    spmd(4, _w_parity, "mlp" if kind == "mlp" else "blocks", 6, mp, timeout=TIMEOUT)
+    spmd(4, _w_parity, kind, 6, mp, timeout=TIMEOUT)
 
 
 def test_shard_dim_1_over_tensor_parallel_matches_fsdp2():

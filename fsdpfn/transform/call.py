@@ -199,8 +199,8 @@ class Call:
         if not self.storages or not isinstance(t, torch.Tensor) or t.numel() == 0:
             return t
         local = t._local_tensor if isinstance(t, DTensor) else t
-        if local.layout != torch.strided or local.numel() == 0:
-            return t
+        if type(local) is not torch.Tensor or local.layout != torch.strided or local.numel() == 0:
+            return t  # gathered buffers are plain tensors; other subclasses (collective results) have no storage to match
         hit = self.storages.get(local.untyped_storage().data_ptr())
         if hit is None:
             return t
