@@ -270,3 +270,36 @@ def _w_spmd() -> None:
 @pytest.mark.parametrize("world", [4, 8], ids=["dp_x_tp", "replicate_x_dp_x_tp"])
 def test_dp_mesh_dims_on_a_whole_spmd_mesh_matches_fsdp2(world):
     spmd(world, _w_spmd, timeout=TIMEOUT)
+
+
+def _w_dcp_save(path: str, lib_name: str) -> None:
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _build(lib_name, "mlp", 8, False, mesh)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-2.0)
+    dcp.save(model.state_dict(), checkpoint_id=path)
+
+
+def _w_dcp_load_at_dp1(path: str) -> None:
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))  # world 2: dp 1 x tp 2
+    model = _build(COMPAT, "mlp", 8, False, mesh)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state)
+    torch.manual_seed(0)
+    want = MLP(D, 8)  # what was saved: the seed's values times -2
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), dict(want.named_parameters())[n].detach() * -2.0, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("saver", [TORCH, COMPAT], ids=["from_fsdp2", "from_fsdpfn"])
+def test_dcp_checkpoint_of_dp2_x_tp2_reloads_at_dp1_x_tp2(tmp_path, saver):
+    spmd(4, _w_dcp_save, str(tmp_path), saver, timeout=TIMEOUT)
+    spmd(2, _w_dcp_load_at_dp1, str(tmp_path), timeout=TIMEOUT)
