@@ -131,19 +131,10 @@ def profiled_peak(v: Variant, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.T
 
 
 def _tracker() -> Any:
-    """A ``MemTracker`` that installs no gradient hooks on module parameters.
+    """``MemTracker`` without gradient hooks (see ``fsdpfn.testing.memory.memory_tracker``), every variant alike."""
+    from fsdpfn.testing.memory import memory_tracker
 
-    ``MemTracker``'s module pre-forward hook registers a post-accumulate-grad hook on every parameter it
-    finds in the module; under ``fsdpfn.fsdp`` those are the gathered (non-leaf) tensors swapped in for
-    the call, and the registration raises. The hooks only label gradients as ``Grad`` instead of
-    ``Temp``; the totals (and so the peak) do not depend on them. Used for every variant alike."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class _NoGradHookTracker(MemTracker):
-        def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> tuple[int, int]:
-            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
-
-    return _NoGradHookTracker()
+    return memory_tracker()
 
 
 def timed_replay(v: Variant, log: list[Coll], world: int) -> float:

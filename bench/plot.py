@@ -27,7 +27,8 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
 def run_label(r: dict[str, Any]) -> str:
     """Short label of one run: world, device (threads per rank on CPU), dtype and unit fusion."""
     dev = f"cpu, {r.get('threads', '?')} thr/rank" if r["device"] == "cpu" else r["device"].replace("NVIDIA ", "")
-    fused = f", fused {r['min_bucket_bytes'] // 1024} KiB" if r.get("min_bucket_bytes") else ""
+    mbb = r.get("min_bucket_bytes")
+    fused = f", fused {mbb // 1024} KiB" if isinstance(mbb, int) and mbb else (f", fused {mbb}" if mbb else "")
     return f"world {r['world']}\n{dev}\n{r.get('dtype', 'float32')}{fused}"
 
 

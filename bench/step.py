@@ -99,9 +99,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default=None,
                    help="compute dtype (default fp32; bf16 for gpt1b): bf16 = param_dtype bf16, reduce_dtype fp32")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank (default: torch's choice)")
-    p.add_argument("--min-bucket-bytes", type=int, default=None,
+    p.add_argument("--min-bucket-bytes", type=_bucket_bytes, default="auto",
                    help="functional and compat variants: fuse consecutive blocks into collectives of at least this many "
-                        "bytes (fsdpfn.shard(..., min_bucket_bytes=) / root.set_min_bucket_bytes); default: one per block, like torch")
+                        "bytes (fsdpfn.shard(..., min_bucket_bytes=) / root.set_min_bucket_bytes); 'none': one per block, "
+                        "like torch; default 'auto' (fsdpfn.shard's default, chosen from the measured link)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tiny models, for the smoke test
     args = p.parse_args(argv)
     if args.variants is None:
@@ -113,6 +114,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     return args
+
+
+def chosen_bucket_bytes(v: Variant) -> int | None:
+    """The fusion threshold a functional or compat variant's plan uses (what ``"auto"`` chose)."""
+    params = getattr(v, "params", None)
+    plan = params.plan if params is not None else getattr(v, "_root_plan", lambda: None)()
+    return getattr(plan, "bucket_bytes", None)
+
+
+def _bucket_bytes(text: str) -> int | str | None:
+    """``--min-bucket-bytes``: an int, ``auto`` or ``none``."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         if variants[n].sharded:
             r["comm_s"] = sorted(reduce_max(comm[n], world))[len(comm[n]) // 2]
             log = logs[n]
+            r["bucket_bytes"] = chosen_bucket_bytes(variants[n])
             r["collectives"] = {
                 "all_gather": sum(c.kind == "all_gather" for c in log),
                 "reduce_scatter": sum(c.kind == "reduce_scatter" for c in log),

@@ -157,6 +157,27 @@ def _live_bytes():
     return before, during, still, stats.live_gathered_bytes, stats.peak_gathered_bytes
 
 
+def _link_worker(shape):
+    from fsdpfn.core import measure_link
+
+    mesh = fsdpfn.init_mesh(shape, names=("replicate", "shard") if len(shape) == 2 else None)
+    return tuple(measure_link(Comm(mesh)))
+
+
+@pytest.mark.parametrize("shape", [(1,), (2,), (3,), (2, 2)])
+def test_measured_link_cost_is_agreed_by_every_rank(shape):
+    world = 1
+    for n in shape:
+        world *= n
+    out = spmd(world, _link_worker, shape)
+    assert len(set(out)) == 1  # bit-identical on every rank: plans chosen from it agree (no hang)
+    latency, bandwidth = out[0]
+    if shape[-1] == 1:
+        assert (latency, bandwidth) == (0.0, float("inf"))  # nothing to gather
+    else:
+        assert 0.0 <= latency < 1.0 and 0.0 < bandwidth < float("inf")
+
+
 def test_live_gathered_bytes_follow_the_buffer_lifetime():
     for before, during, still, after, peak in spmd(2, _live_bytes):
         assert before == 0 and during == 8000 and still == 8000 and after == 0 and peak == 8000

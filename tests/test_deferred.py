@@ -35,7 +35,7 @@ def _deferred_worker(recipe, units, k, seed, reshard):
     no_reduce_during_accumulation = stats.reduce_scatters
     grads = fsdpfn.reduce(acc, params)
     reduces = stats.reduce_scatters
-    buckets = sum(len(u.reduce) for u in params.plan.units)
+    buckets = sum(len(g.reduce) for g in params.plan.groups)  # a group: a unit, or units fused by "auto"
     return dict(summed.params()), dict(grads.params()), no_reduce_during_accumulation, reduces, buckets, repr(acc)
 
 

@@ -90,7 +90,7 @@ TRIGGERS = {
     "shard-donated": (lambda m, p, a: fsdpfn.shard(_donated(), fsdpfn.init_mesh()), ValueError, r"parameters were donated to an earlier shard\(\) call"),
     "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3, donate=False), TypeError, r"units must be a list of submodule names"),
     "meta-no-reset": (lambda m, p, a: fsdpfn.shard(_meta_module(), fsdpfn.init_mesh()), ValueError, r"has no reset_parameters\(\); pass init="),
-    "min-bucket-bytes": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0"], min_bucket_bytes="1MB", donate=False), ValueError, r"min_bucket_bytes must be an int >= 0 \(bytes\), got '1MB'"),
+    "min-bucket-bytes": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0"], min_bucket_bytes="1MB", donate=False), ValueError, r"min_bucket_bytes must be an int >= 0 \(bytes\), 'auto' or None, got '1MB'"),
     "offload": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), offload_policy=fsdpfn.CPUOffloadPolicy(), donate=False), NotImplementedError, r"CPUOffloadPolicy is not supported"),
     "mp-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), mp_policy="bf16", donate=False), TypeError, r"mp_policy must be a fsdpfn.MixedPrecisionPolicy"),
     "sharded-missing": (lambda m, p, a: fsdpfn.Sharded({}, p.plan), KeyError, r"missing \["),
@@ -149,14 +149,6 @@ def _compat_child_first():
 def _compat_load_plain():
     model = _compat_model()
     model.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
-
-
-def _compat_placement():
-    from torch.distributed.tensor import Shard
-
-    from fsdpfn.compat import fully_shard
-
-    fully_shard(_TwoLayer(), mesh=fsdpfn.init_mesh(), shard_placement_fn=lambda p: Shard(2))
 
 
 def _compat_placement_result():
@@ -267,16 +259,15 @@ def _compat_other_mesh():
 
 
 COMPAT_TRIGGERS = {
-    "compat-twice": (lambda m, p, a: _compat_twice(), ValueError, r"_TwoLayer|Linear was already passed to fully_shard; apply it once per module"),
-    "compat-not-module": (lambda m, p, a: _compat_model.__globals__["fsdpfn"].compat.fully_shard(3), ValueError, r"fully_shard expects nn.Module\(s\) but got int"),
-    "compat-mesh-type": (lambda m, p, a: __import__("fsdpfn.compat").compat.fully_shard(_TwoLayer(), mesh="cpu"), ValueError, r"mesh must be a torch.distributed.device_mesh.DeviceMesh"),
-    "compat-reshard-int": (lambda m, p, a: _compat_model(reshard_after_forward=3), ValueError, r"reshard_after_forward=3.*should be a factor of the shard mesh size 2, not 3"),
+    "compat-twice": (lambda m, p, a: _compat_twice(), AssertionError, r"^Each distinct composable distributed API can only be applied to a module once. fully_shard has already been applied to the following module:\nFSDPLinear"),
+    "compat-not-module": (lambda m, p, a: _compat_model.__globals__["fsdpfn"].compat.fully_shard(3), TypeError, r"^'int' object is not iterable\nfully_shard expects an nn.Module or a list of them"),
+    "compat-mesh-type": (lambda m, p, a: __import__("fsdpfn.compat").compat.fully_shard(_TwoLayer(), mesh="cpu"), AttributeError, r"^'str' object has no attribute 'ndim'\nfully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh"),
+    "compat-reshard-int": (lambda m, p, a: _compat_model(reshard_after_forward=3), ValueError, r"^If passing reshard_after_forward as an int, it should be a factor of 2, not 3"),
     "compat-mp-type": (lambda m, p, a: _compat_model(mp_policy="bf16"), TypeError, r"mp_policy must be a MixedPrecisionPolicy"),
-    "compat-child-first": (lambda m, p, a: _compat_child_first(), RuntimeError, r"already been lazily initialized for 'blocks.1'.*requires running forward through the root module first"),
+    "compat-child-first": (lambda m, p, a: _compat_child_first(), RuntimeError, r"^FSDP state has already been lazily initialized for blocks.1\nFSDP requires running forward through the root module first\n'blocks.1' \(FSDPLinear\) ran"),
     "compat-load-plain": (lambda m, p, a: _compat_load_plain(), ValueError, r"'blocks.0.weight' is a plain Tensor of shape \(4, 3\).*distribute_tensor"),
     "compat-replaced-param": (lambda m, p, a: _compat_replaced(), ValueError, r"parameter 'blocks.0.weight' was replaced by a DTensor"),
-    "compat-placement": (lambda m, p, a: _compat_placement(), ValueError, r"shard_placement_fn returned Shard\(dim=2\) for parameter 'weight' of Linear of shape \(4, 3\); return Shard\(dim\) with dim in \[-2, 1\]"),
-    "compat-placement-result": (lambda m, p, a: _compat_placement_result(), NotImplementedError, r"shard_placement_fn returned a ShardPlacementResult for parameter 'weight' of Linear"),
+    "compat-placement": (lambda m, p, a: _compat_placement_result(), NotImplementedError, r"shard_placement_fn returned a ShardPlacementResult for parameter 'weight' of Linear"),
     "compat-tp-other-root": (lambda m, p, a: _compat_tp_other_root(), ValueError, r"parameter 'weight' of Linear is a DTensor on .*not a sub-mesh of the same device mesh as the data-parallel mesh"),
     "compat-tp-shared-dims": (lambda m, p, a: _compat_tp_shared_dims(), ValueError, r"parameter 'weight' of Linear is already a DTensor on .*shares mesh dims with the data-parallel mesh"),
     "compat-tp-placements": (lambda m, p, a: _compat_tp_placements(), NotImplementedError, r"parameter 'weight' of Linear has tensor-parallel placements \(Partial\(sum\),\)"),
@@ -288,8 +279,8 @@ COMPAT_TRIGGERS = {
     "compat-custom-comm": (lambda m, p, a: _compat_model().set_custom_all_gather(None), NotImplementedError, r"set_custom_all_gather"),
     "compat-divide-factor": (lambda m, p, a: _compat_model().set_gradient_divide_factor(0), ValueError, r"factor must be a positive number, got 0"),
     "compat-prefetch-list": (lambda m, p, a: _compat_prefetch_list(), ValueError, r"Expects FSDPModule but got <class 'torch.nn.modules.linear.Linear'>"),
-    "compat-min-bucket-bytes": (lambda m, p, a: _compat_model().set_min_bucket_bytes("1MB"), ValueError, r"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 \(bytes\) or None, got '1MB'"),
-    "compat-reset-non-root": (lambda m, p, a: (lambda mm: (mm(torch.ones(1, 3)), mm.blocks[1].reset_iter_state()))(_compat_model()), RuntimeError, r"reset_iter_state must be called on the root FSDP module \(FSDP_TwoLayer\)"),
+    "compat-min-bucket-bytes": (lambda m, p, a: _compat_model().set_min_bucket_bytes("1MB"), ValueError, r"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 \(bytes\), 'auto' or None, got '1MB'"),
+    "compat-reset-non-root": (lambda m, p, a: (lambda mm: (mm(torch.ones(1, 3)), mm.blocks[1].reset_iter_state()))(_compat_model()), RuntimeError, r"^reset_iter_state must be called on the root FSDP module\nthe root is FSDP_TwoLayer, not this FSDPLinear"),
     "compat-replicate-on-fsdp": (lambda m, p, a: _compat_replicate_on_fsdp(), RuntimeError, r"Cannot apply `replicate\(\)` on a Module already managed by `fully_shard`"),
 }
 TRIGGERS.update(COMPAT_TRIGGERS)

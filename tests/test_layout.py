@@ -232,3 +232,69 @@ def test_units_of_different_keys_never_share_a_group(keys, threshold):
         assert len({key[m] for m in members}) == 1
         each = sum(lay.nbytes for lay in plan.unit(members[0]).gather) * 2  # 3 padded floats per rank
         assert each * (len(members) - 1) < threshold  # still greedy within a key
+
+
+# --- automatic collective groups (min_bucket_bytes="auto") -----------------------------------------
+@given(
+    sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=40),
+    world=fst.world_sizes(),
+    root=st.integers(0, 5000),
+    latency=st.floats(0, 1e-2),
+    bandwidth=st.one_of(st.floats(1e5, 1e11), st.just(float("inf"))),
+)
+def test_auto_groups_fill_up_to_the_chosen_size_and_never_past_it(sizes, world, root, latency, bandwidth):
+    from fsdpfn.layout.autobucket import CAP_PARTS, LATENCY_SHARE, LinkCost, auto_bucket_bytes
+    from fsdpfn.layout.plan import ParamInfo, build_plan
+
+    names = [f"u{i}" for i in range(len(sizes))]
+    infos = [ParamInfo(f"{n}.w", (k,), torch.float32, True, n) for n, k in zip(names, sizes)]
+    if root:
+        infos.append(ParamInfo("w", (root,), torch.float32, True, ""))
+    link = LinkCost(latency, bandwidth)
+    plan = build_plan(infos, [], [""] + names, rank=0, world=world, min_bucket_bytes="auto", link=link)
+    gathered = {u.name: sum(lay.nbytes for lay in u.gather) * world for u in plan.units}
+    shard_bytes = sum(lay.nbytes for u in plan.units for lay in u.gather)
+    cap = max(gathered[n] for n in names) if names else 0
+    cap = max(cap, shard_bytes // CAP_PARTS)
+    target = cap if bandwidth == float("inf") else int(LATENCY_SHARE * latency * bandwidth)
+    limit = plan.bucket_bytes
+    assert limit == auto_bucket_bytes(plan.units, world, link)
+    if limit is None:  # nothing fused: no group could hold two units
+        assert plan.groups == plan.units
+        assert len(names) < 2 or min(target, cap) < 2 * min(gathered[n] for n in names)
+        return
+    assert limit == min(target, cap) and limit <= cap
+    groups = [g for g in plan.groups if g.name]
+    assert [u for g in groups for u in plan.members(g.name)] == names  # a partition, in order
+    totals = [sum(gathered[m] for m in plan.members(g.name)) for g in groups]
+    for i, (g, total) in enumerate(zip(groups, totals)):
+        assert total <= limit or len(plan.members(g.name)) == 1  # never past the limit (a big unit stays alone)
+        if i + 1 < len(groups):  # greedy: the next unit did not fit
+            assert total + gathered[plan.members(groups[i + 1].name)[0]] > limit
+    if root:
+        assert plan.group("") is plan.unit("")
+
+
+def test_auto_needs_the_link_cost_and_strings_other_than_auto_are_refused():
+    from fsdpfn.layout.plan import ParamInfo, build_plan
+
+    infos = [ParamInfo(f"u{i}.w", (4,), torch.float32, True, f"u{i}") for i in range(3)]
+    with pytest.raises(ValueError, match="needs the mesh's measured all-gather cost"):
+        build_plan(infos, [], ["u0", "u1", "u2"], rank=0, world=2, min_bucket_bytes="auto")
+    with pytest.raises(ValueError, match=r"int >= 0 \(bytes\), 'auto' or None, got 'big'"):
+        build_plan(infos, [], ["u0", "u1", "u2"], rank=0, world=2, min_bucket_bytes="big")
+
+
+def test_auto_fuses_many_small_blocks_and_leaves_large_ones_alone():
+    from fsdpfn.layout.autobucket import LinkCost
+    from fsdpfn.layout.plan import ParamInfo, build_plan
+
+    def plan(n_blocks, numel):
+        names = [f"b{i}" for i in range(n_blocks)]
+        infos = [ParamInfo(f"{n}.w", (numel,), torch.float32, True, n) for n in names]
+        return build_plan(infos, [], names, rank=0, world=2, min_bucket_bytes="auto", link=LinkCost(2e-4, 2e9))
+
+    small = plan(48, 33088)  # the bench's overhead model: 48 blocks of 132 KB
+    assert [len(small.members(g.name)) for g in small.groups] == [3] * 16  # 1/8 of this rank's bytes
+    large = plan(12, 885_888)  # the ln_mlp model's blocks (3.5 MB): already past the latency target
+    assert large.groups == large.units and large.bucket_bytes is None

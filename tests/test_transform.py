@@ -70,8 +70,9 @@ def _check_grads(recipe, units, world, reshard, prefetch, seed, dtype, tol, min_
 
 
 # min_bucket_bytes: None/0 keep one group per unit; 1 fuses nothing either (every unit reaches it);
-# the others fuse runs of consecutive units (nested ones included), up to all of them in one group.
-FUSION = st.sampled_from([None, 0, 1, 200, 1000, 10**9])
+# the others fuse runs of consecutive units (nested ones included), up to all of them in one group;
+# "auto" (shard's default) measures the link and fuses within its memory cap, agreed by every rank.
+FUSION = st.sampled_from([None, 0, 1, 200, 1000, 10**9, "auto"])
 
 
 # exchange_min_bytes: None keeps the core's choice (these small buckets are packed); 0 sends every

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from fsdpfn.compat.checks import check_mesh, check_modules, check_not_scalar, check_reshard, shard_dim_of
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
-from fsdpfn.compat.state import ManagedParam, UnitState, set_state, state_of
+from fsdpfn.compat.state import ManagedParam, UnitState, mark_sharded, set_state, sharded_as, state_of
 from fsdpfn.compat.tp import SpmdMesh, spmd_layout, tp_param
 from fsdpfn.core import default_mesh, mesh_groups
 from fsdpfn.layout import ShardSpec, shard_tensor
@@ -89,22 +89,16 @@ def _shard(
     wrapper: type = FSDPModule,
     prefix: str = "FSDP",
 ) -> Any:
-    modules = _modules(module, kind)
-    if dp_mesh_dims is not None and kind != "fully_shard":
-        raise NotImplementedError(f"{kind}: dp_mesh_dims (an SPMD mesh with data-parallel dims) is not supported")
-    mesh = default_mesh() if mesh is None else mesh  # torch's default, made per call (never per process)
-    if not isinstance(mesh, DeviceMesh):
-        raise ValueError(f"{kind}: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    modules = check_modules(module, kind)
+    mesh = check_mesh(default_mesh() if mesh is None else mesh, kind, dp_mesh_dims)  # torch's default, made per call
     spmd = None
     if dp_mesh_dims is not None:  # parameters are DTensors on the whole mesh; fsdpfn communicates over its dp dims
         spmd = SpmdMesh.of(mesh, dp_mesh_dims, kind)
         mesh = spmd.dp_mesh
-    if mesh.ndim not in (1, 2):
-        raise ValueError(f"{kind} expects a 1D or 2D DeviceMesh but got {mesh.ndim}-D mesh {mesh}")
     mp = _policy(mp_policy, kind)
     offload = _offload(offload_policy, mesh, kind)
     groups = mesh_groups(mesh, replicate_only=kind == "replicate")
-    _check_reshard(reshard_after_forward, groups.world, kind)
+    check_reshard(reshard_after_forward, groups.world, kind)
     if placements is None:
         placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
     device = groups.device
@@ -112,8 +106,14 @@ def _shard(
 
     inner = _inner_states(modules)
     taken = {id(m.param) for st in inner for m in st.managed}
+    for root in modules:  # FSDP2 checks every parameter's rank before any other
+        for mod in root.modules():
+            for attr, p in mod._parameters.items():
+                if p is not None and id(p) not in ignored and id(p) not in taken:
+                    check_not_scalar(attr, p)
     managed: list[ManagedParam] = []
     by_id: dict[int, ManagedParam] = {}
+    joins: list[tuple[ManagedParam, nn.Module, str]] = []
     for root in modules:
         for mod in root.modules():
             for attr, p in list(mod._parameters.items()):
@@ -122,6 +122,11 @@ def _shard(
                 if id(p) in by_id:
                     by_id[id(p)].slots.append((mod, attr))
                     continue
+                earlier = sharded_as(p)
+                if earlier is not None:  # tied to a parameter an earlier call sharded: one parameter
+                    if p is not earlier.param:  # the plain original, still registered here
+                        joins.append((earlier, mod, attr))
+                    continue
                 if hasattr(p, "fsdp_pre_all_gather") or hasattr(p.data, "fsdp_pre_all_gather"):
                     raise NotImplementedError(
                         f"{kind}: parameter {attr!r} of {type(mod).__name__} is a {type(p.data).__name__} with "
@@ -129,11 +134,17 @@ def _shard(
                         "supported by fsdpfn.compat"
                     )
                 where = f"parameter {attr!r} of {type(mod).__name__}"
-                by_id[id(p)] = ManagedParam(p, [(mod, attr)], _shard_dim(shard_placement_fn, p, where, kind), where=where)
+                dim = shard_dim_of(p, attr, mod, shard_placement_fn, groups.world, kind)
+                by_id[id(p)] = ManagedParam(p, [(mod, attr)], dim, where=where)
                 managed.append(by_id[id(p)])
     hooked: set[int] = set()
+    for earlier, mod, attr in joins:
+        earlier.slots.append((mod, attr))
+        mod._parameters[attr] = earlier.param
     for m in managed:
+        mark_sharded(m.param, m)
         m.param = _to_dtensor(m, mesh, placements, groups, device, kind, spmd)
+        mark_sharded(m.param, m)
         for mod, attr in m.slots:
             mod._parameters[attr] = m.param
             if id(mod) not in hooked:
@@ -185,22 +196,6 @@ def _refuse_plain_tensors(module: nn.Module, state_dict: Any, prefix: str, *_: A
             )
 
 
-def _modules(module: Any, kind: str) -> list[nn.Module]:
-    modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    if not modules:
-        raise ValueError(f"{kind}: got an empty list of modules")
-    for m in modules:
-        if not isinstance(m, nn.Module):
-            raise ValueError(f"{kind} expects nn.Module(s) but got {type(m).__name__}")
-        st = state_of(m)
-        if st is not None:
-            raise ValueError(
-                f"{kind}: {type(m).__name__} was already passed to {st.kind}; apply it once per module "
-                "(bottom-up: blocks first, then the root)"
-            )
-    return modules
-
-
 def _inner_states(modules: list[nn.Module]) -> list[UnitState]:
     found: list[UnitState] = []
     for root in modules:
@@ -209,18 +204,6 @@ def _inner_states(modules: list[nn.Module]) -> list[UnitState]:
             if st is not None and all(st is not s for s in found):
                 found.append(st)
     return found
-
-
-def _check_reshard(value: Any, world: int, kind: str) -> None:
-    if value is None or isinstance(value, bool):
-        return
-    if not isinstance(value, int):
-        raise ValueError(f"{kind}: reshard_after_forward should be a bool, an int or None, got {type(value)}")
-    if value < 1 or value > world or world % value:
-        raise ValueError(
-            f"{kind}: reshard_after_forward={value}: an int is the number of ranks to reshard to after forward "
-            f"and should be a factor of the shard mesh size {world}, not {value}"
-        )
 
 
 def _policy(policy: Any, kind: str) -> MixedPrecisionPolicy:
@@ -244,27 +227,6 @@ def _offload(policy: Any, mesh: DeviceMesh, kind: str) -> OffloadPolicy:
             )
         return CPUOffloadPolicy(pin_memory=getattr(policy, "pin_memory", True))
     return OffloadPolicy()
-
-
-def _shard_dim(fn: Callable[[nn.Parameter], Any] | None, p: nn.Parameter, where: str, kind: str) -> int:
-    """The dim ``shard_placement_fn`` chose for ``p`` (0 without one, or when it returns ``None``)."""
-    chosen = None if fn is None else fn(p)
-    if chosen is None:
-        return 0
-    if type(chosen).__name__ == "ShardPlacementResult":
-        raise NotImplementedError(
-            f"{kind}: shard_placement_fn returned a ShardPlacementResult for {where} (a per-parameter mesh); "
-            "fsdpfn.compat shards every parameter of a call on the call's mesh: return Shard(dim) or None"
-        )
-    if not isinstance(chosen, Shard) or isinstance(chosen, _StridedShard):
-        raise ValueError(f"{kind}: shard_placement_fn returned {chosen!r} for {where}; return Shard(dim) or None")
-    ndim = max(p.ndim, 1)  # a 0-d parameter shards like its 1-element flattening
-    if not -ndim <= chosen.dim < ndim:
-        raise ValueError(
-            f"{kind}: shard_placement_fn returned {chosen!r} for {where} of shape {tuple(p.shape)}; "
-            f"return Shard(dim) with dim in [{-ndim}, {ndim - 1}]"
-        )
-    return chosen.dim % ndim
 
 
 def _to_dtensor(

@@ -171,8 +171,8 @@ class FSDPModule:
         st = _state(self)
         if st.root is not None and st.root.state is not st:
             raise RuntimeError(
-                f"reset_iter_state must be called on the root FSDP module ({type(st.root.module).__name__}), "
-                f"not on {type(self).__name__}"
+                f"reset_iter_state must be called on the root FSDP module\nthe root is {type(st.root.module).__name__}, "
+                f"not this {type(self).__name__}"
             )
         states = st.root.states.values() if st.root is not None else [st]
         for s in states:
@@ -252,8 +252,10 @@ class FSDPModule:
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Accepted for compatibility: fsdpfn holds one reduce-scatter input per unit, freed when it ends."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
-            raise ValueError(f"max_input_buffers must be an int >= 1, got {max_input_buffers!r}")
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
 
     # --- prefetch and events ----------------------------------------------------------------------
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
@@ -270,20 +272,24 @@ class FSDPModule:
         _state(self).post_optim_event = event
 
     # --- fsdpfn extensions ----------------------------------------------------------------------------
-    def set_min_bucket_bytes(self, min_bucket_bytes: int | None) -> None:
+    def set_min_bucket_bytes(self, min_bucket_bytes: int | Literal["auto"] | None) -> None:
         """fsdpfn only (FSDP2 has no such knob): fuse runs of consecutive ``fully_shard`` units below this
         root into collective groups of at least ``min_bucket_bytes`` gathered bytes, as
         ``fsdpfn.shard(..., min_bucket_bytes=)`` does. Call it on the root module (the one whose forward
         you call); it applies from the next forward. Units fuse only with neighbours whose settings
         agree (reshard, mixed precision, gradient sync and divide factor, no explicit prefetch lists);
         changing a unit's setting later splits its group again at the next forward. ``None``: off.
+        ``"auto"``: sizes chosen from the mesh's measured all-gather cost, as ``fsdpfn.shard``'s default
+        (see ``fsdpfn.layout.autobucket``).
 
         Example:
             >>> for block in model.blocks: fully_shard(block)                  # doctest: +SKIP
             >>> fully_shard(model).set_min_bucket_bytes(1 << 20)               # doctest: +SKIP
         """
-        if min_bucket_bytes is not None and not is_byte_count(min_bucket_bytes):
-            raise ValueError(f"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 (bytes) or None, got {min_bucket_bytes!r}")
+        if min_bucket_bytes not in (None, "auto") and not is_byte_count(min_bucket_bytes):
+            raise ValueError(
+                f"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 (bytes), 'auto' or None, got {min_bucket_bytes!r}"
+            )
         _state(self).min_bucket_bytes = min_bucket_bytes or None
 
     # --- communication customisation: not supported -----------------------------------------------

@@ -15,7 +15,6 @@ from torch.distributed.tensor import Replicate
 
 from fsdpfn.compat.fully_shard import _shard
 from fsdpfn.compat.module import FSDPModule
-from fsdpfn.compat.state import state_of
 from fsdpfn.policy import MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["ReplicateModule", "replicate"]
@@ -49,12 +48,6 @@ def replicate(
         >>> replicate(model, mesh=fsdpfn.init_mesh())            # doctest: +SKIP
         >>> model(x).sum().backward()     # .grad: the mean over ranks, (Replicate(),)  # doctest: +SKIP
     """
-    for m in module if isinstance(module, (list, tuple)) else [module]:
-        st = state_of(m) if isinstance(m, nn.Module) else None
-        if st is not None and st.kind == "fully_shard":
-            raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
-    if mesh is not None and isinstance(mesh, DeviceMesh) and mesh.ndim != 1:
-        raise ValueError(f"replicate expects a 1D DeviceMesh but got {mesh}")
     return _shard(
         module,
         kind="replicate",

@@ -18,10 +18,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
+from fsdpfn.compat.checks import check_materialized, state_name
+from fsdpfn.compat.state import UnitState, drop_unsharded, sharded_as, state_of
 from fsdpfn.compat.tp import TPParam
-from fsdpfn.core import Comm
+from fsdpfn.core import Comm, measure_link
 from fsdpfn.layout import ParamInfo, Sharded, ShardPlan, build_plan
+from fsdpfn.layout.autobucket import LinkCost
 from fsdpfn.layout.plan import FUSED
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import gather_collective
@@ -157,6 +159,7 @@ class RootContext:
         self.opened: OpenCall | None = None  # the running call
         self.deferred: list[Any] = []
         self.comm: Comm | None = None
+        self.link: LinkCost | None = None  # the mesh's all-gather cost, measured once (min_bucket_bytes="auto")
         self.states: dict[str, UnitState] = {}
         self.acc: dict[str, torch.Tensor] = {}  # unreduced grads of every unit (fqns are unique)
         self._fusion: Any = None  # what the plan's groups were built from
@@ -166,19 +169,32 @@ class RootContext:
     # --- set-up -----------------------------------------------------------------------------------
     def _build(self) -> None:
         """Collect the states below the root and make one plan over them."""
+        if len(self.state.modules) > 1:
+            raise RuntimeError(
+                f"{state_name(self.state.kind)} requires a single root module but got {self.state.modules}\n"
+                f"these modules were passed to one {self.state.kind} call; apply {self.state.kind} to a module "
+                "holding them all (e.g. the model) and run forward through it"
+            )
         module_names = {}
         for fqn, mod in self.module.named_modules(remove_duplicate=False):
             module_names.setdefault(id(mod), fqn)
         states: dict[str, UnitState] = {}
+        unit_at: dict[str, str] = {}  # module path -> the unit (state name) of that module's fully_shard call
         for fqn, mod in self.module.named_modules():
             st = state_of(mod)
-            if st is None or any(s is st for s in states.values()):
+            if st is None:
                 continue
+            name = next((n for n, s in states.items() if s is st), None)
+            if name is not None:
+                unit_at[fqn] = name
+                continue
+            unit_at[fqn] = fqn
             if st.root is not None and st.root is not self:
+                who = state_name(self.state.kind)
                 raise RuntimeError(
-                    f"FSDP state has already been lazily initialized for {fqn!r} ({type(mod).__name__}): it ran (forward "
-                    f"or unshard) as a root of its own before the root module {type(self.module).__name__}. FSDP "
-                    "requires running forward through the root module first"
+                    f"{who} state has already been lazily initialized for {fqn}\n{who} requires running forward "
+                    f"through the root module first\n{fqn!r} ({type(mod).__name__}) ran (forward or unshard) as a root "
+                    f"of its own before the root module {type(self.module).__name__}; call the root's forward first"
                 )
             states[fqn] = st
         mesh = self.state.mesh
@@ -198,8 +214,9 @@ class RootContext:
             for m in st.managed:
                 for mod, attr in m.slots:
                     slot_of[(id(mod), attr)] = (name, m)
-        infos, aliases, ignored = [], {}, []
+        aliases, ignored = {}, []
         owner_name: dict[int, str] = {}
+        units_of: dict[int, list[str]] = {}  # per ManagedParam: the units enclosing all its names, outermost first
         self.managed: dict[str, Any] = {}
         self.tp: dict[str, TPParam] = {}  # tensor-parallel parameters: how the forward must see them
         for fqn, p in self.module.named_parameters(remove_duplicate=False):
@@ -207,16 +224,25 @@ class RootContext:
             mod = self.module.get_submodule(path)
             hit = slot_of.get((id(mod), attr))
             if hit is None:
+                _check_not_managed_elsewhere(fqn, p, type(self.module).__name__)
                 ignored.append(fqn)
                 continue
-            unit, m = hit
+            m = hit[1]
+            enclosing = _enclosing_units(path, unit_at)
             if id(m) in owner_name:
                 aliases[fqn] = owner_name[id(m)]
+                units_of[id(m)] = [u for u in units_of[id(m)] if u in enclosing]
                 continue
             owner_name[id(m)] = fqn
+            units_of[id(m)] = enclosing
             self.managed[fqn] = m
             if m.tp is not None:
                 self.tp[fqn] = m.tp
+        infos = []
+        for fqn, m in self.managed.items():
+            # A tied parameter belongs to the innermost unit holding all its names (as in fsdpfn.shard):
+            # gathered wherever any of them runs, one gradient summed over every use.
+            unit = units_of[id(m)][-1]
             local = m.param.to_local()
             infos.append(ParamInfo(fqn, m.gathered or tuple(m.param.shape), local.dtype, m.param.requires_grad, unit, m.dim))
         if self.comm is None:
@@ -233,6 +259,7 @@ class RootContext:
             unit_names,
             min_bucket_bytes=min_bytes,
             fuse_key=keys.__getitem__,
+            link=self._link,
             rank=groups.rank,
             world=groups.world,
             aliases=aliases,
@@ -251,6 +278,13 @@ class RootContext:
                 self.acc.update(st.acc)
                 st.acc = self.acc
         self.states = states
+
+    def _link(self) -> LinkCost:
+        """The mesh's all-gather cost, measured on first need (``min_bucket_bytes="auto"``) and kept."""
+        if self.link is None:
+            assert self.comm is not None
+            self.link = measure_link(self.comm)
+        return self.link
 
     def _fusion_inputs(self, states: dict[str, UnitState]) -> tuple[int | None, dict[str, Any]]:
         return self.state.min_bucket_bytes, {n: st.fuse_key(st is self.state) for n, st in states.items()}
@@ -294,7 +328,7 @@ class RootContext:
     # --- calls ------------------------------------------------------------------------------------
     def params(self, deferred: list[Any] | None = None) -> Sharded[torch.Tensor]:
         """This call's tree: the local shards of the registered ``DTensor`` parameters."""
-        stale = False
+        stale = meta = False
         for fqn, m in self.managed.items():
             mod, attr = m.slots[0]
             current = mod._parameters.get(attr)
@@ -304,6 +338,9 @@ class RootContext:
                     mo._parameters[at] = current
                 m.param = current
             stale = stale or m.param.dtype != self.plan.dtypes[fqn]
+            meta = meta or m.param.is_meta
+        if meta:
+            check_materialized(self)
         fusing = self._fusion[0] or self.state.min_bucket_bytes
         if stale or (fusing and self._fusion != self._fusion_inputs(self.states)):
             self._build()  # e.g. model.to(dtype): same units, new dtypes; or a knob that splits a fused group
@@ -374,6 +411,26 @@ def _begin_eagerly(ctx: RootContext, args: Any, kwargs: Any) -> Any:
 @eager
 def _end_eagerly(ctx: RootContext, opened: OpenCall, out: Any) -> Any:
     return ctx.end(opened, out)
+
+
+def _enclosing_units(module_path: str, unit_at: dict[str, str]) -> list[str]:
+    """The units whose modules contain the module at ``module_path``, outermost first (the root's
+    unit ``""`` always)."""
+    parts = module_path.split(".") if module_path else []
+    found = [unit_at[pre] for pre in (".".join(parts[:i]) for i in range(len(parts) + 1)) if pre in unit_at]
+    return found if found and found[0] == "" else ["", *found]
+
+
+def _check_not_managed_elsewhere(fqn: str, param: Any, root: str) -> None:
+    earlier = sharded_as(param)
+    if earlier is not None and earlier.param is param:
+        mod, attr = earlier.slots[0]
+        raise ValueError(
+            f"Parameter {fqn!r} is shared with a parameter already managed by another FSDP group: it is tied to "
+            f"{attr!r} of {type(mod).__name__}, which fully_shard placed under another root than {root}. fsdpfn "
+            "runs a tied parameter with the innermost fully_shard module holding all its uses: apply fully_shard "
+            "to a module containing both (e.g. the model) and run forward through it"
+        )
 
 
 def _check_replacement(fqn: str, old: DTensor, new: DTensor) -> None:

@@ -20,9 +20,10 @@ if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
     from fsdpfn.compat.tp import TPParam
 
-__all__ = ["ManagedParam", "UnitState", "drop_unsharded", "state_of"]
+__all__ = ["ManagedParam", "UnitState", "drop_unsharded", "mark_sharded", "sharded_as", "state_of"]
 
 _ATTR = "_fsdpfn_compat_state"
+_SHARDED_AS = "_fsdpfn_compat_sharded_as"
 
 
 @dataclass(eq=False)
@@ -61,7 +62,7 @@ class UnitState:
     forward_prefetch: list[UnitState] | None = None
     backward_prefetch: list[UnitState] | None = None
     post_optim_event: Any = None
-    min_bucket_bytes: int | None = None  # fsdpfn extension, read on the root (set_min_bucket_bytes)
+    min_bucket_bytes: int | str | None = "auto"  # fsdpfn extension, read on the root (set_min_bucket_bytes)
     # runtime
     root: RootContext | None = None  # the root whose plan runs this state (set by lazy init)
     name: str = ""  # this state's unit name in the root's plan
@@ -100,6 +101,18 @@ def state_of(module: nn.Module) -> UnitState | None:
 
 def set_state(module: nn.Module, state: UnitState) -> None:
     module.__dict__[_ATTR] = state
+
+
+def mark_sharded(original: nn.Parameter, managed: ManagedParam) -> None:
+    """Remember on the plain parameter ``fully_shard`` replaced that ``managed`` is its sharded form: a
+    later call that still finds it (tied to a module outside the earlier call) registers the same
+    ``DTensor`` instead of making a second, independent one."""
+    original.__dict__[_SHARDED_AS] = managed
+
+
+def sharded_as(original: nn.Parameter) -> ManagedParam | None:
+    """The ``ManagedParam`` an earlier ``fully_shard`` call made of ``original``, else ``None``."""
+    return original.__dict__.get(_SHARDED_AS)
 
 
 def drop_unsharded(state: UnitState) -> None:

@@ -2,6 +2,7 @@
 streams and events."""
 
 from fsdpfn.core.comm import Comm, CommStats, Handle
+from fsdpfn.core.link import measure_link
 from fsdpfn.core.mesh import MeshGroups, default_mesh, init_mesh, mesh_groups
 
-__all__ = ["Comm", "CommStats", "Handle", "MeshGroups", "default_mesh", "init_mesh", "mesh_groups"]
+__all__ = ["Comm", "CommStats", "Handle", "MeshGroups", "default_mesh", "init_mesh", "measure_link", "mesh_groups"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fsdpfn.layout.autobucket import LinkCost, auto_bucket_bytes
 from fsdpfn.layout.bucket import BucketLayout
 from fsdpfn.layout.spec import ShardSpec
 
@@ -84,6 +85,7 @@ class ShardPlan:
     unit_policies: Mapping[str, Any] = field(default_factory=dict)  # per-unit mixed precision (compat)
     groups: tuple[UnitPlan, ...] = ()  # what travels in one collective: units, or runs of fused units
     group_of: Mapping[str, str] = field(default_factory=dict)  # unit name -> its group's name
+    bucket_bytes: int | None = None  # the fusion threshold in force (what min_bucket_bytes="auto" chose)
     _by_name: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
     _by_group: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # derived objects, built once per plan
@@ -160,8 +162,9 @@ def build_plan(
     reduce_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: d,
     aliases: Mapping[str, str] | None = None,
     unit_dtypes: Mapping[str, tuple[Callable[[torch.dtype], torch.dtype], Callable[[torch.dtype], torch.dtype]]] | None = None,
-    min_bucket_bytes: int | None = None,
+    min_bucket_bytes: int | str | None = None,
     fuse_key: Callable[[str], Any] | None = None,
+    link: LinkCost | Callable[[], LinkCost] | None = None,
     **extra: Any,
 ) -> ShardPlan:
     """Build a plan: shard every parameter on its ``ParamInfo.dim`` (0 by default) and bucket each
@@ -171,7 +174,9 @@ def build_plan(
     (mixed precision); ``unit_dtypes[unit]`` overrides the pair for one unit. Units keep the order of
     ``unit_names``; a unit that owns nothing is dropped. With ``min_bucket_bytes``, consecutive non-root
     units are fused into collective groups of at least that many gathered (full-size) bytes each (the
-    last group of a run may be smaller); see ``fuse_units`` (``fuse_key`` too).
+    last group of a run may be smaller); see ``fuse_units`` (``fuse_key`` too). ``min_bucket_bytes="auto"``
+    fills groups up to the size ``auto_bucket_bytes`` picks from ``link`` (the mesh's measured all-gather
+    cost, or a function measuring it, called only when fusing could pay), never past it.
 
     Example:
         >>> infos = [ParamInfo("w", (4, 3), torch.float32, True, "")]
@@ -189,10 +194,19 @@ def build_plan(
         gather = bucket_by_dtype(members, specs, to_gather)
         trainable = [i for i in members if i.requires_grad]
         units.append(UnitPlan(name, tuple(i.fqn for i in members), gather, bucket_by_dtype(trainable, specs, to_reduce)))
-    groups = fuse_units(units, specs, world, min_bucket_bytes, key=fuse_key) if min_bucket_bytes else tuple(units)
+    if min_bucket_bytes not in (None, "auto") and not is_byte_count(min_bucket_bytes):
+        raise ValueError(f"min_bucket_bytes must be an int >= 0 (bytes), 'auto' or None, got {min_bucket_bytes!r}")
+    at_most = None
+    if min_bucket_bytes == "auto":
+        if link is None:
+            raise ValueError("build_plan: min_bucket_bytes='auto' needs the mesh's measured all-gather cost (link=)")
+        min_bucket_bytes = at_most = auto_bucket_bytes(units, world, link)
+    fused = bool(min_bucket_bytes)
+    groups = fuse_units(units, specs, world, min_bucket_bytes, key=fuse_key, at_most=at_most) if fused else tuple(units)
     return ShardPlan(
         groups=groups,
-        group_of={u: g.name for g in groups for u in g.name.split(FUSED)} if min_bucket_bytes else {},
+        group_of={u: g.name for g in groups for u in g.name.split(FUSED)} if fused else {},
+        bucket_bytes=min_bucket_bytes or None,
         params=tuple(i.fqn for i in infos),
         buffers=tuple(buffers),
         specs=specs,
@@ -225,11 +239,14 @@ def fuse_units(
     min_bucket_bytes: int,
     *,
     key: Callable[[str], Any] | None = None,
+    at_most: int | None = None,
 ) -> tuple[UnitPlan, ...]:
     """Fuse runs of consecutive non-root units into groups of at least ``min_bucket_bytes`` gathered
     bytes: each group's members travel in one collective per dtype (fewer, larger collectives for many
     small units). The root unit stays alone. A group is named by its units joined with ``+``. Units
     whose ``key(name)`` differ never share a group (a unit of another key closes the current one).
+    With ``at_most``, a unit that would take a run past that many bytes starts a new run instead
+    (``min_bucket_bytes="auto"``: groups never exceed the memory cap).
 
     Example:
         >>> infos = [ParamInfo(f"b{i}.w", (4,), torch.float32, True, f"b{i}") for i in range(3)]
@@ -249,11 +266,12 @@ def fuse_units(
         if not u.name:
             out.append(u)
             continue
-        if run and key is not None and key(u.name) != key(run[0].name):
+        nbytes = sum(lay.nbytes for lay in u.gather) * world
+        if run and ((key is not None and key(u.name) != key(run[0].name)) or (at_most is not None and size + nbytes > at_most)):
             out.append(_merge(run, specs))
             run, size = [], 0
         run.append(u)
-        size += sum(lay.nbytes for lay in u.gather) * world
+        size += nbytes
         if size >= min_bucket_bytes:
             out.append(_merge(run, specs))
             run, size = [], 0

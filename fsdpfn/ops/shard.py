@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 import torch
 from torch import nn
 
-from fsdpfn.core import Comm
+from fsdpfn.core import Comm, measure_link
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
 from fsdpfn.ops.materialize import is_meta, materialize_and_shard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -98,7 +98,7 @@ def shard(
     offload_policy: OffloadPolicy | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
     init: Callable[[nn.Module], None] | None = None,
-    min_bucket_bytes: int | None = None,
+    min_bucket_bytes: int | Literal["auto"] | None = "auto",
     donate: bool = True,
 ) -> Sharded[torch.Tensor]:
     """Shard ``module``'s parameters over ``mesh`` and return this rank's ``Sharded`` tree.
@@ -125,7 +125,12 @@ def shard(
     at least that many bytes: a run travels in one collective per dtype and is gathered, resharded and
     reduced as a whole, so a model of many small blocks pays the per-collective latency a few times
     instead of once per block, at the price of keeping a whole run gathered while any of it runs.
-    Results are the same; ``params.plan.groups`` shows the runs. ``None`` (default): one per unit.
+    Results are the same; ``params.plan.groups`` shows the runs. ``None``: one collective per unit.
+    ``"auto"`` (default) measures the mesh's all-gather latency and bandwidth once (a few small
+    all-gathers, agreed over all ranks) and fills groups up to the size at which latency stops
+    mattering, capped at ``max(largest unit, 1/8 of this rank's shard bytes)`` so the gathered window
+    stays within what the optimizer step holds anyway; units that are already large stay alone
+    (``params.plan.bucket_bytes`` is what it chose). See ``fsdpfn.layout.autobucket``.
 
     Example:
         >>> mesh = fsdpfn.init_mesh()                                   # doctest: +SKIP
@@ -199,6 +204,7 @@ def shard(
         module_type=type(module).__name__,
         ignored=tuple(ignored_names),
         min_bucket_bytes=min_bucket_bytes,
+        link=lambda: measure_link(comm),
         transient_buffers=frozenset(
             f"{prefix}.{name}" if prefix else name
             for prefix, mod in module.named_modules()

@@ -1,0 +1,70 @@
+"""Measuring a mesh's all-gather cost once, for ``min_bucket_bytes="auto"``.
+
+Two all-gathers sizes, a few repetitions each, give the latency and the bandwidth of the path the core
+really takes for small buckets (``Comm.all_gather``: launch, gloo's thread or the side stream, wait). Every
+rank must build the same plan, so the timings are averaged over the whole mesh before they are used: a
+rank that measured differently never ends up with different fused groups (a hang).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from fsdpfn.core.comm import Comm
+from fsdpfn.core.guard import Guard
+from fsdpfn.core.stats import CommStats
+from fsdpfn.layout.autobucket import LinkCost
+
+__all__ = ["measure_link"]
+
+SMALL_BYTES = 1 << 10  # gathered bytes of the latency probe
+LARGE_BYTES = 1 << 20  # gathered bytes of the bandwidth probe (below the CPU exchange threshold)
+
+
+def measure_link(comm: Comm, *, repeats: int = 5) -> LinkCost:
+    """Measure ``comm``'s all-gather cost (a collective: every rank of the mesh must call it).
+
+    A shard group of one rank gathers nothing: latency 0 and infinite bandwidth. The probes leave no
+    trace in ``comm.stats`` or in the collective numbering of ``comm.guard`` (what a step issues stays
+    what the user counts), though with ``FSDPFN_DEBUG=1`` they are checked across ranks like any other.
+
+    Example:
+        >>> link = measure_link(Comm(fsdpfn.init_mesh()))      # doctest: +SKIP
+        >>> link.seconds(1 << 20)                                # doctest: +SKIP
+        0.0009
+    """
+    if comm.world == 1:
+        return LinkCost(0.0, float("inf"))
+    saved = comm.stats, comm.guard
+    comm.stats, comm.guard = CommStats(), Guard(comm.groups.rank, timeout=saved[1].timeout)
+    try:
+        return _measure(comm, repeats)
+    finally:
+        comm.stats, comm.guard = saved
+
+
+def _measure(comm: Comm, repeats: int) -> LinkCost:
+    device = comm.groups.device
+    cuda = device.type == "cuda"
+    medians = []
+    for nbytes in (SMALL_BYTES, LARGE_BYTES):
+        x = torch.zeros(nbytes // comm.world, dtype=torch.uint8, device=device)
+        comm.all_gather(x, label="link").wait()  # warm-up: first use of the group and the buffers
+        samples = []
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            comm.all_gather(x, label="link").wait()
+            if cuda:
+                torch.cuda.synchronize(device)
+            samples.append(time.perf_counter() - start)
+        medians.append(statistics.median(samples))
+    agreed = torch.tensor(medians, dtype=torch.float64, device=device)
+    comm.all_reduce_sum(agreed, label="link").wait()
+    small, large = (agreed / comm.dp_world).tolist()
+    bytes_per_s = (LARGE_BYTES - SMALL_BYTES) / max(large - small, 1e-9)
+    return LinkCost(latency_s=max(small - SMALL_BYTES / bytes_per_s, 0.0), bytes_per_s=bytes_per_s)

@@ -1,0 +1,69 @@
+"""Automatic collective groups (``min_bucket_bytes="auto"``): how many bytes a fused group should gather.
+
+A collective of ``b`` bytes costs about ``latency + b / bandwidth``. Many small units pay the latency once
+each; fusing consecutive units into groups of ``b`` bytes pays it once per group. The target is the size at
+which the latency is at most ``1 / LATENCY_SHARE`` of the transfer; beyond it fusing saves little.
+
+Fusing costs memory: a group is gathered (and re-gathered in backward) as a whole, so the gathered window
+of a step grows from a few units to a few groups. The cap keeps that growth inside what the optimizer step
+of the same model already holds: a group gathers at most ``max(largest unit, shard bytes / CAP_PARTS)``,
+the same fraction of the shards as one optimizer temporary (``fsdpfn.optim`` runs its kernels over groups of
+at most 1/8 of the shard bytes), so a model whose units are already large is never fused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:  # plan.py imports this module
+    from fsdpfn.layout.plan import UnitPlan
+
+__all__ = ["CAP_PARTS", "LATENCY_SHARE", "LinkCost", "auto_bucket_bytes"]
+
+LATENCY_SHARE = 4  # target: latency <= 1/4 of a group's transfer time
+CAP_PARTS = 8  # cap: a group gathers at most 1/8 of the model's bytes on this rank (or the largest unit)
+
+
+class LinkCost(NamedTuple):
+    """The measured cost of one all-gather on a mesh: ``latency_s + gathered_bytes / bytes_per_s``.
+
+    Example:
+        >>> LinkCost(latency_s=1e-4, bytes_per_s=2e9).seconds(1 << 20)   # doctest: +ELLIPSIS
+        0.00062...
+    """
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: int) -> float:
+        """Predicted time of one all-gather that gathers ``nbytes`` bytes in all."""
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+def auto_bucket_bytes(units: Sequence["UnitPlan"], world: int, link: LinkCost | Callable[[], LinkCost]) -> int | None:
+    """The most bytes one fused group may gather under ``min_bucket_bytes="auto"`` on these (unfused)
+    units (groups are filled up to it, never past it), or ``None`` when no group could hold two units.
+    ``link`` may be a function that measures it: it is called only when the memory cap leaves room to fuse.
+
+    Example:
+        >>> import torch
+        >>> from fsdpfn.layout.plan import ParamInfo, build_plan
+        >>> infos = [ParamInfo(f"b{i}.w", (64, 64), torch.float32, True, f"b{i}") for i in range(48)]
+        >>> plan = build_plan(infos, [], [f"b{i}" for i in range(48)], rank=0, world=2)
+        >>> auto_bucket_bytes(plan.units, 2, LinkCost(1e-4, 2e9))   # 1/8 of this rank's 384 KiB: 3 blocks
+        49152
+    """
+    sizes = [sum(lay.nbytes for lay in u.gather) * world for u in units if u.name]
+    if len(sizes) < 2:
+        return None
+    shard_bytes = sum(lay.nbytes for u in units for lay in u.gather)  # this rank's share, padded
+    cap = max(max(sizes), shard_bytes // CAP_PARTS)
+    smallest_pair = 2 * min(sizes)
+    if cap < smallest_pair:
+        return None
+    if not isinstance(link, LinkCost):
+        link = link()
+    target = int(LATENCY_SHARE * link.latency_s * link.bytes_per_s) if link.bytes_per_s != float("inf") else cap
+    chosen = min(target, cap)
+    return chosen if chosen >= smallest_pair else None
