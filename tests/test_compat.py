@@ -1292,14 +1292,14 @@ def _w_unsupported():
     _raises(NotImplementedError, lambda: fully_shard(lin, mesh=mesh), "fsdp_pre_all_gather")
 
     torch.manual_seed(0)
-    _raises(NotImplementedError, lambda: fully_shard(Net(), mesh=mesh, dp_mesh_dims=(0,)), "dp_mesh_dims")
+    _raises(TypeError, lambda: fully_shard(Net(), mesh=mesh, dp_mesh_dims=(0,)), "dp_mesh_dims")  # supported: test_compat_tp.py
     torch.manual_seed(0)
     _raises(
-        NotImplementedError,
-        lambda: fully_shard(Net(), mesh=mesh, shard_placement_fn=lambda p: Shard(1)),
-        "shard_placement_fn",
+        AssertionError,
+        lambda: fully_shard(Net(), mesh=mesh, shard_placement_fn=lambda p: Shard(p.ndim)),
+        "is invalid for",
     )
-    # shard_placement_fn returning Shard(0) or None is fine
+    # shard_placement_fn returning Shard(0) or None is fine (any other dim: test_compat_shard_dim.py)
     model = fully_shard(Net(), mesh=mesh, shard_placement_fn=lambda p: Shard(0) if p.ndim == 2 else None)
     _step(model)
 

@@ -3,7 +3,7 @@
 the same exception class (or a subclass of it) with a message that starts with torch's message (fsdpfn may add advice after
 it). torch's message is computed by triggering torch, never written down here.
 
-All cases run in one call on a world of 2 ranks (the uneven-sharding case needs 2); each rank triggers
+All cases run in one call on a world of 2 ranks; each rank triggers
 every case with both implementations and the test compares rank 0's results.
 """
 
@@ -90,7 +90,6 @@ def _cases(api, world: int) -> dict:
         "shard-dim-out-of-range": lambda: fs(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)),
         "placement-not-a-shard": lambda: fs(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()),
         "placement-not-a-placement": lambda: fs(nn.Linear(4, 4), shard_placement_fn=lambda p: 3),
-        "uneven-shard-on-dim-1": lambda: fs(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(p.ndim - 1)),
         "forward-on-meta": lambda: (lambda m: m(_x()))(_meta_fully_sharded(fs)),
         "deepcopy": lambda: copy.deepcopy(fully_sharded_two()),
         "deepcopy-of-a-child": lambda: copy.deepcopy(fully_sharded_two().a),

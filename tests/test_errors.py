@@ -173,12 +173,62 @@ def _compat_pg_alloc_custom():
     model.set_allocate_memory_from_process_group_for_comm(True)
 
 
-def _compat_placement():
+def _compat_placement_result():
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.tensor import Shard
 
     from fsdpfn.compat import fully_shard
 
-    fully_shard(_TwoLayer().blocks[1], mesh=fsdpfn.init_mesh(), shard_placement_fn=lambda p: Shard(p.ndim - 1))
+    fully_shard(_TwoLayer(), mesh=fsdpfn.init_mesh(), shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), None))
+
+
+def _tp_model(tp_mesh, placement):
+    from torch.distributed.tensor import DTensor
+
+    model = _TwoLayer()
+    w = model.blocks[0].weight.detach()
+    model.blocks[0].weight = nn.Parameter(DTensor.from_local(w, tp_mesh, [placement], run_check=False))
+    return model
+
+
+def _compat_tp_other_root():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from fsdpfn.compat import fully_shard
+
+    dp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))["dp"]
+    fully_shard(_tp_model(init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), Shard(0)), mesh=dp)
+
+
+def _compat_tp_shared_dims():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    from fsdpfn.compat import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    fully_shard(_tp_model(mesh, Shard(0)), mesh=mesh)
+
+
+def _compat_spmd_plain():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+
+    from fsdpfn.compat import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+    fully_shard(_TwoLayer(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+
+
+def _compat_tp_placements():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial
+
+    from fsdpfn.compat import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    fully_shard(_tp_model(mesh["tp"], Partial()), mesh=mesh["dp"])
 
 
 def _compat_subclass():
@@ -239,8 +289,12 @@ COMPAT_TRIGGERS = {
     "compat-child-first": (lambda m, p, a: _compat_child_first(), RuntimeError, r"^FSDP state has already been lazily initialized for blocks.1\nFSDP requires running forward through the root module first\n'blocks.1' \(FSDPLinear\) ran"),
     "compat-load-plain": (lambda m, p, a: _compat_load_plain(), ValueError, r"'blocks.0.weight' is a plain Tensor of shape \(4, 3\).*distribute_tensor"),
     "compat-replaced-param": (lambda m, p, a: _compat_replaced(), ValueError, r"parameter 'blocks.0.weight' was replaced by a DTensor"),
-    "compat-placement": (lambda m, p, a: _compat_placement(), NotImplementedError, r"shard_placement_fn returned Shard\(dim=1\) for parameter 'weight' of Linear; fsdpfn.compat shards on dim 0 only"),
-    "compat-dp-mesh-dims": (lambda m, p, a: _compat_model(dp_mesh_dims=__import__("torch.distributed.fsdp").distributed.fsdp.DataParallelMeshDims(shard="shard")), NotImplementedError, r"dp_mesh_dims"),
+    "compat-placement": (lambda m, p, a: _compat_placement_result(), NotImplementedError, r"shard_placement_fn returned a ShardPlacementResult for parameter 'weight' of Linear"),
+    "compat-tp-other-root": (lambda m, p, a: _compat_tp_other_root(), ValueError, r"parameter 'weight' of Linear is a DTensor on .*not a sub-mesh of the same device mesh as the data-parallel mesh"),
+    "compat-tp-shared-dims": (lambda m, p, a: _compat_tp_shared_dims(), ValueError, r"parameter 'weight' of Linear is already a DTensor on .*shares mesh dims with the data-parallel mesh"),
+    "compat-tp-placements": (lambda m, p, a: _compat_tp_placements(), NotImplementedError, r"parameter 'weight' of Linear has tensor-parallel placements \(Partial\(sum\),\)"),
+    "compat-dp-mesh-dims": (lambda m, p, a: _compat_model(dp_mesh_dims=object()), TypeError, r"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims\(shard=..., replicate=...\) naming dims of the mesh, got object"),
+    "compat-spmd-param": (lambda m, p, a: _compat_spmd_plain(), ValueError, r"parameter 'weight' of Linear is a plain Parameter; with dp_mesh_dims every parameter must be a DTensor on the whole mesh"),
     "compat-subclass": (lambda m, p, a: _compat_subclass(), NotImplementedError, r"'weight' of Linear is a WithHook with fsdp_pre_all_gather"),
     "compat-offload-cuda": (lambda m, p, a: _compat_offload_cuda(), NotImplementedError, r"CPUOffloadPolicy on a cuda mesh"),
     "compat-other-mesh": (lambda m, p, a: _compat_other_mesh(), NotImplementedError, r"module 'blocks.1' was sharded on a different mesh"),

@@ -13,6 +13,8 @@ Example:
     >>> fully_shard(model)                                             # doctest: +SKIP
 """
 
+from torch.distributed.fsdp import DataParallelMeshDims
+
 from fsdpfn.compat.fully_shard import fully_shard
 from fsdpfn.compat.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 from fsdpfn.compat.replicate import ReplicateModule, replicate
@@ -20,6 +22,7 @@ from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

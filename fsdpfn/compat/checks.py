@@ -119,7 +119,7 @@ def check_modules(module: Any, kind: str) -> list[nn.Module]:
 
 def check_mesh(mesh: Any, kind: str, dp_mesh_dims: Any) -> DeviceMesh:
     """FSDP2's mesh checks: a ``DeviceMesh`` of 1 (FSDP) or 2 named dims (HSDP); ``replicate``: 1 dim.
-    ``dp_mesh_dims`` is validated as FSDP2 does, then refused (not supported by fsdpfn.compat)."""
+    With ``dp_mesh_dims`` the mesh is the whole SPMD mesh, validated as FSDP2 does (``replicate``: refused)."""
     if not hasattr(mesh, "ndim"):
         raise NotAMeshError(
             _say(
@@ -132,7 +132,9 @@ def check_mesh(mesh: Any, kind: str, dp_mesh_dims: Any) -> DeviceMesh:
         raise ValueError(f"{kind}: mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     if dp_mesh_dims is not None:
         _check_dp_mesh_dims(mesh, dp_mesh_dims)
-        raise NotImplementedError(f"{kind}: dp_mesh_dims (an SPMD mesh with data-parallel dims) is not supported")
+        if kind != "fully_shard":
+            raise NotImplementedError(f"{kind}: dp_mesh_dims (an SPMD mesh with data-parallel dims) is not supported")
+        return mesh  # the whole SPMD mesh: fully_shard takes its data-parallel sub-mesh (compat/tp.py)
     if kind == "replicate":
         if mesh.ndim != 1:
             raise ValueError(f"replicate expects a 1D DeviceMesh but got {mesh}")
@@ -195,15 +197,14 @@ def shard_dim_of(
     param: nn.Parameter, attr: str, owner: nn.Module, placement_fn: Callable[[nn.Parameter], Any] | None, world: int, kind: str
 ) -> int:
     """The dim ``param`` is sharded on, checked in FSDP2's order: the ``shard_placement_fn`` result, a
-    non-contiguous parameter, a dim out of range, uneven sharding on a dim > 0; fsdpfn.compat then shards
-    on dim 0 only."""
+    non-contiguous parameter, a dim out of range (negative dims count from the end)."""
     chosen = placement_fn(param) if placement_fn is not None else None
     where = f"parameter {attr!r} of {type(owner).__name__}"
     if chosen is not None and not isinstance(chosen, Shard):
         if type(chosen).__name__ == "ShardPlacementResult":
             raise NotImplementedError(
                 f"{kind}: shard_placement_fn returned a ShardPlacementResult for {where}: a per-parameter mesh is "
-                "not supported by fsdpfn.compat (return None or Shard(0))"
+                "not supported by fsdpfn.compat (return None or Shard(dim))"
             )
         raise ValueError(f"Invalid shard_placement_fn result: {chosen}\n{kind}: {where}; return None or a Shard(dim)")
     if not param.is_contiguous():
@@ -218,15 +219,8 @@ def shard_dim_of(
     dim = chosen.dim + param.ndim if chosen.dim < 0 else chosen.dim
     if dim >= param.ndim:
         raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: {param.shape}\n{where}")
-    if dim > 0 and param.size(dim) % world != 0:
-        raise NotImplementedError(
-            f"FSDP does not support uneven sharding on dim {dim}: {param.size()} (world size: {world})\n{where}"
-        )
-    if dim != 0:
-        raise NotImplementedError(
-            f"{kind}: shard_placement_fn returned {chosen!r} for {where}; fsdpfn.compat shards on dim 0 only "
-            "(return None or Shard(0))"
-        )
+    # Differs on purpose: FSDP2 refuses uneven splits of a dim > 0; fsdpfn shards them like
+    # distribute_tensor(x, mesh, [Shard(dim)]) (docs/tensor_parallel.md)
     return dim
 
 

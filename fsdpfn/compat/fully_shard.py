@@ -1,7 +1,8 @@
 """``fully_shard``: FSDP2's entry point, sharding a module's parameters into ``DTensor``s in place.
 
-Nothing is communicated here: every rank holds the full parameters (or ``meta`` tensors) and keeps its
-``torch.chunk`` slice along dim 0. The module's class becomes ``FSDP<Original>`` (with the
+Nothing is communicated here: every rank holds the full parameters (or ``meta`` tensors; the TP-local
+tensors of tensor-parallel ones, see ``tp.py``) and keeps its ``torch.chunk`` slice along the shard dim
+(0 unless ``shard_placement_fn`` says otherwise). The module's class becomes ``FSDP<Original>`` (with the
 ``FSDPModule`` methods), and its forward runs through the root's plan (see ``root.py``).
 """
 
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdpfn.compat.checks import check_mesh, check_modules, check_not_scalar, check_reshard, shard_dim_of
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
 from fsdpfn.compat.state import ManagedParam, UnitState, mark_sharded, set_state, sharded_as, state_of
+from fsdpfn.compat.tp import SpmdMesh, spmd_layout, tp_param
 from fsdpfn.core import default_mesh, mesh_groups
 from fsdpfn.layout import ShardSpec, shard_tensor
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -46,8 +48,11 @@ def fully_shard(
 ) -> Any:
     """Shard ``module``'s parameters (those not already sharded by a call on a submodule) over ``mesh``
     as ``nn.Parameter(DTensor)`` with ``(Shard(0),)`` placements (``(Replicate(), Shard(0))`` on a 2-D
-    HSDP mesh); one collective group per call. Same signature and behaviour as
-    ``torch.distributed.fsdp.fully_shard`` (torch 2.13); differences are listed in docs/compat.md.
+    HSDP mesh; ``Shard(d)`` where ``shard_placement_fn`` says so); one collective group per call.
+    Tensor-parallel ``DTensor`` parameters on a sibling sub-mesh (``mesh["tp"]`` beside ``mesh["dp"]``), or
+    on the whole mesh with ``dp_mesh_dims``, get FSDP2's dp + tp layout (docs/tensor_parallel.md). Same
+    signature and behaviour as ``torch.distributed.fsdp.fully_shard`` (torch 2.13); differences are
+    listed in docs/compat.md.
 
     Example:
         >>> from fsdpfn.compat import fully_shard
@@ -86,6 +91,10 @@ def _shard(
 ) -> Any:
     modules = check_modules(module, kind)
     mesh = check_mesh(default_mesh() if mesh is None else mesh, kind, dp_mesh_dims)  # torch's default, made per call
+    spmd = None
+    if dp_mesh_dims is not None:  # parameters are DTensors on the whole mesh; fsdpfn communicates over its dp dims
+        spmd = SpmdMesh.of(mesh, dp_mesh_dims, kind)
+        mesh = spmd.dp_mesh
     mp = _policy(mp_policy, kind)
     offload = _offload(offload_policy, mesh, kind)
     groups = mesh_groups(mesh, replicate_only=kind == "replicate")
@@ -124,13 +133,9 @@ def _shard(
                         "fsdp_pre_all_gather/fsdp_post_all_gather: the tensor-subclass all-gather extension is not "
                         "supported by fsdpfn.compat"
                     )
-                if isinstance(p, DTensor):
-                    raise ValueError(
-                        f"{kind}: parameter {attr!r} of {type(mod).__name__} is already a DTensor; shard a module "
-                        "whose parameters are plain tensors (is it managed by another fully_shard root?)"
-                    )
-                shard_dim_of(p, attr, mod, shard_placement_fn, groups.world, kind)
-                by_id[id(p)] = ManagedParam(p, [(mod, attr)])
+                where = f"parameter {attr!r} of {type(mod).__name__}"
+                dim = shard_dim_of(p, attr, mod, shard_placement_fn, groups.world, kind)
+                by_id[id(p)] = ManagedParam(p, [(mod, attr)], dim, where=where)
                 managed.append(by_id[id(p)])
     hooked: set[int] = set()
     for earlier, mod, attr in joins:
@@ -138,7 +143,7 @@ def _shard(
         mod._parameters[attr] = earlier.param
     for m in managed:
         mark_sharded(m.param, m)
-        m.param = _to_dtensor(m.param, mesh, placements, groups, device, kind)
+        m.param = _to_dtensor(m, mesh, placements, groups, device, kind, spmd)
         mark_sharded(m.param, m)
         for mod, attr in m.slots:
             mod._parameters[attr] = m.param
@@ -224,19 +229,32 @@ def _offload(policy: Any, mesh: DeviceMesh, kind: str) -> OffloadPolicy:
     return OffloadPolicy()
 
 
-def _to_dtensor(p: nn.Parameter, mesh: DeviceMesh, placements: tuple[Any, ...], groups: Any, device: torch.device, kind: str) -> nn.Parameter:
-    shard_dims = [pl.dim for pl in placements if isinstance(pl, Shard)]
-    if p.is_meta:
-        if shard_dims:
-            spec = ShardSpec(tuple(p.shape), groups.world)
-            local = torch.empty(spec.local_shape(groups.rank), dtype=p.dtype, device="meta")
-        else:
-            local = torch.empty_like(p, device="meta")
+def _to_dtensor(
+    m: ManagedParam, mesh: DeviceMesh, placements: tuple[Any, ...], groups: Any, device: torch.device, kind: str, spmd: SpmdMesh | None
+) -> nn.Parameter:
+    """``m.param`` as this rank's shard: a ``DTensor`` on ``mesh`` (on the dp + TP mesh for a TP parameter,
+    on the whole mesh with ``dp_mesh_dims``; see ``tp.py``), split with ``torch.chunk`` along ``m.dim``."""
+    p = m.param
+    placements = tuple(Shard(m.dim) if isinstance(pl, Shard) else pl for pl in placements)
+    sharded = any(isinstance(pl, Shard) for pl in placements)
+    if spmd is not None:
+        m.tp, out_placements = spmd.layout(p, m.dim, m.where, kind)
+        out_mesh, data = spmd.mesh, p._local_tensor
+    elif isinstance(p, DTensor):
+        out_mesh, out_placements = spmd_layout(p, mesh, placements, m.dim, m.where, kind)
+        m.tp = tp_param(p)
+        data = p._local_tensor
     else:
-        full = p.detach().to(device)
-        local = shard_tensor(full, ShardSpec(tuple(p.shape), groups.world), groups.rank) if shard_dims else full.clone()
+        out_mesh, out_placements, data = mesh, placements, p
+    m.gathered = tuple(data.shape)
+    spec = ShardSpec(m.gathered, groups.world, m.dim)
+    if data.is_meta:
+        local = torch.empty(spec.local_shape(groups.rank) if sharded else data.shape, dtype=data.dtype, device="meta")
+    else:
+        full = data.detach().to(device)
+        local = shard_tensor(full, spec, groups.rank) if sharded else full.clone()
     local = local.contiguous()
-    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=_contiguous_stride(p.shape))
+    dt = DTensor.from_local(local, out_mesh, out_placements, run_check=False, shape=p.shape, stride=_contiguous_stride(p.shape))
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 

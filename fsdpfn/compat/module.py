@@ -107,7 +107,8 @@ class UnshardHandle:
         st.unsharded = (handles, full, b)
         for fqn, m in st.root.managed.items():
             if fqn in full:
-                unsharded = nn.Parameter(full[fqn], requires_grad=m.param.requires_grad)
+                value = full[fqn] if m.tp is None else m.tp.wrap(full[fqn])
+                unsharded = nn.Parameter(value, requires_grad=m.param.requires_grad)
                 for mod, attr in m.slots:
                     mod._parameters[attr] = unsharded
 

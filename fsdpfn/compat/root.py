@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn.compat.checks import check_materialized, state_name
 from fsdpfn.compat.state import UnitState, drop_unsharded, sharded_as, state_of
+from fsdpfn.compat.tp import TPParam
 from fsdpfn.core import Comm, measure_link
 from fsdpfn.layout import ParamInfo, Sharded, ShardPlan, build_plan
 from fsdpfn.layout.autobucket import LinkCost
@@ -121,6 +122,12 @@ class CompatApply(Apply):
     def unit_modules(self, name: str) -> list[nn.Module]:
         return list(self.ctx.states[name].modules)
 
+    def _swap_names(self, names: list[tuple[str, str]], full: dict[str, torch.Tensor]) -> Any:
+        tp = self.ctx.tp
+        if tp:  # the gathered TP-local tensors, seen by the TP modules as DTensors on their TP mesh
+            full = {o: tp[o].wrap(full[o]) if o in tp else full[o] for _, o in names}
+        return super()._swap_names(names, full)
+
     def release_after_module(self, name: str) -> bool:
         return len(self.ctx.states[name].modules) == 1  # fully_shard([a, b]): gathered once per forward
 
@@ -211,6 +218,7 @@ class RootContext:
         owner_name: dict[int, str] = {}
         units_of: dict[int, list[str]] = {}  # per ManagedParam: the units enclosing all its names, outermost first
         self.managed: dict[str, Any] = {}
+        self.tp: dict[str, TPParam] = {}  # tensor-parallel parameters: how the forward must see them
         for fqn, p in self.module.named_parameters(remove_duplicate=False):
             path, _, attr = fqn.rpartition(".")
             mod = self.module.get_submodule(path)
@@ -228,13 +236,15 @@ class RootContext:
             owner_name[id(m)] = fqn
             units_of[id(m)] = enclosing
             self.managed[fqn] = m
+            if m.tp is not None:
+                self.tp[fqn] = m.tp
         infos = []
         for fqn, m in self.managed.items():
             # A tied parameter belongs to the innermost unit holding all its names (as in fsdpfn.shard):
             # gathered wherever any of them runs, one gradient summed over every use.
             unit = units_of[id(m)][-1]
             local = m.param.to_local()
-            infos.append(ParamInfo(fqn, tuple(m.param.shape), local.dtype, m.param.requires_grad, unit))
+            infos.append(ParamInfo(fqn, m.gathered or tuple(m.param.shape), local.dtype, m.param.requires_grad, unit, m.dim))
         if self.comm is None:
             box = self.state.comm_box  # share_comm_ctx: the first root to build makes the shared Comm
             shared = box[0] if box is not None else None

@@ -19,6 +19,7 @@ from fsdpfn.policy import MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
+    from fsdpfn.compat.tp import TPParam
 
 __all__ = ["ManagedParam", "UnitState", "drop_unsharded", "mark_sharded", "sharded_as", "state_of"]
 
@@ -28,11 +29,17 @@ _SHARDED_AS = "_fsdpfn_compat_sharded_as"
 
 @dataclass(eq=False)
 class ManagedParam:
-    """One parameter a ``fully_shard`` call sharded: the ``DTensor`` parameter and every
-    ``(module, attribute)`` it is registered under (several when it is tied)."""
+    """One parameter a ``fully_shard`` call sharded: the ``DTensor`` parameter, every
+    ``(module, attribute)`` it is registered under (several when it is tied), the dim it is split on,
+    the shape the all-gather rebuilds (the TP-local shape of a tensor-parallel parameter, else the full
+    shape) and, for a tensor-parallel parameter, its TP layout."""
 
     param: nn.Parameter
     slots: list[tuple[nn.Module, str]]
+    dim: int = 0
+    gathered: tuple[int, ...] = ()
+    tp: TPParam | None = None
+    where: str = ""  # "parameter 'weight' of Linear", for messages
 
 
 @dataclass(eq=False)

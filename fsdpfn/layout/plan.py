@@ -25,13 +25,15 @@ FUSED = "+"  # joins the unit names of a fused group
 
 @dataclass(frozen=True)
 class ParamInfo:
-    """What the plan needs to know of one (untied) parameter."""
+    """What the plan needs to know of one (untied) parameter: ``shape`` is what the all-gather
+    rebuilds, split along ``dim``."""
 
     fqn: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
     unit: str
+    dim: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,8 @@ def build_plan(
     link: LinkCost | Callable[[], LinkCost] | None = None,
     **extra: Any,
 ) -> ShardPlan:
-    """Build a plan: shard every parameter on dim 0 and bucket each unit's members by dtype.
+    """Build a plan: shard every parameter on its ``ParamInfo.dim`` (0 by default) and bucket each
+    unit's members by dtype.
 
     ``gather_dtype``/``reduce_dtype`` map a parameter's own dtype to the dtype its bucket moves in
     (mixed precision); ``unit_dtypes[unit]`` overrides the pair for one unit. Units keep the order of
@@ -181,7 +184,7 @@ def build_plan(
         >>> plan.units[0].gather[0].numel
         6
     """
-    specs = {i.fqn: ShardSpec(i.shape, world) for i in infos}
+    specs = {i.fqn: ShardSpec(i.shape, world, i.dim) for i in infos}
     units = []
     for name in unit_names:
         members = [i for i in infos if i.unit == name]

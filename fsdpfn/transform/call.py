@@ -17,6 +17,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fsdpfn.core import Handle
 from fsdpfn.core.traced import Collectives
@@ -53,6 +54,7 @@ class Packed:
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    spec: Any = None  # a saved DTensor's spec (its local tensor is what aliases the unit's buffer)
 
 
 class Call:
@@ -192,14 +194,19 @@ class Call:
     # --- saved-tensor hooks (eager even inside a compiled call: their state is per call) ---------
     @eager
     def pack(self, t: torch.Tensor) -> Any:
-        """Replace a saved tensor that aliases a resharded unit's buffer by a ``Packed`` reference."""
-        if not self.storages or not isinstance(t, torch.Tensor) or t.numel() == 0 or t.layout != torch.strided:
+        """Replace a saved tensor that aliases a resharded unit's buffer by a ``Packed`` reference (a
+        ``DTensor``, as tensor-parallel modules save, by one to its local tensor)."""
+        if not self.storages or not isinstance(t, torch.Tensor) or t.numel() == 0:
             return t
-        hit = self.storages.get(t.untyped_storage().data_ptr())
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        if type(local) is not torch.Tensor or local.layout != torch.strided or local.numel() == 0:
+            return t  # gathered buffers are plain tensors; other subclasses (collective results) have no storage to match
+        hit = self.storages.get(local.untyped_storage().data_ptr())
         if hit is None:
             return t
         self.packed_units.add(hit[0])
-        return Packed(hit[0], hit[1], t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        spec = t._spec if local is not t else None
+        return Packed(hit[0], hit[1], local.storage_offset(), tuple(local.shape), tuple(local.stride()), spec)
 
     @eager
     def unpack(self, x: Any) -> torch.Tensor:
@@ -207,7 +214,8 @@ class Call:
         if not isinstance(x, Packed):
             return x
         base = self.regather(x.unit)[x.fqn]
-        return base.as_strided(x.size, x.stride, x.offset)
+        local = base.as_strided(x.size, x.stride, x.offset)
+        return local if x.spec is None else DTensor(local, x.spec, requires_grad=False)
 
     # --- backward --------------------------------------------------------------------------------
     def regather(self, name: str) -> dict[str, torch.Tensor]:
