@@ -332,7 +332,7 @@ class FSDPModule:
             >>> model.layers[0].set_all_reduce_hook(my_all_reduce_over_my_group)   # doctest: +SKIP
         """
         st = _state(self)
-        if stream is not None and len(st.placements) > 1:
+        if stream is not None and st.kind == "fully_shard" and len(st.placements) > 1:  # (Replicate(), Shard(0)): HSDP
             raise ValueError("stream cannot be set when using native HSDP")
         if hook is not None and not callable(hook):
             raise TypeError(f"set_all_reduce_hook: hook must be callable (reduce_output: Tensor) -> None, got {hook!r}")
