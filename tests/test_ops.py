@@ -38,7 +38,7 @@ def _unshard_round_trip(tree, units):
     stats.reset()
     full = fsdpfn.unshard(params)
     exact = {n: bool(torch.equal(_bits(full[n]), _bits(p.detach()))) and full[n].shape == p.shape for n, p in model.named_parameters()}
-    buckets = sum(len(u.gather) for u in params.plan.units)
+    buckets = sum(len(g.gather) for g in params.plan.groups)  # fused groups travel together
     back = fsdpfn.reshard(full, params)
     resharded = all(torch.equal(_bits(back[k]), _bits(params[k])) for k in params.plan.params)
     return exact, stats.all_gathers, buckets, resharded
@@ -60,7 +60,7 @@ def _adjoint_and_grads(tree, units, seed):
     if lhs.requires_grad:
         lhs.backward()
     backward_reduces = stats.reduce_scatters
-    reduce_buckets = sum(len(u.reduce) for u in params.plan.units)
+    reduce_buckets = sum(len(g.reduce) for g in params.plan.groups)
     red_sum = fsdpfn.reduce(y, params, op="sum")
     red_avg = fsdpfn.reduce(y, params, op="avg")
     red_div = fsdpfn.reduce(y, params, op="sum", divide_by=3.0)
@@ -87,7 +87,7 @@ def test_unshard_equals_full_tensors(world, data):
     for exact, gathers, buckets, resharded in spmd(world, _unshard_round_trip, tree, units):
         assert all(exact.values()), exact
         assert resharded
-        # exactly one all-gather per unit bucket, never one per parameter
+        # exactly one all-gather per collective-group bucket, never one per parameter
         assert gathers == (buckets if world > 1 else 0)
 
 
