@@ -21,7 +21,7 @@ from fsdpfn.checkpoint._sync import broadcast_tensors
 from fsdpfn.checkpoint.errors import CheckpointMismatchError
 from fsdpfn.layout import Sharded, ShardPlan, ShardSpec, shard_tensor
 
-__all__ = ["from_dtensor", "leaf_kind", "placements", "shard_as_dtensor", "to_dtensor"]
+__all__ = ["from_dtensor", "global_shape", "leaf_kind", "param_dtensor", "placements", "shard_as_dtensor", "to_dtensor"]
 
 
 def placements(mesh: Any, dim: int = 0) -> tuple[Any, ...]:
@@ -57,6 +57,32 @@ def shard_as_dtensor(local: torch.Tensor, spec: ShardSpec, mesh: Any) -> DTensor
         shape=torch.Size(spec.shape),
         stride=_contiguous_stride(spec.shape),
     )
+
+
+def param_dtensor(plan: ShardPlan, fqn: str, local: torch.Tensor) -> DTensor:
+    """Parameter ``fqn``'s shard ``local`` as the global ``DTensor`` FSDP2 holds: ``shard_as_dtensor``, or for
+    a tensor-parallel parameter a ``DTensor`` on the dp + tp mesh with FSDP2's placements
+    (``(_StridedShard(0, sf=tp), Shard(0))`` for a colwise weight; docs/tensor_parallel.md).
+
+    Example:
+        >>> param_dtensor(params.plan, "0.weight", params["0.weight"]).placements    # doctest: +SKIP
+        (Shard(dim=0),)
+    """
+    lay = plan.tp.get(fqn)
+    if lay is not None:
+        return lay.dtensor(local)
+    return shard_as_dtensor(local, plan.specs[fqn], plan.mesh)
+
+
+def global_shape(plan: ShardPlan, fqn: str) -> tuple[int, ...]:
+    """Parameter ``fqn``'s global shape (a tensor-parallel one's spec is of its TP-local tensor).
+
+    Example:
+        >>> global_shape(params.plan, "0.weight")                     # doctest: +SKIP
+        (16, 8)
+    """
+    lay = plan.tp.get(fqn)
+    return tuple(lay.shape) if lay is not None else plan.specs[fqn].shape
 
 
 def leaf_kind(plan: ShardPlan, fqn: str, leaf: Any) -> str:
@@ -133,7 +159,7 @@ def to_dtensor(params: Sharded[Any]) -> dict[str, torch.Tensor]:
         if kind == "none":
             continue
         if kind == "shard":
-            out[k] = shard_as_dtensor(v.detach(), plan.specs[k], plan.mesh)
+            out[k] = param_dtensor(plan, k, v.detach())
         else:
             out[k] = zero_full[k] if kind == "zero_d" else v.detach()
         for alias in aliases.get(k, ()):
@@ -145,8 +171,13 @@ def _same_mesh(a: Any, b: Any) -> bool:
     return a is b or (a.device_type == b.device_type and a.mesh.tolist() == b.mesh.tolist())
 
 
-def _local_shard(value: torch.Tensor, spec: ShardSpec, like: Sharded[Any]) -> torch.Tensor:
+def _local_shard(value: torch.Tensor, spec: ShardSpec, like: Sharded[Any], fqn: str) -> torch.Tensor:
     plan = like.plan
+    lay = plan.tp.get(fqn)
+    if lay is not None:  # tensor-parallel: this rank's dp shard of its TP slice
+        if isinstance(value, DTensor) and _same_mesh(value.device_mesh, lay.mesh) and tuple(value.placements) == lay.placements:
+            return value.to_local()
+        return shard_tensor(lay.tp_local(_full(value)), spec, plan.rank)
     if not isinstance(value, DTensor):
         return shard_tensor(value.detach(), spec, plan.rank)
     want = placements(like.mesh, spec.dim)
@@ -163,6 +194,7 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     if isinstance(value, DTensor):
         return value.to_local() if all(p.is_replicate() for p in value.placements) else value.full_tensor()
     return value.detach()
+
 
 
 def from_dtensor(state: Mapping[str, Any], like: Sharded[Any]) -> Sharded[Any]:
@@ -205,9 +237,11 @@ def from_dtensor(state: Mapping[str, Any], like: Sharded[Any]) -> Sharded[Any]:
         kind = leaf_kind(plan, k, leaf)
         if kind == "other":
             raise TypeError(f"from_dtensor: like's leaf {k!r} is a {type(leaf).__name__}, not a tensor or None")
-        want = plan.specs[k].shape if kind in ("shard", "zero_d") else tuple(leaf.shape)
+        want = global_shape(plan, k) if kind in ("shard", "zero_d") else tuple(leaf.shape)
         if tuple(value.shape) != want:
             problems.append(f"{hit!r} has global shape {tuple(value.shape)}, like has {want}")
+        elif isinstance(value, DTensor) and kind == "shard" and k in plan.tp:
+            picked[k] = (kind, value)  # any mesh: gathered to the full tensor unless it is exactly like's layout
         elif isinstance(value, DTensor) and kind == "shard" and not _same_mesh(value.device_mesh, like.mesh):
             problems.append(f"{hit!r} is a DTensor on mesh {value.device_mesh}, not on like's mesh {like.mesh}")
         else:
@@ -224,7 +258,7 @@ def from_dtensor(state: Mapping[str, Any], like: Sharded[Any]) -> Sharded[Any]:
             leaves[k] = leaf
             continue
         if kind == "shard":
-            local = _local_shard(value, plan.specs[k], like)
+            local = _local_shard(value, plan.specs[k], like, k)
         elif kind == "zero_d":
             full = _full(value).reshape(1)
             local = full if plan.rank == 0 else full[:0]

@@ -12,12 +12,14 @@ from typing import Any
 import torch
 
 from fsdpfn.checkpoint._sync import broadcast_tensors, is_root, root_run
+from fsdpfn.checkpoint.dtensor import global_shape
 from fsdpfn.checkpoint.errors import CheckpointMismatchError
 from fsdpfn.layout import Sharded, ShardPlan, UnitPlan
 from fsdpfn.layout.plan import ParamInfo, bucket_by_dtype
 from fsdpfn.ops import unshard
 from fsdpfn.ops.api import check_shards
 from fsdpfn.ops.functions import Buckets
+from fsdpfn.ops.tp import unwrap
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
 
@@ -76,6 +78,8 @@ def full_state_dict(
     with torch.no_grad():
         for unit in plan.units:
             full = _gather_unit(params, unit)
+            for f in [f for f in unit.fqns if f in plan.tp]:  # TP-local after the dp gather: gather over tp too (every rank, in order)
+                full[f] = plan.tp[f].full(unwrap(full[f]))
             if keep:
                 got.update({f: _export(full[f], cpu) for f in unit.fqns})
             del full
@@ -122,7 +126,7 @@ def _problems(state: Any, like: Sharded[Any]) -> list[str]:
         if not names:
             problems.append(f"missing key {fqn!r}")
         for n in names:
-            v, want = state[n], plan.specs[fqn].shape
+            v, want = state[n], global_shape(plan, fqn)
             plain = isinstance(v, torch.Tensor) and (type(v) is torch.Tensor or isinstance(v, torch.nn.Parameter))
             if not plain:
                 problems.append(f"{n!r} is a {type(v).__name__}, expected a full (plain) tensor")
@@ -179,11 +183,13 @@ def load_full_state_dict(
     device = plan.comm.groups.device if plan.comm is not None else torch.device("cpu")
     with torch.no_grad():
         for unit in plan.units:
-            metas = [(plan.specs[f].shape, plan.dtypes[f]) for f in unit.fqns]
+            metas = [(global_shape(plan, f), plan.dtypes[f]) for f in unit.fqns]
             values = [_full_of(state, f, aliases) for f in unit.fqns] if local else None  # type: ignore[arg-type]
             fulls = broadcast_tensors(comm, metas, values) if rank0_only else values
             for fqn, full in zip(unit.fqns, fulls):  # type: ignore[arg-type]
                 spec, ref = plan.specs[fqn], like[fqn]
+                if fqn in plan.tp:  # tensor-parallel: dp shards this rank's TP slice
+                    full = plan.tp[fqn].tp_local(full)
                 start, stop = spec.bounds(plan.rank)
                 rows = full.reshape(1) if not spec.shape else full
                 shard = rows.narrow(spec.dim, start, stop - start)

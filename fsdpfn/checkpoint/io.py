@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from fsdpfn.checkpoint._dcp import dcp_load, dcp_save
 from fsdpfn.checkpoint._sync import comm_for
 from fsdpfn.checkpoint.atomic import verify, write_atomically
-from fsdpfn.checkpoint.dtensor import leaf_kind, shard_as_dtensor, zero_d_values
+from fsdpfn.checkpoint.dtensor import global_shape, leaf_kind, param_dtensor, zero_d_values
 from fsdpfn.checkpoint.errors import CheckpointMismatchError
 from fsdpfn.layout import Sharded, ShardPlan
 
@@ -41,7 +41,7 @@ class _Leaf:
     @property
     def global_shape(self) -> tuple[int, ...]:
         if self.kind in ("shard", "zero_d"):
-            return self.plan.specs[self.fqn].shape  # type: ignore[union-attr]
+            return global_shape(self.plan, self.fqn)  # type: ignore[arg-type]
         return tuple(self.value.shape)
 
 
@@ -150,7 +150,7 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
         if leaf.kind == "shard":
             plan = leaf.plan
             assert plan is not None
-            value: Any = shard_as_dtensor(leaf.value.detach(), plan.specs[leaf.fqn], plan.mesh)
+            value: Any = param_dtensor(plan, leaf.fqn, leaf.value.detach())
         elif leaf.kind == "zero_d":
             value = zero[id(leaf)]
         elif leaf.kind == "tensor":
@@ -252,7 +252,7 @@ def load(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -> Any
             local = torch.empty(v.shape, dtype=v.dtype, device=v.device)
             plan = leaf.plan
             assert plan is not None
-            state[leaf.src] = shard_as_dtensor(local, plan.specs[leaf.fqn], plan.mesh)
+            state[leaf.src] = param_dtensor(plan, leaf.fqn, local)
             result[id(leaf)] = local
         elif leaf.kind == "zero_d":
             state[leaf.src] = result[id(leaf)] = torch.empty((), dtype=v.dtype, device=v.device)

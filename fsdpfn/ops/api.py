@@ -105,6 +105,8 @@ def unshard(
     One all-gather per unit bucket (all launched before any is waited for); full tensors are views of
     the gathered buffers. Differentiable: the backward is ``reduce`` with ``op``/``divide_by``
     (``op="sum"``, the exact adjoint, by default). ``units`` restricts the gather to some units.
+    Tensor-parallel parameters are gathered over the data-parallel mesh only and come back as the
+    ``DTensor``s on the TP mesh the TP module expects (their local tensor is this rank's TP slice).
 
     Example:
         >>> full = fsdpfn.unshard(params)                               # doctest: +SKIP
@@ -115,6 +117,8 @@ def unshard(
     b = gather_collective(plan, chosen, reduce_scale(plan, op, divide_by))
     shards = check_shards(params, b.fqns)
     full = dict(zip(b.fqns, apply_buckets(b, shards)))
+    for fqn in [f for f in b.fqns if f in plan.tp]:  # tensor-parallel: the TP module's DTensor over the gathered TP-local tensor
+        full[fqn] = plan.tp[fqn].tp.wrap(full[fqn])
     if units is None:
         full.update(params.buffers())
     return full

@@ -8,10 +8,12 @@ from typing import Any, Literal, Union
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpfn.core import Comm, measure_link
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
 from fsdpfn.ops.materialize import is_meta, materialize_and_shard
+from fsdpfn.ops.tp import TPLayout, tp_layout, unwrap
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["Units", "resolve_units", "shard"]
@@ -74,9 +76,22 @@ def _donate(module: nn.Module, params: Iterable[nn.Parameter]) -> None:
         for attr, p in list(mod._parameters.items()):
             if p is not None and id(p) in ids:
                 if id(p) not in new:
-                    new[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                    new[id(p)] = nn.Parameter(_meta_like(p), requires_grad=p.requires_grad)
                 mod._parameters[attr] = new[id(p)]
     setattr(module, _DONATED, True)
+
+
+def _meta_like(p: torch.Tensor) -> torch.Tensor:
+    """A ``meta`` tensor standing for ``p``: a TP ``DTensor`` keeps its mesh, placements and global shape
+    (the module's TP plan still describes it) over a ``meta`` local tensor."""
+    if isinstance(p, DTensor):
+        local = torch.empty_like(p._local_tensor, device="meta")
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return torch.empty_like(p, device="meta")
+
+
+def _dp_placements(mesh: Any) -> tuple[Any, ...]:
+    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
 
 
 def _owner(names: Sequence[str], unit_names: Sequence[str]) -> str:
@@ -132,6 +147,12 @@ def shard(
     stays within what the optimizer step holds anyway; units that are already large stay alone
     (``params.plan.bucket_bytes`` is what it chose). See ``fsdpfn.layout.autobucket``.
 
+    Tensor-parallel modules (``parallelize_module(module, mesh["tp"], plan)``, parameters ``DTensor``s on
+    a sibling sub-mesh of ``mesh``, e.g. ``mesh["dp"]``) shard each parameter's TP-local tensor over
+    ``mesh``: the leaves are the local shards, ``unshard`` and ``fsdp`` gather over ``mesh`` only and hand
+    the module ``DTensor``s with its TP placements, and ``params.plan.tp`` holds each one's layout
+    (docs/tensor_parallel.md).
+
     Example:
         >>> mesh = fsdpfn.init_mesh()                                   # doctest: +SKIP
         >>> params = fsdpfn.shard(model, mesh, units=[f"blocks.{i}" for i in range(4)])  # doctest: +SKIP
@@ -179,12 +200,22 @@ def shard(
         owners[id(p)] = fqn
         names[fqn] = [fqn]
         found[fqn] = p
+    tp: dict[str, TPLayout] = {}
+    for fqn, p in found.items():  # tensor-parallel parameters: their TP-local tensors are what dp shards
+        if isinstance(p, DTensor):
+            tp[fqn] = tp_layout(p, mesh, _dp_placements(mesh), 0, f"parameter {fqn!r} of {type(module).__name__}", "shard")
     infos = [
-        ParamInfo(fqn, tuple(p.shape), p.dtype, p.requires_grad, _owner(names[fqn], unit_names))
+        ParamInfo(fqn, tuple(unwrap(p).shape), p.dtype, p.requires_grad, _owner(names[fqn], unit_names))
         for fqn, p in found.items()
     ]
 
     meta = is_meta(module)
+    if meta and tp:
+        raise NotImplementedError(
+            f"shard: {type(module).__name__} is on the meta device and has tensor-parallel parameters "
+            f"({', '.join(map(repr, list(tp)[:3]))}); materialise it first (module.to_empty(device=...) and "
+            "reset_parameters(), then parallelize_module), and shard the real module"
+        )
     buffer_names = [fqn for fqn, _ in module.named_buffers()]
     policy = mp_policy or MixedPrecisionPolicy()
     plan = build_plan(
@@ -204,6 +235,7 @@ def shard(
         module_type=type(module).__name__,
         ignored=tuple(ignored_names),
         min_bucket_bytes=min_bucket_bytes,
+        tp=tp,
         link=lambda: measure_link(comm),
         transient_buffers=frozenset(
             f"{prefix}.{name}" if prefix else name
@@ -214,7 +246,7 @@ def shard(
     if meta:
         shards, buffers = materialize_and_shard(module, plan, groups.device, init)
     else:
-        shards = {f: shard_tensor(found[f].detach(), plan.specs[f], groups.rank) for f in plan.params}
+        shards = {f: shard_tensor(unwrap(found[f]).detach(), plan.specs[f], groups.rank) for f in plan.params}
         buffers = {fqn: b.detach().clone() for fqn, b in module.named_buffers()}
         if donate:
             _donate(module, found.values())

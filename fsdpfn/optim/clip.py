@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
 from fsdpfn.layout import Sharded
 
 __all__ = ["clip_grad_norm"]
@@ -42,6 +44,7 @@ def clip_grad_norm(
     p = float(norm_type)
     plan = grads.plan
     tensors: list[torch.Tensor] = []
+    tp_split: list[tuple[str, torch.Tensor]] = []
     for fqn in plan.params:
         g = grads[fqn]
         if g is None:
@@ -55,15 +58,19 @@ def clip_grad_norm(
             )
         if not (g.is_floating_point() or g.is_complex()):
             raise TypeError(f"{what}: grads leaf {fqn!r} has dtype {g.dtype}; gradients must be floating or complex")
-        tensors.append(g)
+        if fqn in plan.tp and any(isinstance(pl, Shard) for pl in plan.tp[fqn].tp.placements):
+            tp_split.append((fqn, g))  # its squares must be summed over the TP ranks that hold other slices
+        else:
+            tensors.append(g)  # TP-replicated gradients count once: every TP rank holds the same values
+    everything = tensors + [g for _, g in tp_split]
 
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in tensors:
         groups.setdefault((g.device, g.dtype), []).append(g)
-    wide = any(g.dtype in (torch.float64, torch.complex128) for g in tensors)
+    wide = any(g.dtype in (torch.float64, torch.complex128) for g in everything)
     acc_dtype = torch.float64 if wide else torch.float32
-    if tensors:
-        device = tensors[0].device
+    if everything:
+        device = everything[0].device
     elif plan.comm is not None:
         device = plan.comm.groups.device
     else:
@@ -82,6 +89,10 @@ def clip_grad_norm(
                 wide_dtype = None if dtype.is_complex else acc_dtype
                 norms += [n.to(device, acc_dtype) for n in torch._foreach_norm(ts, p, dtype=wide_dtype)]
         local = torch.stack(norms) if norms else torch.zeros(1, dtype=acc_dtype, device=device)
+        if tp_split:  # TP-sharded gradients: this rank's part of their norm, combined over the TP dims first
+            tp_part = _over_tensor_parallel(plan, tp_split, p, acc_dtype, device)
+            local = torch.cat([local.pow(p) if not math.isinf(p) else local, tp_part.reshape(1)])
+            local = local if math.isinf(p) else local.pow(1.0 / p)
         if math.isinf(p):
             # Max over ranks through the one sum-all-reduce the core offers: each rank writes its local
             # max into its own slot of a zero vector; replicas of a shard add the same value to a slot.
@@ -98,4 +109,29 @@ def clip_grad_norm(
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for (dev, _), ts in groups.items():
             torch._foreach_mul_(ts, coef.to(dev))
+        for _, g in tp_split:
+            g.mul_(coef.to(g.device))
     return grads.replace({}), total
+
+
+def _over_tensor_parallel(plan: Any, grads: list[tuple[str, torch.Tensor]], p: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ``p``-th power sum (the max for ``p=inf``) of TP-sharded gradients' local shards, summed (maxed)
+    over the TP mesh dims that shard each of them: as a ``Partial`` DTensor made ``Replicate`` (DTensor's
+    all-reduce over those dims). Each rank then holds its dp shard's part of all TP slices, which the dp
+    all-reduce completes."""
+    inf = math.isinf(p)
+    parts: dict[tuple[Any, tuple[Any, ...]], torch.Tensor] = {}
+    for fqn, g in grads:
+        tp = plan.tp[fqn].tp
+        key = (tp.mesh, tuple(Partial("max" if inf else "sum") if isinstance(pl, Shard) else Replicate() for pl in tp.placements))
+        if g.numel():
+            x = g.detach().abs().max().to(device, dtype) if inf else torch.linalg.vector_norm(g.detach(), p, dtype=dtype if not g.is_complex() else None).to(device, dtype).pow(p)
+        else:
+            x = torch.zeros((), dtype=dtype, device=device)
+        prev = parts.get(key)
+        parts[key] = x if prev is None else (torch.maximum(prev, x) if inf else prev + x)
+    total = torch.zeros((), dtype=dtype, device=device)
+    for (mesh, placements), x in parts.items():
+        reduced = DTensor.from_local(x, mesh, placements, run_check=False).redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
+        total = torch.maximum(total, reduced) if inf else total + reduced
+    return total

@@ -249,9 +249,10 @@ class Apply:
                     f"apply: params has leaf {fqn!r} but {type(self.module).__name__} has no such parameter; "
                     f"the Sharded was built from another module ({plan.module_type})"
                 )
-            if tuple(p.shape) != plan.specs[fqn].shape or p.dtype != plan.dtypes[fqn]:
+            shape = tuple(plan.tp[fqn].shape) if fqn in plan.tp else plan.specs[fqn].shape  # TP: global shape
+            if tuple(p.shape) != shape or p.dtype != plan.dtypes[fqn]:
                 raise ValueError(
-                    f"apply: leaf {fqn!r} was sharded as {plan.specs[fqn].shape} {plan.dtypes[fqn]} but the module's "
+                    f"apply: leaf {fqn!r} was sharded as {shape} {plan.dtypes[fqn]} but the module's "
                     f"parameter is now {tuple(p.shape)} {p.dtype}; the plan is stale: call fsdpfn.shard again"
                 )
         known = set(plan.params) | set(plan.aliases) | set(plan.ignored)
@@ -279,6 +280,8 @@ class Apply:
         if names is None:
             owned = plan.unit(unit).fqns
             names = plan.memo[("swap", unit)] = [(a, o) for o in owned for a in plan.names(o)]
+        if plan.tp:  # tensor-parallel parameters: the module sees DTensors on its TP mesh
+            full = {f: plan.tp[f].tp.wrap(t) if f in plan.tp else t for f, t in full.items()}
         return self._swap_names(names, full)
 
     def _swap_names(self, names: list[tuple[str, str]], full: dict[str, torch.Tensor]) -> _Swap:
