@@ -111,9 +111,10 @@ def _w_train(shape: tuple[int, int], widths: tuple[int, ...], plan_name: str, bu
         x = _batch(dp_rank, step, widths[0])
         fs2_loss = _loss(fs2(x))
         fs2_loss.backward()
-        fs2_norm = torch.nn.utils.clip_grad_norm_(fs2.parameters(), MAX_NORM)
-        if isinstance(fs2_norm, torch.distributed.tensor.DTensor):
-            fs2_norm = fs2_norm.full_tensor()
+        # torch's clip_grad_norm_ refuses DTensors on different meshes (dp-only and dp x tp): clip by hand
+        fs2_norm = torch.stack([p.grad.full_tensor().pow(2).sum() for p in fs2.parameters()]).sum().sqrt()
+        for p in fs2.parameters():
+            p.grad.mul_(torch.clamp(MAX_NORM / (fs2_norm + 1e-6), max=1.0))
 
         loss, grads = step_fn(params, x)
         grads, norm = fsdpfn.optim.clip_grad_norm(grads, MAX_NORM)
@@ -152,7 +153,7 @@ _edge = st.integers(1, 5)
 _hidden = st.integers(1, 3).map(lambda k: 2 * k)
 
 
-@settings(max_examples=max(2, settings().max_examples // 10))
+@settings(max_examples=max(2, settings().max_examples // 25))  # ~5 s per example at world 4
 @given(
     widths=st.tuples(_edge, _hidden, _hidden, _hidden, _edge),
     plan=st.sampled_from(sorted(PLANS)),
