@@ -201,6 +201,20 @@ def _compat_tp_other_root():
     fully_shard(_tp_model(init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), Shard(0)), mesh=dp)
 
 
+def _shard_tp_meta():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import fsdpfn
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = _TwoLayer()
+    w = model.blocks[0].weight.detach()
+    model.blocks[0].weight = nn.Parameter(DTensor.from_local(w, mesh["tp"], [Shard(0)], run_check=False))
+    fsdpfn.shard(model, mesh["dp"])
+
+
 def _compat_tp_shared_dims():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
@@ -293,6 +307,7 @@ COMPAT_TRIGGERS = {
     "compat-tp-other-root": (lambda m, p, a: _compat_tp_other_root(), ValueError, r"parameter 'weight' of Linear is a DTensor on .*not a sub-mesh of the same device mesh as the data-parallel mesh"),
     "compat-tp-shared-dims": (lambda m, p, a: _compat_tp_shared_dims(), ValueError, r"parameter 'weight' of Linear is already a DTensor on .*shares mesh dims with the data-parallel mesh"),
     "compat-tp-placements": (lambda m, p, a: _compat_tp_placements(), NotImplementedError, r"parameter 'weight' of Linear has tensor-parallel placements \(Partial\(sum\),\)"),
+    "shard-tp-meta": (lambda m, p, a: _shard_tp_meta(), NotImplementedError, r"shard: _TwoLayer is on the meta device and has tensor-parallel parameters \('blocks.0.weight'\); materialise it first"),
     "compat-dp-mesh-dims": (lambda m, p, a: _compat_model(dp_mesh_dims=object()), TypeError, r"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims\(shard=..., replicate=...\) naming dims of the mesh, got object"),
     "compat-spmd-param": (lambda m, p, a: _compat_spmd_plain(), ValueError, r"parameter 'weight' of Linear is a plain Parameter; with dp_mesh_dims every parameter must be a DTensor on the whole mesh"),
     "compat-subclass": (lambda m, p, a: _compat_subclass(), NotImplementedError, r"'weight' of Linear is a WithHook with fsdp_pre_all_gather"),

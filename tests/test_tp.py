@@ -166,3 +166,89 @@ def test_training_matches_fsdp2_tp_and_the_unsharded_model(widths, plan, bucket)
 @pytest.mark.parametrize("shape", [(1, 2), (2, 1)], ids=["dp1_x_tp2", "dp2_x_tp1"])
 def test_degenerate_meshes_at_world_2(shape):
     spmd(2, _w_train, shape, (3, 4, 6, 2, 5), "two_pairs", False, timeout=TIMEOUT)
+
+
+# ---- checkpoints: save / load round trip, and reload at another dp size ----------------------------------
+CKPT_WIDTHS = (3, 4, 6, 2, 5)
+
+
+def _scaled(params):
+    return params.replace({k: v * -2.0 + 0.5 for k, v in params.params().items()})
+
+
+def _w_save(path: str) -> None:
+    import fsdpfn
+
+    mesh = fsdpfn.init_mesh((2, 2), names=("dp", "tp"))
+    torch.manual_seed(0)
+    params = _scaled(fsdpfn.shard(_parallelize(Net(CKPT_WIDTHS), mesh["tp"], "mixed"), mesh["dp"], units=["l1", "l2"]))
+    fsdpfn.save(path, params)
+    torch.manual_seed(1)  # other values, so a load that does nothing shows
+    like = fsdpfn.shard(_parallelize(Net(CKPT_WIDTHS), mesh["tp"], "mixed"), mesh["dp"], units=["l1", "l2"])
+    got = fsdpfn.load(path, like)
+    for k, v in params.items():
+        torch.testing.assert_close(got[k], v, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def _w_load_elsewhere(path: str, shape: tuple[int, int]) -> None:
+    import fsdpfn
+
+    mesh = fsdpfn.init_mesh(shape, names=("dp", "tp"))
+    torch.manual_seed(1)
+    like = fsdpfn.shard(_parallelize(Net(CKPT_WIDTHS), mesh["tp"], "mixed"), mesh["dp"], units=["l1"])
+    loaded = fsdpfn.load(path, like)
+    got = fsdpfn.full_state_dict(loaded, rank0_only=False)
+    torch.manual_seed(0)
+    want = {k: v * -2.0 + 0.5 for k, v in Net(CKPT_WIDTHS).state_dict().items()}
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, msg=lambda m, k=k: f"{k}: {m}")
+    # and back: the full state dict, read on rank 0 only, sharded into like's layout
+    again = fsdpfn.load_full_state_dict(like, want if torch.distributed.get_rank() == 0 else None)
+    for k, v in loaded.items():
+        torch.testing.assert_close(again[k], v, msg=lambda m, k=k: f"load_full_state_dict {k}: {m}")
+
+
+def test_save_load_round_trips_and_reloads_at_another_dp_size(tmp_path):
+    path = str(tmp_path / "ckpt")
+    spmd(4, _w_save, path, timeout=TIMEOUT)
+    spmd(2, _w_load_elsewhere, path, (1, 2), timeout=TIMEOUT)  # dp 1 x tp 2
+    spmd(2, _w_load_elsewhere, path, (2, 1), timeout=TIMEOUT)  # dp 2 x tp 1: the TP layout itself changes
+
+
+# ---- refusals: the same errors as fsdpfn.compat's (docs/errors.md compat-tp-*) ------------------------------
+def _w_refusals() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    import fsdpfn
+
+    def model(tp_mesh, placement):
+        m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        m[0].weight = nn.Parameter(DTensor.from_local(m[0].weight.detach(), tp_mesh, [placement], run_check=False))
+        return m
+
+    two_d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    one_d = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    cases = {
+        "other_root": lambda: fsdpfn.shard(model(init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), Shard(0)), init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))["dp"]),
+        "shared_dims": lambda: fsdpfn.shard(model(one_d, Shard(0)), one_d),  # TP on the dp mesh itself
+        "placements": lambda: fsdpfn.shard(model(two_d["tp"], Partial()), two_d["dp"]),
+    }
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - we report what was raised
+            out[name] = (type(e).__name__, str(e))
+        else:
+            out[name] = (None, "no error")
+    return out
+
+
+def test_bad_tensor_parallel_input_is_refused_with_compats_errors():
+    got = spmd(2, _w_refusals, timeout=TIMEOUT)[0]
+    assert got["other_root"][0] == "ValueError" and "shard: parameter '0.weight' of Sequential is a DTensor on" in got["other_root"][1]
+    assert "not a sub-mesh of the same device mesh as the data-parallel mesh" in got["other_root"][1]
+    assert got["shared_dims"][0] == "ValueError" and "shares mesh dims with the data-parallel mesh" in got["shared_dims"][1]
+    assert got["placements"][0] == "NotImplementedError"
+    assert "shard: parameter '0.weight' of Sequential has tensor-parallel placements (Partial(sum),)" in got["placements"][1]

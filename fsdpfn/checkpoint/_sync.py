@@ -36,10 +36,21 @@ def dist_ready() -> bool:
 
 def comm_for(plans: Sequence[Any]) -> Comm | None:
     """The ``Comm`` of the first of ``plans`` (``ShardPlan``s); without one, a ``Comm`` over every rank of
-    the default process group (``None`` when there is no process group: a single process)."""
+    the default process group (``None`` when there is no process group: a single process). A plan over
+    tensor-parallel parameters communicates over one data-parallel group per TP rank; the checkpoint's
+    file-system steps must agree over every rank, so it gets the whole world's ``Comm`` too (made once
+    per plan)."""
+    for plan in plans:
+        if plan.comm is not None and not getattr(plan, "tp", None):
+            return plan.comm
     for plan in plans:
         if plan.comm is not None:
-            return plan.comm
+            world = plan.memo.get(("checkpoint.world_comm",))
+            if world is None:
+                from fsdpfn.core import init_mesh
+
+                world = plan.memo[("checkpoint.world_comm",)] = Comm(init_mesh(device=plan.comm.groups.device.type))
+            return world
     from torch.distributed import get_world_size
 
     if not dist_ready() or get_world_size() == 1:

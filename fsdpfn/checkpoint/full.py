@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fsdpfn.checkpoint._sync import broadcast_tensors, is_root, root_run
+from fsdpfn.checkpoint._sync import broadcast_tensors, comm_for, is_root, root_run
 from fsdpfn.checkpoint.dtensor import global_shape
 from fsdpfn.checkpoint.errors import CheckpointMismatchError
 from fsdpfn.layout import Sharded, ShardPlan, UnitPlan
@@ -72,7 +72,7 @@ def full_state_dict(
         ...     model.load_state_dict(sd); torch.save(sd, "model.pt")
     """
     plan = _check(params, "full_state_dict")
-    keep = not rank0_only or is_root(plan.comm)
+    keep = not rank0_only or is_root(comm_for([plan]))  # with TP: the world's first rank, not each dp group's
     aliases = plan.tied
     got: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -162,8 +162,8 @@ def load_full_state_dict(
         >>> params = fsdpfn.checkpoint.load_full_state_dict(params, sd)    # doctest: +SKIP
     """
     plan = _check(like, "load_full_state_dict")
-    comm = plan.comm if rank0_only else None
-    local = not rank0_only or is_root(plan.comm)
+    comm = comm_for([plan]) if rank0_only else None  # with TP: broadcast from the world's first rank
+    local = not rank0_only or is_root(comm_for([plan]))
 
     def check() -> None:
         problems = _problems(state if state is not None else {}, like)
@@ -175,7 +175,7 @@ def load_full_state_dict(
             )
 
     if rank0_only:
-        root_run(plan.comm, lambda: check())
+        root_run(comm, lambda: check())
     else:
         check()
     aliases = plan.tied
