@@ -79,8 +79,10 @@ def _w_train(shape: tuple[int, int], widths: tuple[int, ...], plan_name: str, bu
     import fsdpfn
     from torch.distributed.fsdp import fully_shard
 
-    mesh = fsdpfn.init_mesh(shape, names=("dp", "tp"))
-    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    mesh = fsdpfn.init_mesh(shape, names=("dp", "tp") if len(shape) == 2 else ("replicate", "shard", "tp"))
+    dp_mesh = mesh["dp"] if len(shape) == 2 else mesh["replicate", "shard"]  # 3-D: HSDP x TP
+    coord = dp_mesh.get_coordinate()
+    dp, dp_rank = dp_mesh.size(), coord[0] if len(coord) == 1 else coord[0] * shape[1] + coord[1]
     names = [f"l{i}" for i in range(4)]
 
     torch.manual_seed(0)
@@ -92,9 +94,9 @@ def _w_train(shape: tuple[int, int], widths: tuple[int, ...], plan_name: str, bu
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for n in names:
-            fully_shard(getattr(fs2, n), mesh=mesh["dp"])
-        fully_shard(fs2, mesh=mesh["dp"])
-    params = fsdpfn.shard(fn, mesh["dp"], units=names, min_bucket_bytes="auto" if bucket else None)
+            fully_shard(getattr(fs2, n), mesh=dp_mesh)
+        fully_shard(fs2, mesh=dp_mesh)
+    params = fsdpfn.shard(fn, dp_mesh, units=names, min_bucket_bytes="auto" if bucket else None)
     apply = fsdpfn.fsdp(fn)
     opt = fsdpfn.optim.adamw(lr=LR)
     state = opt.init(params)
@@ -166,6 +168,11 @@ def test_training_matches_fsdp2_tp_and_the_unsharded_model(widths, plan, bucket)
 @pytest.mark.parametrize("shape", [(1, 2), (2, 1)], ids=["dp1_x_tp2", "dp2_x_tp1"])
 def test_degenerate_meshes_at_world_2(shape):
     spmd(2, _w_train, shape, (3, 4, 6, 2, 5), "two_pairs", False, timeout=TIMEOUT)
+
+
+def test_hsdp_times_tp_3d_matches_fsdp2_and_the_unsharded_model():
+    # world 8 = replicate 2 x shard 2 x tp 2: placements (Replicate(), _StridedShard(0, sf=2), Shard(0)) & co.
+    spmd(8, _w_train, (2, 2, 2), (3, 2, 6, 4, 5), "mixed", False, timeout=TIMEOUT)
 
 
 # ---- checkpoints: save / load round trip, and reload at another dp size ----------------------------------

@@ -200,6 +200,13 @@ def shard(
         owners[id(p)] = fqn
         names[fqn] = [fqn]
         found[fqn] = p
+    tp_names = [fqn for fqn, p in found.items() if isinstance(p, DTensor)]
+    if tp_names and is_meta(module):
+        raise NotImplementedError(
+            f"shard: {type(module).__name__} is on the meta device and has tensor-parallel parameters "
+            f"({', '.join(map(repr, tp_names[:3]))}); materialise it first (module.to_empty(device=...) and "
+            "reset_parameters(), then parallelize_module), and shard the real module"
+        )
     tp: dict[str, TPLayout] = {}
     for fqn, p in found.items():  # tensor-parallel parameters: their TP-local tensors are what dp shards
         if isinstance(p, DTensor):
@@ -210,12 +217,6 @@ def shard(
     ]
 
     meta = is_meta(module)
-    if meta and tp:
-        raise NotImplementedError(
-            f"shard: {type(module).__name__} is on the meta device and has tensor-parallel parameters "
-            f"({', '.join(map(repr, list(tp)[:3]))}); materialise it first (module.to_empty(device=...) and "
-            "reset_parameters(), then parallelize_module), and shard the real module"
-        )
     buffer_names = [fqn for fqn, _ in module.named_buffers()]
     policy = mp_policy or MixedPrecisionPolicy()
     plan = build_plan(
