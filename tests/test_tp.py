@@ -75,11 +75,16 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.pow(2).sum()
 
 
-def _w_train(shape: tuple[int, int], widths: tuple[int, ...], plan_name: str, bucket: bool) -> dict:
+def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bucket: bool, steps: int = STEPS) -> dict:
     import fsdpfn
     from torch.distributed.fsdp import fully_shard
 
-    mesh = fsdpfn.init_mesh(shape, names=("dp", "tp") if len(shape) == 2 else ("replicate", "shard", "tp"))
+    if len(shape) == 2:
+        mesh = fsdpfn.init_mesh(shape, names=("dp", "tp"))
+    else:  # fsdpfn.init_mesh makes 1-D and 2-D meshes only
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp"))
     dp_mesh = mesh["dp"] if len(shape) == 2 else mesh["replicate", "shard"]  # 3-D: HSDP x TP
     coord = dp_mesh.get_coordinate()
     dp, dp_rank = dp_mesh.size(), coord[0] if len(coord) == 1 else coord[0] * shape[1] + coord[1]
@@ -104,7 +109,7 @@ def _w_train(shape: tuple[int, int], widths: tuple[int, ...], plan_name: str, bu
     fs2_opt = torch.optim.AdamW(fs2.parameters(), lr=LR)
     step_fn = fsdpfn.value_and_grad(lambda p, x: _loss(apply(p, x)))
 
-    for step in range(STEPS):
+    for step in range(steps):
         # reference: the mean of the dp ranks' losses (fsdpfn and FSDP2 average gradients over dp)
         ref_losses = [_loss(ref(_batch(r, step, widths[0]))) for r in range(dp)]
         torch.stack(ref_losses).mean().backward()
@@ -172,7 +177,7 @@ def test_degenerate_meshes_at_world_2(shape):
 
 def test_hsdp_times_tp_3d_matches_fsdp2_and_the_unsharded_model():
     # world 8 = replicate 2 x shard 2 x tp 2: placements (Replicate(), _StridedShard(0, sf=2), Shard(0)) & co.
-    spmd(8, _w_train, (2, 2, 2), (3, 2, 6, 4, 5), "mixed", False, timeout=TIMEOUT)
+    spmd(8, _w_train, (2, 2, 2), (3, 2, 6, 4, 5), "mixed", False, 2, timeout=TIMEOUT)  # 8 processes on few cores: 2 steps
 
 
 # ---- checkpoints: save / load round trip, and reload at another dp size ----------------------------------
