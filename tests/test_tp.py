@@ -78,6 +78,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bucket: bool, steps: int = STEPS) -> dict:
     import fsdpfn
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     if len(shape) == 2:
         mesh = fsdpfn.init_mesh(shape, names=("dp", "tp"))
@@ -146,6 +147,16 @@ def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bu
     for n, p in fs2.named_parameters():
         assert (sd[n].device_mesh, sd[n].placements, sd[n].shape) == (p.device_mesh, p.placements, p.shape), n
         torch.testing.assert_close(sd[n].to_local(), p.to_local().detach(), msg=lambda m, n=n: f"param {n} vs FSDP2: {m}")
+    # unshard gathers over dp only: TP parameters come back as the module's DTensors on mesh["tp"]
+    gathered = fsdpfn.unshard(params)
+    for n, p in ref.named_parameters():
+        value, tp = gathered[n], fn.get_parameter(n)  # fn's own parameters were donated: meta, same layout
+        if isinstance(tp, DTensor):
+            assert (value.device_mesh, value.placements) == (mesh["tp"], tp.placements), n
+            value = value.full_tensor()
+        torch.testing.assert_close(value, p.detach(), msg=lambda m, n=n: f"unshard {n} vs reference: {m}")
+    x = _batch(dp_rank, steps, widths[0])
+    torch.testing.assert_close(torch.func.functional_call(fn, gathered, (x,)), apply(params, x))
     full = fsdpfn.full_state_dict(params, rank0_only=False)
     want = ref.state_dict()
     assert list(full) == list(want)
