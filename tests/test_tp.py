@@ -75,7 +75,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.pow(2).sum()
 
 
-def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bucket: bool, steps: int = STEPS) -> dict:
+def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bucket: bool, steps: int = STEPS, mp: bool = False) -> dict:
     import fsdpfn
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
@@ -97,12 +97,19 @@ def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bu
     fs2 = _parallelize(Net(widths), mesh["tp"], plan_name)
     torch.manual_seed(0)
     fn = _parallelize(Net(widths), mesh["tp"], plan_name)
+    kw, fn_kw = {}, {}
+    if mp:  # bf16 gathers and compute, fp32 reductions: compared with FSDP2's, not the fp32 reference
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fn_kw["mp_policy"] = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for n in names:
-            fully_shard(getattr(fs2, n), mesh=dp_mesh)
-        fully_shard(fs2, mesh=dp_mesh)
-    params = fsdpfn.shard(fn, dp_mesh, units=names, min_bucket_bytes="auto" if bucket else None)
+            fully_shard(getattr(fs2, n), mesh=dp_mesh, **kw)
+        fully_shard(fs2, mesh=dp_mesh, **kw)
+    params = fsdpfn.shard(fn, dp_mesh, units=names, min_bucket_bytes="auto" if bucket else None, **fn_kw)
+    tol = dict(rtol=2e-2, atol=2e-3) if mp else {}
     apply = fsdpfn.fsdp(fn)
     opt = fsdpfn.optim.adamw(lr=LR)
     state = opt.init(params)
@@ -126,16 +133,17 @@ def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bu
 
         loss, grads = step_fn(params, x)
         grads, norm = fsdpfn.optim.clip_grad_norm(grads, MAX_NORM)
-        torch.testing.assert_close(loss, fs2_loss, msg=lambda m: f"loss vs FSDP2 at step {step}: {m}")
-        torch.testing.assert_close(loss, ref_losses[dp_rank], msg=lambda m: f"loss vs reference at step {step}: {m}")
-        torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"grad norm vs reference at step {step}: {m}")
-        torch.testing.assert_close(norm, fs2_norm, msg=lambda m: f"grad norm vs FSDP2 at step {step}: {m}")
+        torch.testing.assert_close(loss.float(), fs2_loss.float(), **tol, msg=lambda m: f"loss vs FSDP2 at step {step}: {m}")
+        if not mp:
+            torch.testing.assert_close(loss, ref_losses[dp_rank], msg=lambda m: f"loss vs reference at step {step}: {m}")
+            torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"grad norm vs reference at step {step}: {m}")
+        torch.testing.assert_close(norm, fs2_norm, **tol, msg=lambda m: f"grad norm vs FSDP2 at step {step}: {m}")
         if step == 0:  # clipped, reduced gradients: global values and FSDP2's placements
             got = fsdpfn.to_dtensor(grads)
             for n, p in fs2.named_parameters():
                 assert got[n].placements == p.grad.placements, (n, got[n].placements, p.grad.placements)
-                torch.testing.assert_close(got[n].to_local(), p.grad.to_local(), msg=lambda m, n=n: f"grad {n} vs FSDP2: {m}")
-            for n, p in ref.named_parameters():
+                torch.testing.assert_close(got[n].to_local(), p.grad.to_local(), **tol, msg=lambda m, n=n: f"grad {n} vs FSDP2: {m}")
+            for n, p in ref.named_parameters() if not mp else ():
                 torch.testing.assert_close(got[n].full_tensor(), p.grad, msg=lambda m, n=n: f"grad {n} vs reference: {m}")
         params, state = opt.update(grads, state, params)
         ref_opt.step()
@@ -146,7 +154,9 @@ def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bu
     sd = fsdpfn.to_dtensor(params)
     for n, p in fs2.named_parameters():
         assert (sd[n].device_mesh, sd[n].placements, sd[n].shape) == (p.device_mesh, p.placements, p.shape), n
-        torch.testing.assert_close(sd[n].to_local(), p.to_local().detach(), msg=lambda m, n=n: f"param {n} vs FSDP2: {m}")
+        torch.testing.assert_close(sd[n].to_local(), p.to_local().detach(), **tol, msg=lambda m, n=n: f"param {n} vs FSDP2: {m}")
+    if mp:
+        return {}
     # unshard gathers over dp only: TP parameters come back as the module's DTensors on mesh["tp"]
     gathered = fsdpfn.unshard(params)
     for n, p in ref.named_parameters():
@@ -184,6 +194,10 @@ def test_training_matches_fsdp2_tp_and_the_unsharded_model(widths, plan, bucket)
 @pytest.mark.parametrize("shape", [(1, 2), (2, 1)], ids=["dp1_x_tp2", "dp2_x_tp1"])
 def test_degenerate_meshes_at_world_2(shape):
     spmd(2, _w_train, shape, (3, 4, 6, 2, 5), "two_pairs", False, timeout=TIMEOUT)
+
+
+def test_bf16_mixed_precision_matches_fsdp2_tp():
+    spmd(4, _w_train, (2, 2), (3, 4, 6, 2, 5), "mixed", False, 2, True, timeout=TIMEOUT)
 
 
 def test_hsdp_times_tp_3d_matches_fsdp2_and_the_unsharded_model():
