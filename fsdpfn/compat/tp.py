@@ -1,14 +1,10 @@
 """Tensor-parallel parameters under ``fully_shard``: a ``DTensor`` on a TP mesh, sharded once more over
 the data-parallel mesh with FSDP2's layout.
 
-The layout itself (``TPParam``, ``spmd_layout``) lives in ``fsdpfn.ops.tp``, shared with ``fsdpfn.shard``;
-this file keeps compat's own ``dp_mesh_dims`` form. This rank's TP-local tensor is split with ``torch.chunk`` along the FSDP shard dim over the dp ranks.
-The parameter becomes a ``DTensor`` on the concatenation of the dp and TP meshes (both sub-meshes of one
-root mesh) whose dp placement is ``_StridedShard`` where TP already shards that dim (the dp chunks
-interleave with the TP ones, as FSDP2 lays them out) and ``Shard`` otherwise. The dp all-gather
-rebuilds the TP-local tensor, which the module's forward sees again as a ``DTensor`` on the TP mesh
-with its TP placements (``TPParam.wrap``): collectives over dp are fsdpfn's, those over TP are
-DTensor's.
+The layout itself (``TPParam``, ``spmd_layout``: the TP-local tensor split with ``torch.chunk`` over the dp
+ranks, FSDP2's ``_StridedShard``/``Shard`` placements on the dp + tp mesh, the ``DTensor`` the TP forward
+sees) lives in ``fsdpfn.ops.tp``, shared with the functional layer (``fsdpfn.shard``); this file keeps
+compat's own form, ``dp_mesh_dims`` (parameters that are ``DTensor``s on the whole SPMD mesh).
 """
 
 from __future__ import annotations
