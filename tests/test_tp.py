@@ -132,6 +132,11 @@ def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bu
             p.grad.mul_(torch.clamp(MAX_NORM / (fs2_norm + 1e-6), max=1.0))
 
         loss, grads = step_fn(params, x)
+        if step == 0:  # the inf-norm too (max_norm too large to clip): a max over dp and tp
+            _, inf_norm = fsdpfn.optim.clip_grad_norm(grads, 1e30, norm_type=float("inf"))
+            if not mp:
+                want_inf = torch.stack([p.grad.abs().max() for p in ref.parameters()]).max() * (ref_norm.clamp(min=MAX_NORM) / MAX_NORM)
+                torch.testing.assert_close(inf_norm, want_inf, msg=lambda m: f"inf-norm vs reference: {m}")
         grads, norm = fsdpfn.optim.clip_grad_norm(grads, MAX_NORM)
         torch.testing.assert_close(loss.float(), fs2_loss.float(), **tol, msg=lambda m: f"loss vs FSDP2 at step {step}: {m}")
         if not mp:
@@ -225,6 +230,24 @@ def _w_save(path: str) -> None:
     got = fsdpfn.load(path, like)
     for k, v in params.items():
         torch.testing.assert_close(got[k], v, msg=lambda m, k=k: f"{k}: {m}")
+    # the checkpoint is FSDP2 + TP's layout: torch's fully_shard model loads it with DCP as it is
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1)
+    fs2 = _parallelize(Net(CKPT_WIDTHS), mesh["tp"], "mixed")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in ("l1", "l2"):
+            fully_shard(getattr(fs2, n), mesh=mesh["dp"])
+        fully_shard(fs2, mesh=mesh["dp"])
+    state = fs2.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fs2.load_state_dict(state)
+    want = fsdpfn.to_dtensor(params)
+    for n, p in fs2.named_parameters():
+        assert (p.placements, p.shape) == (want[n].placements, want[n].shape), n
+        torch.testing.assert_close(p.to_local(), want[n].to_local(), msg=lambda m, n=n: f"FSDP2 loaded {n}: {m}")
 
 
 def _w_load_elsewhere(path: str, shape: tuple[int, int]) -> None:
