@@ -248,6 +248,12 @@ def _w_save(path: str) -> None:
     for n, p in fs2.named_parameters():
         assert (p.placements, p.shape) == (want[n].placements, want[n].shape), n
         torch.testing.assert_close(p.to_local(), want[n].to_local(), msg=lambda m, n=n: f"FSDP2 loaded {n}: {m}")
+    # and back: from_dtensor of FSDP2's state dict (same layout), and of full plain tensors (sliced: tp, then dp)
+    full = {k: v.full_tensor() for k, v in fs2.state_dict().items()}
+    for source in (fs2.state_dict(), full):
+        back = fsdpfn.from_dtensor(source, like)
+        for k, v in params.items():
+            torch.testing.assert_close(back[k], v, msg=lambda m, k=k: f"from_dtensor {k}: {m}")
 
 
 def _w_load_elsewhere(path: str, shape: tuple[int, int]) -> None:
