@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpfn.checkpoint._sync import broadcast_tensors
 from fsdpfn.checkpoint.errors import CheckpointMismatchError
-from fsdpfn.layout import Sharded, ShardPlan, ShardSpec, shard_tensor
+from fsdpfn.layout import Sharded, ShardPlan, ShardSpec, contiguous_stride, shard_tensor
 
 __all__ = ["from_dtensor", "global_shape", "leaf_kind", "param_dtensor", "placements", "shard_as_dtensor", "to_dtensor"]
 
@@ -33,13 +33,6 @@ def placements(mesh: Any, dim: int = 0) -> tuple[Any, ...]:
     """
     return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
 
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 def shard_as_dtensor(local: torch.Tensor, spec: ShardSpec, mesh: Any) -> DTensor:
@@ -55,7 +48,7 @@ def shard_as_dtensor(local: torch.Tensor, spec: ShardSpec, mesh: Any) -> DTensor
         placements=placements(mesh, spec.dim),
         run_check=False,
         shape=torch.Size(spec.shape),
-        stride=_contiguous_stride(spec.shape),
+        stride=contiguous_stride(spec.shape),
     )
 
 

@@ -21,7 +21,7 @@ from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
 from fsdpfn.compat.state import ManagedParam, UnitState, mark_sharded, set_state, sharded_as, state_of
 from fsdpfn.compat.tp import SpmdMesh, spmd_layout, tp_param
 from fsdpfn.core import default_mesh, mesh_groups
-from fsdpfn.layout import ShardSpec, shard_tensor
+from fsdpfn.layout import ShardSpec, contiguous_stride, shard_tensor
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard"]
@@ -254,14 +254,7 @@ def _to_dtensor(
         full = data.detach().to(device)
         local = shard_tensor(full, spec, groups.rank) if sharded else full.clone()
     local = local.contiguous()
-    dt = DTensor.from_local(local, out_mesh, out_placements, run_check=False, shape=p.shape, stride=_contiguous_stride(p.shape))
+    dt = DTensor.from_local(local, out_mesh, out_placements, run_check=False, shape=p.shape, stride=contiguous_stride(p.shape))
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
 

@@ -6,7 +6,7 @@ Nothing in this package communicates or imports ``torch.distributed``; it import
 from fsdpfn.layout.bucket import BucketLayout
 from fsdpfn.layout.plan import ParamInfo, ShardPlan, UnitPlan, build_plan
 from fsdpfn.layout.sharded import Sharded
-from fsdpfn.layout.spec import ShardSpec, shard_tensor, unshard_tensors
+from fsdpfn.layout.spec import ShardSpec, contiguous_stride, shard_tensor, unshard_tensors
 from fsdpfn.layout.unreduced import Unreduced
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "UnitPlan",
     "Unreduced",
     "build_plan",
+    "contiguous_stride",
     "shard_tensor",
     "unshard_tensors",
 ]

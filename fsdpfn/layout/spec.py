@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["ShardSpec", "shard_tensor", "unshard_tensors"]
+__all__ = ["ShardSpec", "contiguous_stride", "shard_tensor", "unshard_tensors"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,21 @@ class ShardSpec:
 
 def _rows_view(x: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return x.reshape(1) if not spec.shape else x
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``: what a ``DTensor`` built from local
+    shards declares for its global tensor. Zero-size dims count as one, as torch's own strides do.
+
+    Example:
+        >>> contiguous_stride((2, 3, 4))
+        (12, 4, 1)
+    """
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
 
 
 def shard_tensor(x: torch.Tensor, spec: ShardSpec, rank: int) -> torch.Tensor:

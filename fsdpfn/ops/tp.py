@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from fsdpfn.layout.spec import contiguous_stride
 from fsdpfn.layout.tp import local_slice, split_factor
 
 __all__ = ["TPLayout", "TPParam", "spmd_layout", "tp_layout", "tp_param", "unwrap"]
@@ -47,7 +48,7 @@ class TPParam:
         data-parallel dims of an SPMD mesh it is left as it is, e.g. ``Partial``, for fsdpfn to reduce)."""
         if self.dp_dims:
             return _FromLocalKeepingDpGrads.apply(local, self)
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=_contiguous(self.shape))
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=contiguous_stride(self.shape))
 
 
 class _FromLocalKeepingDpGrads(torch.autograd.Function):
@@ -58,7 +59,7 @@ class _FromLocalKeepingDpGrads(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, tp: TPParam) -> DTensor:  # type: ignore[override]
         ctx.tp = tp
-        return DTensor.from_local(local, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=_contiguous(tp.shape))
+        return DTensor.from_local(local, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=contiguous_stride(tp.shape))
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
@@ -121,13 +122,6 @@ def unwrap(value: Any) -> Any:
     return value._local_tensor if isinstance(value, DTensor) else value
 
 
-def _contiguous(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
 
 @dataclass(frozen=True, eq=False)
 class TPLayout:
@@ -153,7 +147,7 @@ class TPLayout:
         """This rank's dp shard of the TP-local tensor as the global ``DTensor`` FSDP2 + TP would hold
         (shares ``shard``'s storage)."""
         return DTensor.from_local(
-            shard, self.mesh, self.placements, run_check=False, shape=self.shape, stride=_contiguous(self.shape)
+            shard, self.mesh, self.placements, run_check=False, shape=self.shape, stride=contiguous_stride(self.shape)
         )
 
     def tp_local(self, full: torch.Tensor) -> torch.Tensor:
@@ -170,7 +164,7 @@ class TPLayout:
         parameter is TP-sharded; every TP rank must call it)."""
         if all(isinstance(pl, Replicate) for pl in self.tp.placements):
             return tp_local
-        dt = DTensor.from_local(tp_local, self.tp.mesh, self.tp.placements, run_check=False, shape=self.shape, stride=_contiguous(self.shape))
+        dt = DTensor.from_local(tp_local, self.tp.mesh, self.tp.placements, run_check=False, shape=self.shape, stride=contiguous_stride(self.shape))
         return dt.full_tensor()
 
 
