@@ -9,7 +9,7 @@ forward and its backward.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -20,11 +20,14 @@ __all__ = ["ForwardCost", "forward_cost"]
 
 
 class ForwardCost(NamedTuple):
-    """Bytes of one forward on one rank's batch: ``saved`` (distinct non-parameter storages autograd
-    keeps for backward) and ``output`` (the forward's result)."""
+    """One forward on one rank's batch: ``saved`` bytes (distinct non-parameter storages autograd keeps
+    for backward), ``output`` bytes (the forward's result), and ``last_unit_before``: for every parameter
+    outside ``units``, the last unit whose forward had started when it was first used (``None``: before
+    any), which says when backward makes its gradient."""
 
     saved: int
     output: int
+    last_unit_before: dict[str, str | None]
 
 
 def forward_cost(
@@ -35,6 +38,7 @@ def forward_cost(
     param_dtype: Callable[[torch.dtype], torch.dtype],
     cast_inputs: torch.dtype | None,
     loss_fn: Callable[[Any], Any] | None = None,
+    units: Sequence[str] = (),
 ) -> ForwardCost:
     """Run ``module`` on ``batch`` under fake tensors and count what autograd saves.
 
@@ -72,12 +76,30 @@ def forward_cost(
                 seen[storage._cdata] = storage.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = functional_call(module, values, tuple(args), kwargs, tie_weights=False)
-            if loss_fn is not None:
-                loss_fn(out)
+        inside = {f for f in values if any(f.startswith(u + ".") for u in units if u)}
+        watched = {id(t): f for f, t in values.items() if f not in inside}
+        started: list[str | None] = [None]
+        first_use: dict[str, str | None] = {}
+        hooks = [module.get_submodule(u).register_forward_pre_hook(lambda *_, _u=u: started.append(_u)) for u in units if u]
+
+        class _Uses(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                for t in pytree.tree_leaves((args, kwargs or {})):
+                    f = watched.get(id(t))
+                    if f is not None and f not in first_use:
+                        first_use[f] = started[-1]
+                return func(*args, **(kwargs or {}))
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Uses():
+                out = functional_call(module, values, tuple(args), kwargs, tie_weights=False)
+                if loss_fn is not None:
+                    loss_fn(out)
+        finally:
+            for h in hooks:
+                h.remove()
         output = sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-    return ForwardCost(sum(seen.values()), output)
+    return ForwardCost(sum(seen.values()), output, first_use)
 
 
 def _split(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

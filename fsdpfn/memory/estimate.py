@@ -33,7 +33,9 @@ OPTIMIZERS: dict[str, tuple[int, bool]] = {
     "sgd_momentum": (1, False),
     "none": (0, False),
 }
-FOREACH_PARTS = 8  # fsdpfn.optim runs each kernel over groups of at most max(1/8 of the shard bytes, largest)
+FOREACH_PARTS = 8
+# fsdpfn.core.comm.EXCHANGE_MIN_BYTES: from this many bytes a CPU reduce-scatter sends the gradients unpacked
+EXCHANGE_MIN_BYTES = 4 << 20  # fsdpfn.optim runs each kernel over groups of at most max(1/8 of the shard bytes, largest)
 
 Optimizer = Union[Literal["adamw", "adam", "sgd", "sgd_momentum", "none"], None]
 
@@ -105,6 +107,7 @@ def estimate(
             param_dtype=policy.gather_dtype,
             cast_inputs=policy.param_dtype if policy.cast_forward_inputs else None,
             loss_fn=loss_fn,
+            units=unit_names,
         )
     except Exception as err:  # the user's forward: any error means this batch does not fit this model
         raise ValueError(
@@ -115,7 +118,7 @@ def estimate(
     slots, scratch = OPTIMIZERS[key]
     out = [
         _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
-                      min_bucket_bytes, link, buffer_bytes, batch_bytes, fwd.saved)
+                      min_bucket_bytes, link, buffer_bytes, batch_bytes, fwd.saved, dev.type, fwd.last_unit_before)
         for w in worlds
     ]
     return out if not isinstance(world, int) else out[0]
@@ -136,6 +139,8 @@ def _estimate_one(
     buffer_bytes: int,
     batch_bytes: int,
     activations: int,
+    device_type: str,
+    last_unit_before: dict[str, str | None],
 ) -> MemoryEstimate:
     plan = build_plan(
         infos,
@@ -157,8 +162,8 @@ def _estimate_one(
         numel = {f: math.prod(plan.specs[f].local_shape(r)) for f in plan.params}
         layout = tuple(numel[f] for f in plan.params)
         if layout not in by_layout:
-            by_layout[layout] = _rank_phases(plan, numel, item, trainable, world, slots, scratch, prefetch, reshard,
-                                             buffer_bytes, batch_bytes, activations)
+            by_layout[layout] = _rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
+                                             buffer_bytes, batch_bytes, activations, last_unit_before)
         per_rank.append(max(b.total for b in by_layout[layout].values()))
     rank = max(range(world), key=per_rank.__getitem__)
     numel = {f: math.prod(plan.specs[f].local_shape(rank)) for f in plan.params}
@@ -178,29 +183,60 @@ def _estimate_one(
 
 
 def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainable: set[str], world: int, slots: int,
-                 scratch: bool, prefetch: int, reshard: bool, buffer_bytes: int, batch_bytes: int, activations: int) -> Any:
+                 device_type: str, scratch: bool, prefetch: int, reshard: bool, buffer_bytes: int, batch_bytes: int, activations: int,
+                 last_unit_before: dict[str, str | None]) -> Any:
     shard_bytes = {f: numel[f] * item[f] for f in plan.params}
     grad_sizes = [shard_bytes[f] for f in plan.params if f in trainable]
 
     def group_bytes(g: Any) -> GroupBytes:
+        shard_grads = sum(shard_bytes[f] for f in g.fqns if f in trainable)
+        own = {f: lay.dtype == plan.dtypes[f] for lay in g.reduce for f in lay.fqns}
+        if world == 1:  # the collectives are the identity: only a dtype cast allocates
+            cast = [(f, lay.dtype) for lay in g.gather for f in lay.fqns if lay.dtype != plan.dtypes[f]]
+            full_grads = sum(numel[f] * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns)
+            if all(own.values()):  # the gradients autograd makes are the reduced ones
+                return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), 0, 0, shard_grads)
+            return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), full_grads, 0, shard_grads)
+        padded = sum(lay.nbytes for lay in g.reduce)
+        full = padded * world
+        direct = cpu and full >= EXCHANGE_MIN_BYTES and all(own.values())  # sent from the gradients themselves
         return GroupBytes(
             gathered=sum(lay.nbytes for lay in g.gather) * world,
-            full_grads=sum(lay.nbytes for lay in g.reduce) * world,
-            shard_grads=sum(shard_bytes[f] for f in g.fqns if f in trainable),
+            full_grads=full,
+            packed=0 if direct else full,
+            reduce_out=padded if all(own.values()) else padded + shard_grads,  # a cast makes a second copy
+            reduce_scratch=padded * max(0, world - 2) if cpu else 0,
+            finish_scratch=padded if cpu and world > 2 else 0,
         )
 
     root = next((g for g in plan.groups if not g.name), None)
+    cpu = device_type != "cuda"
+    others = [g for g in plan.groups if g.name]
+    index = {g.name: k for k, g in enumerate(others)}
+    root_early = [0] * len(others)
+    if root is not None:  # a root parameter used after group k in forward has its gradient during k's backward
+        for lay in root.reduce:
+            for f in lay.fqns:
+                unit = last_unit_before.get(f)
+                if unit is None:
+                    continue
+                nbytes = math.prod(plan.specs[f].shape) * lay.dtype.itemsize if world > 1 else shard_bytes[f]
+                for k in range(index[plan.group_of[unit]] + 1):
+                    root_early[k] += nbytes
     return phase_peaks(
         shards=sum(shard_bytes.values()) + buffer_bytes,
         state=slots * sum(grad_sizes),
         batch=batch_bytes,
         activations=activations,
-        root=group_bytes(root) if root is not None else GroupBytes(0, 0, 0),
+        root=group_bytes(root) if root is not None else GroupBytes(0, 0, 0, 0),
         groups=[group_bytes(g) for g in plan.groups if g.name],
         prefetch=prefetch,
         reshard=reshard,
         temporary=_largest_foreach_group(grad_sizes) if scratch else 0,
+        root_early=root_early,
     )
+    # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
+
 
 
 def _largest_foreach_group(sizes: Sequence[int]) -> int:

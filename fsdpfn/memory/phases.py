@@ -24,12 +24,22 @@ __all__ = ["GroupBytes", "phase_peaks"]
 
 
 class GroupBytes(NamedTuple):
-    """One collective group on one rank: ``gathered`` full-size parameter bytes, ``full_grads`` full-size
-    gradient bytes (reduction dtype), ``shard_grads`` this rank's reduced gradient bytes."""
+    """One collective group on one rank, in bytes.
+
+    ``gathered``: the full-size parameters its gather allocates (0 where the gather aliases the shards:
+    one rank, no cast); ``full_grads``: the full-size gradients autograd makes for it; ``packed``: the
+    flat copy of them the reduction sends (0 where it sends the gradients themselves); ``reduce_out``:
+    this rank's reduced gradients (they stay until the optimizer step); ``reduce_scratch``: what the
+    reduction holds besides its input and output while in flight (CPU: the chunks of the peers beyond the
+    first); ``finish_scratch``: what finishing it adds (CPU: their sum).
+    """
 
     gathered: int
     full_grads: int
-    shard_grads: int
+    packed: int
+    reduce_out: int
+    reduce_scratch: int = 0
+    finish_scratch: int = 0
 
 
 def phase_peaks(
@@ -43,12 +53,21 @@ def phase_peaks(
     prefetch: int,
     reshard: bool,
     temporary: int,
+    root_early: Sequence[int] = (),
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
+    Backward visits the groups in reverse (the root last) and looks at three moments of each: its
+    gradients computed (the group still gathered), the previous group's reduction finishing while they
+    exist (without resharding; with it, the re-gather finishes that reduction before the gradients are
+    made), and its own reduction launched (the group released; gradients, their packed copy, the
+    reduction's output and scratch alive at once). ``root_early[k]`` is the root's gradients already
+    made during group ``k``'s backward (root parameters used after ``k`` in forward): the root is reduced
+    last, so they wait.
+
     Example:
-        >>> g = GroupBytes(gathered=8, full_grads=8, shard_grads=4)
-        >>> peaks = phase_peaks(shards=8, state=16, batch=0, activations=0, root=GroupBytes(0, 0, 0),
+        >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
+        >>> peaks = phase_peaks(shards=8, state=16, batch=0, activations=0, root=GroupBytes(0, 0, 0, 0),
         ...                     groups=[g, g], prefetch=1, reshard=True, temporary=1)
         >>> peaks["optimizer step"].total
         33
@@ -58,17 +77,30 @@ def phase_peaks(
     for k in range(n):
         window = groups[: k + 1] if not reshard else groups[k : k + 1 + prefetch]
         gathered_fwd = max(gathered_fwd, sum(g.gathered for g in window))
-    forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, activations + batch, 0)
+    saved = activations + batch
+    forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, saved, 0)
 
-    backward = Breakdown(shards, state, root.full_grads, root.gathered + (0 if reshard else sum(g.gathered for g in groups)), activations + batch, 0)
-    backward = backward._replace(gradients=sum(g.shard_grads for g in groups) + root.full_grads)
-    for k in reversed(range(n)):
-        done = sum(g.shard_grads for g in groups[k + 1 :])
-        window = groups[: k + 1] if not reshard else groups[max(0, k - prefetch) : k + 1]
-        here = Breakdown(
-            shards, state, done + groups[k].full_grads, root.gathered + sum(g.gathered for g in window), activations + batch, 0
-        )
-        if here.total > backward.total:
-            backward = here
-    optimizer = Breakdown(shards, state, root.shard_grads + sum(g.shard_grads for g in groups), 0, batch, temporary)
+    moments = []
+    done = 0  # reduced gradients of the groups finished so far
+    in_flight: GroupBytes | None = None  # the reduction still running when the next group's gradients exist
+    order = [(k, groups[k]) for k in reversed(range(n))] + [(-1, root)]
+    for k, g in order:
+        if k >= 0:
+            before = groups[:k] if not reshard else groups[max(0, k - prefetch) : k]
+            held = root.gathered + sum(b.gathered for b in before)
+        else:
+            held = 0
+        early = root_early[k] if 0 <= k < len(root_early) else 0
+        pending = early
+        if in_flight is not None and not reshard:
+            pending += in_flight.packed + in_flight.reduce_scratch
+        moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + g.gathered, saved, 0))
+        if in_flight is not None and not reshard:
+            moments.append(Breakdown(shards, state, done + g.full_grads + pending + in_flight.finish_scratch, held, saved, 0))
+        launched = g.full_grads + g.packed + g.reduce_out + g.reduce_scratch + early
+        moments.append(Breakdown(shards, state, done + launched, held, saved, 0))
+        done += g.reduce_out
+        in_flight = g
+    backward = max(moments, key=lambda b: b.total)
+    optimizer = Breakdown(shards, state, done, 0, batch, temporary)
     return {"forward": forward, "backward": backward, "optimizer step": optimizer}
