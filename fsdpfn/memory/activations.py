@@ -23,11 +23,13 @@ class ForwardCost(NamedTuple):
     """One forward on one rank's batch: ``saved`` bytes (distinct non-parameter storages autograd keeps
     for backward), ``output`` bytes (the forward's result), and ``last_unit_before``: for every parameter
     outside ``units``, the last unit whose forward had started when it was first used (``None``: before
-    any), which says when backward makes its gradient."""
+    any), which says when backward makes its gradient; ``saved_params``: the parameters autograd saves
+    (a unit none of whose parameters are saved is not re-gathered in backward)."""
 
     saved: int
     output: int
     last_unit_before: dict[str, str | None]
+    saved_params: frozenset[str] = frozenset()
 
 
 def forward_cost(
@@ -58,21 +60,24 @@ def forward_cost(
     args, kwargs = _split(batch)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         values: dict[str, torch.Tensor] = {}
-        params: set[int] = set()
+        params: dict[int, str] = {}
         for fqn, p in module.named_parameters(remove_duplicate=False):
             dtype = param_dtype(p.dtype)
             t = torch.empty(p.shape, dtype=dtype, device=device).requires_grad_(p.requires_grad and _differentiable(dtype))
             values[fqn] = t
-            params.add(t.untyped_storage()._cdata)
+            params[t.untyped_storage()._cdata] = fqn
         for fqn, b in module.named_buffers(remove_duplicate=False):
             values[fqn] = torch.empty(b.shape, dtype=b.dtype, device=device)
         fake = lambda x: _fake(mode, x, device, cast_inputs)  # noqa: E731
         args, kwargs = pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs)
         seen: dict[int, int] = {}
+        saved_params: set[str] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
-            if storage._cdata not in params:
+            if storage._cdata in params:
+                saved_params.add(params[storage._cdata])
+            else:
                 seen[storage._cdata] = storage.nbytes()
             return t
 
@@ -99,7 +104,7 @@ def forward_cost(
             for h in hooks:
                 h.remove()
         output = sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-    return ForwardCost(sum(seen.values()), output, first_use)
+    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params))
 
 
 def _split(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -118,7 +118,7 @@ def estimate(
     slots, scratch = OPTIMIZERS[key]
     out = [
         _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
-                      min_bucket_bytes, link, buffer_bytes, batch_bytes, fwd.saved, dev.type, fwd.last_unit_before)
+                      min_bucket_bytes, link, buffer_bytes, batch_bytes, fwd.saved, dev.type, fwd.last_unit_before, fwd.saved_params)
         for w in worlds
     ]
     return out if not isinstance(world, int) else out[0]
@@ -141,6 +141,7 @@ def _estimate_one(
     activations: int,
     device_type: str,
     last_unit_before: dict[str, str | None],
+    saved_params: frozenset[str],
 ) -> MemoryEstimate:
     plan = build_plan(
         infos,
@@ -163,7 +164,7 @@ def _estimate_one(
         layout = tuple(numel[f] for f in plan.params)
         if layout not in by_layout:
             by_layout[layout] = _rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
-                                             buffer_bytes, batch_bytes, activations, last_unit_before)
+                                             buffer_bytes, batch_bytes, activations, last_unit_before, saved_params)
         per_rank.append(max(b.total for b in by_layout[layout].values()))
     rank = max(range(world), key=per_rank.__getitem__)
     numel = {f: math.prod(plan.specs[f].local_shape(rank)) for f in plan.params}
@@ -184,19 +185,20 @@ def _estimate_one(
 
 def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainable: set[str], world: int, slots: int,
                  device_type: str, scratch: bool, prefetch: int, reshard: bool, buffer_bytes: int, batch_bytes: int, activations: int,
-                 last_unit_before: dict[str, str | None]) -> Any:
+                 last_unit_before: dict[str, str | None], saved_params: frozenset[str]) -> Any:
     shard_bytes = {f: numel[f] * item[f] for f in plan.params}
     grad_sizes = [shard_bytes[f] for f in plan.params if f in trainable]
 
     def group_bytes(g: Any) -> GroupBytes:
         shard_grads = sum(shard_bytes[f] for f in g.fqns if f in trainable)
         own = {f: lay.dtype == plan.dtypes[f] for lay in g.reduce for f in lay.fqns}
+        regathered = any(f in saved_params for f in g.fqns)
         if world == 1:  # the collectives are the identity: only a dtype cast allocates
             cast = [(f, lay.dtype) for lay in g.gather for f in lay.fqns if lay.dtype != plan.dtypes[f]]
             full_grads = sum(numel[f] * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns)
             if all(own.values()):  # the gradients autograd makes are the reduced ones
-                return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), 0, 0, shard_grads)
-            return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), full_grads, 0, shard_grads)
+                return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), 0, 0, shard_grads, regathered=regathered)
+            return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), full_grads, 0, shard_grads, regathered=regathered)
         padded = sum(lay.nbytes for lay in g.reduce)
         full = padded * world
         direct = cpu and full >= EXCHANGE_MIN_BYTES and all(own.values())  # sent from the gradients themselves
@@ -207,6 +209,7 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
             reduce_out=padded if all(own.values()) else padded + shard_grads,  # a cast makes a second copy
             reduce_scratch=padded * max(0, world - 2) if cpu else 0,
             finish_scratch=padded if cpu and world > 2 else 0,
+            regathered=regathered,
         )
 
     root = next((g for g in plan.groups if not g.name), None)

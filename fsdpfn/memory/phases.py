@@ -31,7 +31,8 @@ class GroupBytes(NamedTuple):
     flat copy of them the reduction sends (0 where it sends the gradients themselves); ``reduce_out``:
     this rank's reduced gradients (they stay until the optimizer step); ``reduce_scratch``: what the
     reduction holds besides its input and output while in flight (CPU: the chunks of the peers beyond the
-    first); ``finish_scratch``: what finishing it adds (CPU: their sum).
+    first); ``finish_scratch``: what finishing it adds (CPU: their sum); ``regathered``: whether backward
+    needs its parameters (autograd saved some), so a resharded group is gathered again.
     """
 
     gathered: int
@@ -40,6 +41,7 @@ class GroupBytes(NamedTuple):
     reduce_out: int
     reduce_scratch: int = 0
     finish_scratch: int = 0
+    regathered: bool = True
 
 
 def phase_peaks(
@@ -86,15 +88,16 @@ def phase_peaks(
     order = [(k, groups[k]) for k in reversed(range(n))] + [(-1, root)]
     for k, g in order:
         if k >= 0:
-            before = groups[:k] if not reshard else groups[max(0, k - prefetch) : k]
+            before = groups[:k] if not reshard else [b for b in groups[:k] if b.regathered][-prefetch:] if prefetch else []
             held = root.gathered + sum(b.gathered for b in before)
         else:
             held = 0
+        mine = g.gathered if g.regathered or not reshard or k < 0 else 0
         early = root_early[k] if 0 <= k < len(root_early) else 0
         pending = early
         if in_flight is not None and not reshard:
             pending += in_flight.packed + in_flight.reduce_scratch
-        moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + g.gathered, saved, 0))
+        moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + mine, saved, 0))
         if in_flight is not None and not reshard:
             moments.append(Breakdown(shards, state, done + g.full_grads + pending + in_flight.finish_scratch, held, saved, 0))
         launched = g.full_grads + g.packed + g.reduce_out + g.reduce_scratch + early
