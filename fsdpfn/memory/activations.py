@@ -24,12 +24,14 @@ class ForwardCost(NamedTuple):
     for backward), ``output`` bytes (the forward's result), and ``last_unit_before``: for every parameter
     outside ``units``, the last unit whose forward had started when it was first used (``None``: before
     any), which says when backward makes its gradient; ``saved_params``: the parameters autograd saves
-    (a unit none of whose parameters are saved is not re-gathered in backward)."""
+    (a unit none of whose parameters are saved is not re-gathered in backward); ``saved_before[u]``: the
+    bytes saved when unit ``u``'s forward started (backward frees them in reverse)."""
 
     saved: int
     output: int
     last_unit_before: dict[str, str | None]
     saved_params: frozenset[str] = frozenset()
+    saved_before: dict[str, int] = {}
 
 
 def forward_cost(
@@ -69,8 +71,8 @@ def forward_cost(
         for fqn, b in module.named_buffers(remove_duplicate=False):
             values[fqn] = torch.empty(b.shape, dtype=b.dtype, device=device)
         fake = lambda x: _fake(mode, x, device, cast_inputs)  # noqa: E731
-        args, kwargs = pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs)
         seen: dict[int, int] = {}
+        args, kwargs = pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs)
         saved_params: set[str] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +87,13 @@ def forward_cost(
         watched = {id(t): f for f, t in values.items() if f not in inside}
         started: list[str | None] = [None]
         first_use: dict[str, str | None] = {}
-        hooks = [module.get_submodule(u).register_forward_pre_hook(lambda *_, _u=u: started.append(_u)) for u in units if u]
+        saved_before: dict[str, int] = {}
+
+        def start(unit: str) -> None:
+            started.append(unit)
+            saved_before.setdefault(unit, sum(seen.values()))
+
+        hooks = [module.get_submodule(u).register_forward_pre_hook(lambda *_, _u=u: start(_u)) for u in units if u]
 
         class _Uses(torch.overrides.TorchFunctionMode):
             def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -104,7 +112,7 @@ def forward_cost(
             for h in hooks:
                 h.remove()
         output = sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params))
+    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params), saved_before)
 
 
 def _split(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

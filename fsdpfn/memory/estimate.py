@@ -118,7 +118,7 @@ def estimate(
     slots, scratch = OPTIMIZERS[key]
     out = [
         _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
-                      min_bucket_bytes, link, buffer_bytes, batch_bytes, fwd.saved, dev.type, fwd.last_unit_before, fwd.saved_params)
+                      min_bucket_bytes, link, buffer_bytes, batch_bytes, fwd.saved, dev.type, fwd.last_unit_before, fwd.saved_params, fwd.saved_before)
         for w in worlds
     ]
     return out if not isinstance(world, int) else out[0]
@@ -142,6 +142,7 @@ def _estimate_one(
     device_type: str,
     last_unit_before: dict[str, str | None],
     saved_params: frozenset[str],
+    saved_before: dict[str, int],
 ) -> MemoryEstimate:
     plan = build_plan(
         infos,
@@ -164,7 +165,7 @@ def _estimate_one(
         layout = tuple(numel[f] for f in plan.params)
         if layout not in by_layout:
             by_layout[layout] = _rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
-                                             buffer_bytes, batch_bytes, activations, last_unit_before, saved_params)
+                                             buffer_bytes, batch_bytes, activations, last_unit_before, saved_params, saved_before)
         per_rank.append(max(b.total for b in by_layout[layout].values()))
     rank = max(range(world), key=per_rank.__getitem__)
     numel = {f: math.prod(plan.specs[f].local_shape(rank)) for f in plan.params}
@@ -185,7 +186,7 @@ def _estimate_one(
 
 def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainable: set[str], world: int, slots: int,
                  device_type: str, scratch: bool, prefetch: int, reshard: bool, buffer_bytes: int, batch_bytes: int, activations: int,
-                 last_unit_before: dict[str, str | None], saved_params: frozenset[str]) -> Any:
+                 last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int]) -> Any:
     shard_bytes = {f: numel[f] * item[f] for f in plan.params}
     grad_sizes = [shard_bytes[f] for f in plan.params if f in trainable]
 
@@ -237,9 +238,22 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
         reshard=reshard,
         temporary=_largest_foreach_group(grad_sizes) if scratch else 0,
         root_early=root_early,
+        saved_until=_saved_until(others, saved_before, activations),
     )
     # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
 
+
+
+def _saved_until(groups: Sequence[Any], saved_before: dict[str, int], total: int) -> list[int]:
+    """Activations alive during each group's backward (what forward saved until the next group started),
+    and last the root's (what was saved before the first group)."""
+    starts = [min((saved_before[u] for u in g.name.split("+") if u in saved_before), default=None) for g in groups]
+    out = []
+    for k in range(len(groups)):
+        nxt = next((s for s in starts[k + 1 :] if s is not None), total)
+        out.append(nxt)
+    out.append(next((s for s in starts if s is not None), total))
+    return out
 
 
 def _largest_foreach_group(sizes: Sequence[int]) -> int:

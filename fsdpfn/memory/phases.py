@@ -56,6 +56,7 @@ def phase_peaks(
     reshard: bool,
     temporary: int,
     root_early: Sequence[int] = (),
+    saved_until: Sequence[int] = (),
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
@@ -65,7 +66,9 @@ def phase_peaks(
     made), and its own reduction launched (the group released; gradients, their packed copy, the
     reduction's output and scratch alive at once). ``root_early[k]`` is the root's gradients already
     made during group ``k``'s backward (root parameters used after ``k`` in forward): the root is reduced
-    last, so they wait.
+    last, so they wait. ``saved_until[k]`` is the activations still saved during group ``k``'s backward
+    (what the forward saved up to the end of ``k``; ``saved_until[-1]``, one more entry, the root's);
+    without it every activation is assumed alive throughout backward.
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -79,8 +82,7 @@ def phase_peaks(
     for k in range(n):
         window = groups[: k + 1] if not reshard else groups[k : k + 1 + prefetch]
         gathered_fwd = max(gathered_fwd, sum(g.gathered for g in window))
-    saved = activations + batch
-    forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, saved, 0)
+    forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, activations + batch, 0)
 
     moments = []
     done = 0  # reduced gradients of the groups finished so far
@@ -94,6 +96,7 @@ def phase_peaks(
             held = 0
         mine = g.gathered if g.regathered or not reshard or k < 0 else 0
         early = root_early[k] if 0 <= k < len(root_early) else 0
+        saved = (saved_until[k] if k >= 0 else saved_until[-1]) + batch if saved_until else activations + batch
         pending = early
         if in_flight is not None and not reshard:
             pending += in_flight.packed + in_flight.reduce_scratch
