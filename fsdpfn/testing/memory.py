@@ -1,10 +1,20 @@
-"""Measuring a step's peak memory on CPU with torch's ``MemTracker``, under ``fsdpfn.fsdp`` too."""
+"""Measuring a step's peak memory on CPU with torch's ``MemTracker``, under ``fsdpfn.fsdp`` too (used by the tests of
+``fsdpfn.memory`` and of the step bound, and by the bench)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["measured_step_peak", "memory_tracker", "saved_bytes"]
+__all__ = ["StepPeak", "measured_step_peak", "memory_tracker", "saved_bytes"]
+
+
+class StepPeak(NamedTuple):
+    """``measured_step_peak``'s result: the peak bytes, the plan's collective groups (labels, in order)
+    and the fusion size ``shard`` chose (``plan.bucket_bytes``)."""
+
+    peak: int
+    groups: tuple[str, ...]
+    bucket_bytes: int | None
 
 
 def memory_tracker() -> Any:
@@ -64,11 +74,15 @@ def measured_step_peak(
     prefetch: int = 1,
     reshard_after_forward: bool = True,
     lr: float = 1e-3,
-) -> int:
+    repeats: int = 2,
+) -> StepPeak:
     """The peak bytes one rank holds over a warm training step of ``model`` on its batch ``x`` (forward,
     backward of ``output.square().mean()``, ``fsdpfn.optim.adamw`` update), measured by ``MemTracker``
     with the shards, the optimizer state and ``x`` counted as resident. Call it on every rank (``spmd``);
-    ``model`` is sharded here (its parameters are donated).
+    ``model`` is sharded here (its parameters are donated). The smallest peak of ``repeats`` steps is
+    reported: gloo's completion callbacks free collective inputs at times that vary from run to run, and
+    a late one only ever adds to a step's peak. Also returns the collective groups and the fusion size
+    ``shard`` chose, so a prediction can be made for the same plan.
 
     Example:
         >>> spmd(2, _step, recipe)      # a module-level fn that builds the model and calls this  # doctest: +SKIP
@@ -86,11 +100,15 @@ def measured_step_peak(
     _, grads = loss_fn(params)
     params, state = opt.update(grads, state, params)  # warm: moments and counters exist
     del grads
-    tracker = memory_tracker()
-    leaves = torch.utils._pytree.tree_leaves(state)
-    tracker.track_external(*params.values(), *(t for t in leaves if isinstance(t, torch.Tensor)), x)
-    with tracker:
-        _, grads = loss_fn(params)
-        params, state = opt.update(grads, state, params)
-        del grads
-    return max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
+    peaks = []
+    for _ in range(max(1, repeats)):
+        tracker = memory_tracker()
+        leaves = torch.utils._pytree.tree_leaves(state)
+        tracker.track_external(*params.values(), *(t for t in leaves if isinstance(t, torch.Tensor)), x)
+        with tracker:
+            _, grads = loss_fn(params)
+            params, state = opt.update(grads, state, params)
+            del grads
+        peaks.append(max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values()))
+    plan = params.plan
+    return StepPeak(min(peaks), tuple(g.label for g in plan.groups), plan.bucket_bytes)
