@@ -76,8 +76,8 @@ def estimate(
         >>> with torch.device("meta"):
         ...     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
         >>> est = estimate(model, 4, torch.zeros(8, 256), units=["0", "1", "2", "3"], min_bucket_bytes=None)
-        >>> est.phase, est.breakdown.shards      # a quarter of each layer per rank
-        ('optimizer step', 263168)
+        >>> est.phase, est.breakdown.shards      # a quarter of each layer per rank; gathered layers peak
+        ('backward', 263168)
     """
     worlds = _check_worlds(world)
     if not isinstance(model, nn.Module):

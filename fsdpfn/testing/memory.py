@@ -46,7 +46,7 @@ def saved_bytes(model: Any, *args: Any) -> int:
 
     Example:
         >>> import torch
-        >>> saved_bytes(torch.nn.Linear(4, 8), torch.zeros(2, 4))   # the input, for the weight's gradient
+        >>> saved_bytes(torch.nn.Linear(4, 8), torch.zeros(2, 4))   # the input (weight gradient) and output (square)
         32
     """
     import torch
