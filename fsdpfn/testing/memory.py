@@ -47,7 +47,7 @@ def saved_bytes(model: Any, *args: Any) -> int:
     Example:
         >>> import torch
         >>> saved_bytes(torch.nn.Linear(4, 8), torch.zeros(2, 4))   # the input (weight gradient) and output (square)
-        32
+        96
     """
     import torch
 
