@@ -211,6 +211,7 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
             reduce_scratch=padded * max(0, world - 2) if cpu else 0,
             finish_scratch=padded if cpu and world > 2 else 0,
             regathered=regathered,
+            gather_input=sum(lay.nbytes for lay in g.gather),
         )
 
     root = next((g for g in plan.groups if not g.name), None)

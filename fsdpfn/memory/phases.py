@@ -32,7 +32,8 @@ class GroupBytes(NamedTuple):
     this rank's reduced gradients (they stay until the optimizer step); ``reduce_scratch``: what the
     reduction holds besides its input and output while in flight (CPU: the chunks of the peers beyond the
     first); ``finish_scratch``: what finishing it adds (CPU: their sum); ``regathered``: whether backward
-    needs its parameters (autograd saved some), so a resharded group is gathered again.
+    needs its parameters (autograd saved some), so a resharded group is gathered again; ``gather_input``:
+    the packed shard a gather sends, held while a backward prefetch of the group is in flight.
     """
 
     gathered: int
@@ -42,6 +43,7 @@ class GroupBytes(NamedTuple):
     reduce_scratch: int = 0
     finish_scratch: int = 0
     regathered: bool = True
+    gather_input: int = 0
 
 
 def phase_peaks(
@@ -91,7 +93,7 @@ def phase_peaks(
     for k, g in order:
         if k >= 0:
             before = groups[:k] if not reshard else [b for b in groups[:k] if b.regathered][-prefetch:] if prefetch else []
-            held = root.gathered + sum(b.gathered for b in before)
+            held = root.gathered + sum(b.gathered + (b.gather_input if reshard else 0) for b in before)
         else:
             held = 0
         mine = g.gathered if g.regathered or not reshard or k < 0 else 0
