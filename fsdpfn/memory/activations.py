@@ -22,8 +22,8 @@ __all__ = ["ForwardCost", "forward_cost"]
 class ForwardCost(NamedTuple):
     """One forward on one rank's batch: ``saved`` bytes (distinct non-parameter storages autograd keeps
     for backward), ``output`` bytes (the forward's result), and ``last_unit_before``: for every parameter
-    outside ``units``, the last unit whose forward had started when it was first used (``None``: before
-    any), which says when backward makes its gradient; ``saved_params``: the parameters autograd saves
+    the last unit whose forward had started when it was first used (``None``: before any), which says
+    when backward makes its gradient; ``saved_params``: the parameters autograd saves
     (a unit none of whose parameters are saved is not re-gathered in backward); ``saved_before[u]``: the
     bytes saved when unit ``u``'s forward started (backward frees them in reverse)."""
 
@@ -83,8 +83,7 @@ def forward_cost(
                 seen[storage._cdata] = storage.nbytes()
             return t
 
-        inside = {f for f in values if any(f.startswith(u + ".") for u in units if u)}
-        watched = {id(t): f for f, t in values.items() if f not in inside}
+        watched = {id(t): f for f, t in values.items()}
         started: list[str | None] = [None]
         first_use: dict[str, str | None] = {}
         saved_before: dict[str, int] = {}

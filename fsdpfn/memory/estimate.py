@@ -218,16 +218,21 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
     cpu = device_type != "cuda"
     others = [g for g in plan.groups if g.name]
     index = {g.name: k for k, g in enumerate(others)}
+    # A parameter first used after a later group started (the root's; an outer unit's around inner ones)
+    # has its gradient from that group's backward on, until its own group is reduced (gather nodes made
+    # earlier run later in backward).
     root_early = [0] * len(others)
-    if root is not None:  # a root parameter used after group k in forward has its gradient during k's backward
-        for lay in root.reduce:
+    for g in plan.groups:
+        mine = index.get(g.name, -1) if g.name else -1
+        for lay in g.reduce:
             for f in lay.fqns:
                 unit = last_unit_before.get(f)
-                if unit is None:
+                if unit is None or plan.group_of.get(unit) not in index:
                     continue
                 nbytes = math.prod(plan.specs[f].shape) * lay.dtype.itemsize if world > 1 else shard_bytes[f]
-                for k in range(index[plan.group_of[unit]] + 1):
+                for k in range(mine + 1, index[plan.group_of[unit]] + 1):
                     root_early[k] += nbytes
+    enclosing = [[j for j, o in enumerate(others) if j < k and _encloses(o.name, g.name)] for k, g in enumerate(others)]
     return phase_peaks(
         shards=sum(shard_bytes.values()) + buffer_bytes,
         state=slots * sum(grad_sizes),
@@ -239,10 +244,16 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
         reshard=reshard,
         temporary=_largest_foreach_group(grad_sizes) if scratch else 0,
         root_early=root_early,
+        enclosing=enclosing,
         saved_until=_saved_until(others, saved_before, activations),
     )
     # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
 
+
+
+def _encloses(outer: str, inner: str) -> bool:
+    """Whether a unit of (fused) group ``outer`` contains a unit of group ``inner``."""
+    return any(i.startswith(o + ".") for o in outer.split("+") for i in inner.split("+"))
 
 
 def _saved_until(groups: Sequence[Any], saved_before: dict[str, int], total: int) -> list[int]:

@@ -59,6 +59,7 @@ def phase_peaks(
     temporary: int,
     root_early: Sequence[int] = (),
     saved_until: Sequence[int] = (),
+    enclosing: Sequence[Sequence[int]] = (),
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
@@ -70,7 +71,8 @@ def phase_peaks(
     made during group ``k``'s backward (root parameters used after ``k`` in forward): the root is reduced
     last, so they wait. ``saved_until[k]`` is the activations still saved during group ``k``'s backward
     (what the forward saved up to the end of ``k``; ``saved_until[-1]``, one more entry, the root's);
-    without it every activation is assumed alive throughout backward.
+    without it every activation is assumed alive throughout backward. ``enclosing[k]``: the groups whose
+    units contain group ``k``'s (nested units): they stay gathered while ``k`` runs, in both directions.
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -82,7 +84,8 @@ def phase_peaks(
     n = len(groups)
     gathered_fwd = 0
     for k in range(n):
-        window = groups[: k + 1] if not reshard else groups[k : k + 1 + prefetch]
+        outer = [groups[j] for j in (enclosing[k] if k < len(enclosing) else ())]
+        window = groups[: k + 1] if not reshard else [*groups[k : k + 1 + prefetch], *outer]
         gathered_fwd = max(gathered_fwd, sum(g.gathered for g in window))
     forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, activations + batch, 0)
 
@@ -93,7 +96,9 @@ def phase_peaks(
     for k, g in order:
         if k >= 0:
             before = groups[:k] if not reshard else [b for b in groups[:k] if b.regathered][-prefetch:] if prefetch else []
+            outer = [groups[j] for j in (enclosing[k] if k < len(enclosing) else ()) if groups[j] not in before]
             held = root.gathered + sum(b.gathered + (b.gather_input if reshard else 0) for b in before)
+            held += sum(b.gathered for b in outer) if reshard else 0
         else:
             held = 0
         mine = g.gathered if g.regathered or not reshard or k < 0 else 0
