@@ -202,12 +202,15 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
             return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), full_grads, 0, shard_grads, regathered=regathered)
         padded = sum(lay.nbytes for lay in g.reduce)
         full = padded * world
-        direct = cpu and full >= EXCHANGE_MIN_BYTES and all(own.values())  # sent from the gradients themselves
+        computed = {f: lay.dtype for lay in g.gather for f in lay.fqns}  # autograd's gradients: compute dtype
+        same = all(computed[f] == lay.dtype for lay in g.reduce for f in lay.fqns)
+        direct = cpu and full >= EXCHANGE_MIN_BYTES and all(own.values()) and same  # sent from the gradients themselves
         return GroupBytes(
             gathered=sum(lay.nbytes for lay in g.gather) * world,
-            full_grads=full,
+            full_grads=sum(math.prod(plan.specs[f].shape) * computed[f].itemsize for lay in g.reduce for f in lay.fqns),
             packed=0 if direct else full,
-            reduce_out=padded if all(own.values()) else padded + shard_grads,  # a cast makes a second copy
+            reduce_out=padded if all(own.values()) else shard_grads,
+            reduce_cast=0 if all(own.values()) else padded,  # reduced in another dtype, then cast
             reduce_scratch=padded * max(0, world - 2) if cpu else 0,
             finish_scratch=padded if cpu and world > 2 else 0,
             regathered=regathered,
@@ -222,6 +225,7 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
     # has its gradient from that group's backward on, until its own group is reduced (gather nodes made
     # earlier run later in backward).
     root_early = [0] * len(others)
+    compute = {f: lay.dtype for g in plan.groups for lay in g.gather for f in lay.fqns}
     for g in plan.groups:
         mine = index.get(g.name, -1) if g.name else -1
         for lay in g.reduce:
@@ -229,7 +233,7 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
                 unit = last_unit_before.get(f)
                 if unit is None or plan.group_of.get(unit) not in index:
                     continue
-                nbytes = math.prod(plan.specs[f].shape) * lay.dtype.itemsize if world > 1 else shard_bytes[f]
+                nbytes = math.prod(plan.specs[f].shape) * compute[f].itemsize if world > 1 else shard_bytes[f]
                 for k in range(mine + 1, index[plan.group_of[unit]] + 1):
                     root_early[k] += nbytes
     enclosing = [[j for j, o in enumerate(others) if j < k and _encloses(o.name, g.name)] for k, g in enumerate(others)]

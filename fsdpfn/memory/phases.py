@@ -33,7 +33,9 @@ class GroupBytes(NamedTuple):
     reduction holds besides its input and output while in flight (CPU: the chunks of the peers beyond the
     first); ``finish_scratch``: what finishing it adds (CPU: their sum); ``regathered``: whether backward
     needs its parameters (autograd saved some), so a resharded group is gathered again; ``gather_input``:
-    the packed shard a gather sends, held while a backward prefetch of the group is in flight.
+    the packed shard a gather sends, held while a backward prefetch of the group is in flight;
+    ``reduce_cast``: the reduction's output in its own dtype when the gradients are then cast to the
+    parameters' dtype (mixed precision: the reduction finishes at once, and ``reduce_out`` is the cast).
     """
 
     gathered: int
@@ -44,6 +46,7 @@ class GroupBytes(NamedTuple):
     finish_scratch: int = 0
     regathered: bool = True
     gather_input: int = 0
+    reduce_cast: int = 0
 
 
 def phase_peaks(
@@ -110,10 +113,13 @@ def phase_peaks(
         moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + mine, saved, 0))
         if in_flight is not None and not reshard:
             moments.append(Breakdown(shards, state, done + g.full_grads + pending + in_flight.finish_scratch, held, saved, 0))
-        launched = g.full_grads + g.packed + g.reduce_out + g.reduce_scratch + early
+        launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early
         moments.append(Breakdown(shards, state, done + launched, held, saved, 0))
+        if g.reduce_cast:
+            cast = g.packed + g.reduce_cast + g.reduce_out + g.finish_scratch + early
+            moments.append(Breakdown(shards, state, done + cast, held, saved, 0))
         done += g.reduce_out
-        in_flight = g
+        in_flight = None if g.reduce_cast else g
     backward = max(moments, key=lambda b: b.total)
     optimizer = Breakdown(shards, state, done, 0, batch, temporary)
     return {"forward": forward, "backward": backward, "optimizer step": optimizer}

@@ -75,6 +75,7 @@ def measured_step_peak(
     reshard_after_forward: bool = True,
     lr: float = 1e-3,
     repeats: int = 2,
+    mp_policy: Any = None,
 ) -> StepPeak:
     """The peak bytes one rank holds over a warm training step of ``model`` on its batch ``x`` (forward,
     backward of ``output.square().mean()``, ``fsdpfn.optim.adamw`` update), measured by ``MemTracker``
@@ -92,7 +93,7 @@ def measured_step_peak(
     import fsdpfn
     import fsdpfn.optim as optim
 
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=min_bucket_bytes)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=min_bucket_bytes, mp_policy=mp_policy)
     apply = fsdpfn.fsdp(model, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
     opt = optim.adamw(lr=lr)
     state = opt.init(params)
