@@ -16,7 +16,7 @@ from fsdpfn.layout import Sharded, ShardSpec, Unreduced, shard_tensor, unshard_t
 from fsdpfn.ops import accumulate, reduce, reshard, shard, unshard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdpfn.transform import compile_step, fsdp, grad, remat, value_and_grad
-from fsdpfn import debug, optim
+from fsdpfn import debug, memory, optim
 from fsdpfn.optim import clip_grad_norm
 
 __version__ = "0.1.0"
@@ -39,6 +39,7 @@ __all__ = [
     "init_mesh",
     "load",
     "load_full_state_dict",
+    "memory",
     "optim",
     "reduce",
     "remat",

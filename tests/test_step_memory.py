@@ -24,26 +24,11 @@ import fsdpfn
 import fsdpfn.optim as optim
 from fsdpfn.testing import spmd
 from fsdpfn.testing import strategies as fst
+from fsdpfn.testing.memory import saved_bytes
 from fsdpfn.testing.models import ModelRecipe
 
 BATCH = 2
 SLACK = 16 << 10  # step counters, the loss, Python-side scalars
-
-
-def _saved_bytes(model, x):
-    """Bytes of the distinct non-parameter tensors ``model``'s forward saves for backward."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        st_ = t.untyped_storage()
-        if st_.data_ptr() not in params:
-            seen[st_.data_ptr()] = st_.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x).square().mean().backward()
-    return sum(seen.values())
 
 
 def _step_peak(recipe, units, fuse, prefetch, seed, one_optimizer_group=False):
@@ -66,7 +51,7 @@ def _measured_step(recipe, units, fuse, prefetch, seed):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x = recipe.inputs(BATCH * world, seed)[rank * BATCH : (rank + 1) * BATCH]
-    activations = _saved_bytes(recipe.build(), x)
+    activations = saved_bytes(recipe.build(), x)
     model = recipe.build()
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=fuse)
     apply = fsdpfn.fsdp(model, prefetch=prefetch)

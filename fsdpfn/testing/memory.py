@@ -1,10 +1,20 @@
-"""Measuring a step's peak memory on CPU with torch's ``MemTracker``, under ``fsdpfn.fsdp`` too."""
+"""Measuring a step's peak memory on CPU with torch's ``MemTracker``, under ``fsdpfn.fsdp`` too (used by the tests of
+``fsdpfn.memory`` and of the step bound, and by the bench)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["memory_tracker"]
+__all__ = ["StepPeak", "measured_step_peak", "memory_tracker", "saved_bytes"]
+
+
+class StepPeak(NamedTuple):
+    """``measured_step_peak``'s result: the peak bytes, the plan's collective groups (labels, in order)
+    and the fusion size ``shard`` chose (``plan.bucket_bytes``)."""
+
+    peak: int
+    groups: tuple[str, ...]
+    bucket_bytes: int | None
 
 
 def memory_tracker() -> Any:
@@ -28,3 +38,78 @@ def memory_tracker() -> Any:
             return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
 
     return _NoGradHookTracker()
+
+
+def saved_bytes(model: Any, *args: Any) -> int:
+    """Bytes of the distinct non-parameter tensors ``model(*args)``'s forward saves for backward
+    (a real forward and backward of ``output.square().mean()`` on ``model`` as it is).
+
+    Example:
+        >>> import torch
+        >>> saved_bytes(torch.nn.Linear(4, 8), torch.zeros(2, 4))   # the input (weight gradient) and output (square)
+        96
+    """
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*args).square().mean().backward()
+    return sum(seen.values())
+
+
+def measured_step_peak(
+    model: Any,
+    x: Any,
+    *,
+    units: Any = None,
+    min_bucket_bytes: Any = None,
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
+    lr: float = 1e-3,
+    repeats: int = 2,
+    mp_policy: Any = None,
+) -> StepPeak:
+    """The peak bytes one rank holds over a warm training step of ``model`` on its batch ``x`` (forward,
+    backward of ``output.square().mean()``, ``fsdpfn.optim.adamw`` update), measured by ``MemTracker``
+    with the shards, the optimizer state and ``x`` counted as resident. Call it on every rank (``spmd``);
+    ``model`` is sharded here (its parameters are donated). The smallest peak of ``repeats`` steps is
+    reported: gloo's completion callbacks free collective inputs at times that vary from run to run, and
+    a late one only ever adds to a step's peak. Also returns the collective groups and the fusion size
+    ``shard`` chose, so a prediction can be made for the same plan.
+
+    Example:
+        >>> spmd(2, _step, recipe)      # a module-level fn that builds the model and calls this  # doctest: +SKIP
+    """
+    import torch
+
+    import fsdpfn
+    import fsdpfn.optim as optim
+
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=min_bucket_bytes, mp_policy=mp_policy)
+    apply = fsdpfn.fsdp(model, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
+    opt = optim.adamw(lr=lr)
+    state = opt.init(params)
+    loss_fn = fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())
+    _, grads = loss_fn(params)
+    params, state = opt.update(grads, state, params)  # warm: moments and counters exist
+    del grads
+    peaks = []
+    for _ in range(max(1, repeats)):
+        tracker = memory_tracker()
+        leaves = torch.utils._pytree.tree_leaves(state)
+        tracker.track_external(*params.values(), *(t for t in leaves if isinstance(t, torch.Tensor)), x)
+        with tracker:
+            _, grads = loss_fn(params)
+            params, state = opt.update(grads, state, params)
+            del grads
+        peaks.append(max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values()))
+    plan = params.plan
+    return StepPeak(min(peaks), tuple(g.label for g in plan.groups), plan.bucket_bytes)

@@ -1,0 +1,20 @@
+"""Memory planning: a training step's per-rank peak under fsdpfn, predicted before launch.
+
+``estimate(model, world, batch, ...)`` builds the plan ``shard`` would build, counts the activations of
+one forward on fake tensors and walks the step's phases (forward, backward, optimizer step) to predict
+each rank's peak with a breakdown, without allocating the model or communicating. See docs/memory.md.
+
+Example:
+    >>> import torch, fsdpfn
+    >>> with torch.device("meta"):
+    ...     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+    >>> [e.state for e in fsdpfn.memory.estimate(model, [1, 8], torch.zeros(4, 512))]   # shards + moments
+    [25214976, 3151872]
+"""
+
+from fsdpfn.memory.activations import ForwardCost, forward_cost
+from fsdpfn.memory.estimate import OPTIMIZERS, estimate
+from fsdpfn.memory.phases import GroupBytes, phase_peaks
+from fsdpfn.memory.result import PHASES, Breakdown, MemoryEstimate
+
+__all__ = ["OPTIMIZERS", "PHASES", "Breakdown", "ForwardCost", "GroupBytes", "MemoryEstimate", "estimate", "forward_cost", "phase_peaks"]

@@ -1,0 +1,133 @@
+"""What a model's forward saves for backward, counted on fake tensors: no real weights, no collective.
+
+The forward runs once under ``torch._subclasses.FakeTensorMode``: parameters and buffers are fake
+tensors of their (full, gathered) shapes and compute dtype, so a model built on ``meta`` works and nothing
+the size of the model is allocated. ``saved_tensors_hooks`` see every tensor autograd keeps for backward;
+the distinct storages among them that are not parameters are the activations a step holds between its
+forward and its backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+__all__ = ["ForwardCost", "forward_cost"]
+
+
+class ForwardCost(NamedTuple):
+    """One forward on one rank's batch: ``saved`` bytes (distinct non-parameter storages autograd keeps
+    for backward), ``output`` bytes (the forward's result), and ``last_unit_before``: for every parameter
+    the last unit whose forward had started when it was first used (``None``: before any), which says
+    when backward makes its gradient; ``saved_params``: the parameters autograd saves
+    (a unit none of whose parameters are saved is not re-gathered in backward); ``saved_before[u]``: the
+    bytes saved when unit ``u``'s forward started (backward frees them in reverse)."""
+
+    saved: int
+    output: int
+    last_unit_before: dict[str, str | None]
+    saved_params: frozenset[str] = frozenset()
+    saved_before: dict[str, int] = {}
+
+
+def forward_cost(
+    module: nn.Module,
+    batch: Any,
+    *,
+    device: torch.device,
+    param_dtype: Callable[[torch.dtype], torch.dtype],
+    cast_inputs: torch.dtype | None,
+    loss_fn: Callable[[Any], Any] | None = None,
+    units: Sequence[str] = (),
+) -> ForwardCost:
+    """Run ``module`` on ``batch`` under fake tensors and count what autograd saves.
+
+    ``batch`` is a tensor, a tuple of positional arguments, or a dict of keyword arguments (real, fake or
+    meta tensors: only shapes and dtypes are read). ``param_dtype`` maps a parameter's dtype to the dtype it
+    computes in (mixed precision); ``cast_inputs`` casts floating inputs. ``loss_fn(output)`` runs too, so
+    what the loss saves is counted.
+
+    Example:
+        >>> forward_cost(nn.Linear(4, 8), torch.zeros(2, 4), device=torch.device("cpu"),
+        ...              param_dtype=lambda d: d, cast_inputs=None).saved   # the input, saved for the weight grad
+        32
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    args, kwargs = _split(batch)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        values: dict[str, torch.Tensor] = {}
+        params: dict[int, str] = {}
+        for fqn, p in module.named_parameters(remove_duplicate=False):
+            dtype = param_dtype(p.dtype)
+            t = torch.empty(p.shape, dtype=dtype, device=device).requires_grad_(p.requires_grad and _differentiable(dtype))
+            values[fqn] = t
+            params[t.untyped_storage()._cdata] = fqn
+        for fqn, b in module.named_buffers(remove_duplicate=False):
+            values[fqn] = torch.empty(b.shape, dtype=b.dtype, device=device)
+        fake = lambda x: _fake(mode, x, device, cast_inputs)  # noqa: E731
+        seen: dict[int, int] = {}
+        args, kwargs = pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs)
+        saved_params: set[str] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage._cdata in params:
+                saved_params.add(params[storage._cdata])
+            else:
+                seen[storage._cdata] = storage.nbytes()
+            return t
+
+        watched = {id(t): f for f, t in values.items()}
+        started: list[str | None] = [None]
+        first_use: dict[str, str | None] = {}
+        saved_before: dict[str, int] = {}
+
+        def start(unit: str) -> None:
+            started.append(unit)
+            saved_before.setdefault(unit, sum(seen.values()))
+
+        hooks = [module.get_submodule(u).register_forward_pre_hook(lambda *_, _u=u: start(_u)) for u in units if u]
+
+        class _Uses(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                for t in pytree.tree_leaves((args, kwargs or {})):
+                    f = watched.get(id(t))
+                    if f is not None and f not in first_use:
+                        first_use[f] = started[-1]
+                return func(*args, **(kwargs or {}))
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Uses():
+                out = functional_call(module, values, tuple(args), kwargs, tie_weights=False)
+                if loss_fn is not None:
+                    loss_fn(out)
+        finally:
+            for h in hooks:
+                h.remove()
+        output = sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params), saved_before)
+
+
+def _split(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def _differentiable(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _fake(mode: Any, x: Any, device: torch.device, cast: torch.dtype | None) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    dtype = cast if cast is not None and x.dtype.is_floating_point else x.dtype
+    return torch.empty_strided(x.shape, x.stride(), dtype=dtype, device=device)

@@ -1,0 +1,327 @@
+"""``estimate``: a training step's per-rank peak memory under fsdpfn, predicted without running it.
+
+Nothing here communicates or allocates the model: the plan is the one ``shard`` would build (same units,
+buckets, fusion), the sizes come from ``ShardSpec`` arithmetic for every rank, and the activations from
+one forward on fake tensors (``fsdpfn.memory.activations``). See docs/memory.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Union
+
+import torch
+from torch import nn
+
+from fsdpfn.layout import ParamInfo, build_plan
+from fsdpfn.layout.autobucket import LinkCost
+from fsdpfn.memory.activations import forward_cost
+from fsdpfn.memory.phases import GroupBytes, phase_peaks
+from fsdpfn.memory.result import PHASES, MemoryEstimate
+from fsdpfn.ops.shard import Units, resolve_units
+from fsdpfn.policy import MixedPrecisionPolicy
+
+__all__ = ["OPTIMIZERS", "estimate"]
+
+# Per-parameter state tensors (each the size of the shard) and whether the update needs a scratch tensor
+# as large as the foreach group it runs on (AdamW's sqrt(v); SGD updates in place).
+OPTIMIZERS: dict[str, tuple[int, bool]] = {
+    "adamw": (2, True),
+    "adam": (2, True),
+    "sgd": (0, False),
+    "sgd_momentum": (1, False),
+    "none": (0, False),
+}
+FOREACH_PARTS = 8
+# fsdpfn.core.comm.EXCHANGE_MIN_BYTES: from this many bytes a CPU reduce-scatter sends the gradients unpacked
+EXCHANGE_MIN_BYTES = 4 << 20  # fsdpfn.optim runs each kernel over groups of at most max(1/8 of the shard bytes, largest)
+
+Optimizer = Union[Literal["adamw", "adam", "sgd", "sgd_momentum", "none"], None]
+
+
+def estimate(
+    model: nn.Module,
+    world: int | Sequence[int],
+    batch: Any,
+    *,
+    units: Units = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    optimizer: Optimizer = "adamw",
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
+    min_bucket_bytes: int | Literal["auto"] | None = "auto",
+    link: LinkCost | None = None,
+    replicate: int = 1,
+    loss_fn: Callable[[Any], Any] | None = None,
+    device: str | torch.device | None = None,
+) -> MemoryEstimate | list[MemoryEstimate]:
+    """Predict the per-rank peak memory of one training step of ``model`` sharded over ``world`` ranks.
+
+    The step is what ``fsdpfn.shard(model, mesh, units=units, mp_policy=mp_policy,
+    min_bucket_bytes=min_bucket_bytes)``, ``fsdpfn.fsdp(model, prefetch=prefetch,
+    reshard_after_forward=reshard_after_forward)``, ``fsdpfn.value_and_grad`` and ``optimizer``'s update
+    do on one rank's ``batch`` (a tensor, a tuple of positional arguments or a dict of keyword
+    arguments, shaped as one rank sees it). ``model`` may live on ``meta``: only shapes and dtypes are
+    read, the forward runs once on fake tensors to count activations (``loss_fn(output)`` too, if given),
+    and nothing is communicated. ``world`` is the number of ranks one parameter is sharded over (a list of
+    them gives one estimate each); ``replicate`` the HSDP replicas (it does not change per-rank memory).
+    ``optimizer`` is ``"adamw"`` (two moments), ``"sgd"``, ``"sgd_momentum"`` or ``"none"``.
+
+    ``min_bucket_bytes="auto"`` fuses as ``shard`` would on a link of cost ``link``; without one the
+    planner assumes the memory cap is reached (the largest groups ``"auto"`` can pick: the worst case
+    for memory). The result is a ``MemoryEstimate``: ``peak``, ``per_rank``, ``phase`` and ``breakdown``.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+        >>> est = estimate(model, 4, torch.zeros(8, 256), units=["0", "1", "2", "3"], min_bucket_bytes=None)
+        >>> est.phase, est.breakdown.shards      # a quarter of each layer per rank; gathered layers peak
+        ('backward', 263168)
+    """
+    worlds = _check_worlds(world)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fsdpfn.memory.estimate: model must be an nn.Module, got {type(model).__name__}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fsdpfn.memory.estimate: mp_policy must be a fsdpfn.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    key = "none" if optimizer is None else optimizer
+    if key not in OPTIMIZERS:
+        raise ValueError(
+            f"fsdpfn.memory.estimate: optimizer={optimizer!r} is not one the planner knows; use one of {sorted(OPTIMIZERS)}"
+        )
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"fsdpfn.memory.estimate: prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
+    if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
+        raise ValueError(f"fsdpfn.memory.estimate: replicate must be an int >= 1 (HSDP replicas), got {replicate!r}")
+    if link is not None and not isinstance(link, LinkCost):
+        raise TypeError(f"fsdpfn.memory.estimate: link must be a fsdpfn.layout.autobucket.LinkCost, got {type(link).__name__}")
+    policy = mp_policy or MixedPrecisionPolicy()
+    unit_names = [""] + resolve_units(model, units)
+    infos, buffer_bytes = _infos(model, unit_names)
+    dev = torch.device(device) if device is not None else _device_of(model)
+    try:
+        fwd = forward_cost(
+            model,
+            batch,
+            device=dev,
+            param_dtype=policy.gather_dtype,
+            cast_inputs=policy.param_dtype if policy.cast_forward_inputs else None,
+            loss_fn=loss_fn,
+            units=unit_names,
+        )
+    except Exception as err:  # the user's forward: any error means this batch does not fit this model
+        raise ValueError(
+            f"fsdpfn.memory.estimate: the model's forward failed on batch ({type(err).__name__}: {err}); pass batch as "
+            "what one rank's forward takes: a tensor, a tuple of positional arguments or a dict of keyword arguments"
+        ) from err
+    batch_bytes = _tensor_bytes(batch)
+    slots, scratch = OPTIMIZERS[key]
+    out = [
+        _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
+                      min_bucket_bytes, link, buffer_bytes, batch_bytes, fwd.saved, dev.type, fwd.last_unit_before, fwd.saved_params, fwd.saved_before)
+        for w in worlds
+    ]
+    return out if not isinstance(world, int) else out[0]
+
+
+def _estimate_one(
+    infos: list[ParamInfo],
+    unit_names: list[str],
+    world: int,
+    replicate: int,
+    policy: MixedPrecisionPolicy,
+    slots: int,
+    scratch: bool,
+    prefetch: int,
+    reshard: bool,
+    min_bucket_bytes: Any,
+    link: LinkCost | None,
+    buffer_bytes: int,
+    batch_bytes: int,
+    activations: int,
+    device_type: str,
+    last_unit_before: dict[str, str | None],
+    saved_params: frozenset[str],
+    saved_before: dict[str, int],
+) -> MemoryEstimate:
+    plan = build_plan(
+        infos,
+        [],
+        unit_names,
+        rank=0,
+        world=world,
+        gather_dtype=policy.gather_dtype,
+        reduce_dtype=policy.grad_reduce_dtype,
+        min_bucket_bytes=min_bucket_bytes,
+        link=link if link is not None else LinkCost(0.0, math.inf),  # no link: the cap decides (worst case)
+    )
+    item = {i.fqn: i.dtype.itemsize for i in infos}
+    trainable = {i.fqn for i in infos if i.requires_grad}
+    # Ranks with the same local shard sizes have the same peak: compute each distinct layout once.
+    by_layout: dict[tuple[int, ...], dict[str, Any]] = {}
+    per_rank = []
+    for r in range(world):
+        numel = {f: math.prod(plan.specs[f].local_shape(r)) for f in plan.params}
+        layout = tuple(numel[f] for f in plan.params)
+        if layout not in by_layout:
+            by_layout[layout] = _rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
+                                             buffer_bytes, batch_bytes, activations, last_unit_before, saved_params, saved_before)
+        per_rank.append(max(b.total for b in by_layout[layout].values()))
+    rank = max(range(world), key=per_rank.__getitem__)
+    numel = {f: math.prod(plan.specs[f].local_shape(rank)) for f in plan.params}
+    phases = by_layout[tuple(numel[f] for f in plan.params)]
+    phase = max(PHASES, key=lambda p: phases[p].total)
+    return MemoryEstimate(
+        world=world,
+        replicas=replicate,
+        per_rank=tuple(per_rank),
+        rank=rank,
+        phase=phase,
+        breakdown=phases[phase],
+        phases=phases,
+        groups=tuple(g.label for g in plan.groups),
+        bucket_bytes=plan.bucket_bytes,
+    )
+
+
+def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainable: set[str], world: int, slots: int,
+                 device_type: str, scratch: bool, prefetch: int, reshard: bool, buffer_bytes: int, batch_bytes: int, activations: int,
+                 last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int]) -> Any:
+    shard_bytes = {f: numel[f] * item[f] for f in plan.params}
+    grad_sizes = [shard_bytes[f] for f in plan.params if f in trainable]
+
+    def group_bytes(g: Any) -> GroupBytes:
+        shard_grads = sum(shard_bytes[f] for f in g.fqns if f in trainable)
+        own = {f: lay.dtype == plan.dtypes[f] for lay in g.reduce for f in lay.fqns}
+        regathered = any(f in saved_params for f in g.fqns)
+        if world == 1:  # the collectives are the identity: only a dtype cast allocates
+            cast = [(f, lay.dtype) for lay in g.gather for f in lay.fqns if lay.dtype != plan.dtypes[f]]
+            full_grads = sum(numel[f] * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns)
+            if all(own.values()):  # the gradients autograd makes are the reduced ones
+                return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), 0, 0, shard_grads, regathered=regathered)
+            return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), full_grads, 0, shard_grads, regathered=regathered)
+        padded = sum(lay.nbytes for lay in g.reduce)
+        full = padded * world
+        computed = {f: lay.dtype for lay in g.gather for f in lay.fqns}  # autograd's gradients: compute dtype
+        same = all(computed[f] == lay.dtype for lay in g.reduce for f in lay.fqns)
+        direct = cpu and full >= EXCHANGE_MIN_BYTES and all(own.values()) and same  # sent from the gradients themselves
+        return GroupBytes(
+            gathered=sum(lay.nbytes for lay in g.gather) * world,
+            full_grads=sum(math.prod(plan.specs[f].shape) * computed[f].itemsize for lay in g.reduce for f in lay.fqns),
+            packed=0 if direct else full,
+            reduce_out=padded if all(own.values()) else shard_grads,
+            reduce_cast=0 if all(own.values()) else padded,  # reduced in another dtype, then cast
+            reduce_scratch=padded * max(0, world - 2) if cpu else 0,
+            finish_scratch=padded if cpu and world > 2 else 0,
+            regathered=regathered,
+            gather_input=sum(lay.nbytes for lay in g.gather),
+        )
+
+    root = next((g for g in plan.groups if not g.name), None)
+    cpu = device_type != "cuda"
+    others = [g for g in plan.groups if g.name]
+    index = {g.name: k for k, g in enumerate(others)}
+    # A parameter first used after a later group started (the root's; an outer unit's around inner ones)
+    # has its gradient from that group's backward on, until its own group is reduced (gather nodes made
+    # earlier run later in backward).
+    root_early = [0] * len(others)
+    compute = {f: lay.dtype for g in plan.groups for lay in g.gather for f in lay.fqns}
+    for g in plan.groups:
+        mine = index.get(g.name, -1) if g.name else -1
+        for lay in g.reduce:
+            for f in lay.fqns:
+                unit = last_unit_before.get(f)
+                if unit is None or plan.group_of.get(unit) not in index:
+                    continue
+                nbytes = math.prod(plan.specs[f].shape) * compute[f].itemsize if world > 1 else shard_bytes[f]
+                for k in range(mine + 1, index[plan.group_of[unit]] + 1):
+                    root_early[k] += nbytes
+    enclosing = [[j for j, o in enumerate(others) if j < k and _encloses(o.name, g.name)] for k, g in enumerate(others)]
+    return phase_peaks(
+        shards=sum(shard_bytes.values()) + buffer_bytes,
+        state=slots * sum(grad_sizes),
+        batch=batch_bytes,
+        activations=activations,
+        root=group_bytes(root) if root is not None else GroupBytes(0, 0, 0, 0),
+        groups=[group_bytes(g) for g in plan.groups if g.name],
+        prefetch=prefetch,
+        reshard=reshard,
+        temporary=_largest_foreach_group(grad_sizes) if scratch else 0,
+        root_early=root_early,
+        enclosing=enclosing,
+        saved_until=_saved_until(others, saved_before, activations),
+    )
+    # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
+
+
+
+def _encloses(outer: str, inner: str) -> bool:
+    """Whether a unit of (fused) group ``outer`` contains a unit of group ``inner``."""
+    return any(i.startswith(o + ".") for o in outer.split("+") for i in inner.split("+"))
+
+
+def _saved_until(groups: Sequence[Any], saved_before: dict[str, int], total: int) -> list[int]:
+    """Activations alive during each group's backward (what forward saved until the next group started),
+    and last the root's (what was saved before the first group)."""
+    starts = [min((saved_before[u] for u in g.name.split("+") if u in saved_before), default=None) for g in groups]
+    out = []
+    for k in range(len(groups)):
+        nxt = next((s for s in starts[k + 1 :] if s is not None), total)
+        out.append(nxt)
+    out.append(next((s for s in starts if s is not None), total))
+    return out
+
+
+def _largest_foreach_group(sizes: Sequence[int]) -> int:
+    """The bytes of the largest run ``fsdpfn.optim``'s ``foreach_groups`` cuts ``sizes`` into."""
+    if not sizes:
+        return 0
+    cap = max(sum(sizes) / FOREACH_PARTS, max(sizes))
+    best = held = 0
+    for n in sizes:
+        if held and held + n > cap:
+            held = 0
+        held += n
+        best = max(best, held)
+    return best
+
+
+def _check_worlds(world: Any) -> list[int]:
+    values = [world] if isinstance(world, int) and not isinstance(world, bool) else world
+    ok = isinstance(values, (list, tuple)) and values and all(
+        isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in values
+    )
+    if not ok:
+        raise ValueError(
+            f"fsdpfn.memory.estimate: world must be an int >= 1 (the ranks a parameter is sharded over) or a "
+            f"non-empty list of them, got {world!r}"
+        )
+    return list(values)
+
+
+def _infos(model: nn.Module, unit_names: Sequence[str]) -> tuple[list[ParamInfo], int]:
+    """One ``ParamInfo`` per distinct parameter (tied ones once, owned as ``shard`` decides) and the bytes
+    of the buffers every rank keeps whole."""
+    from fsdpfn.ops.shard import _owner
+
+    owners: dict[int, list[str]] = {}
+    found: dict[int, nn.Parameter] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(fqn)
+        found[id(p)] = p
+    infos = [ParamInfo(names[0], tuple(found[k].shape), found[k].dtype, found[k].requires_grad, _owner(names, unit_names))
+             for k, names in owners.items()]
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return infos, buffers
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def _tensor_bytes(batch: Any) -> int:
+    leaves = torch.utils._pytree.tree_leaves(batch)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))

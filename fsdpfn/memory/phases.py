@@ -1,0 +1,125 @@
+"""The arithmetic of a step's memory over time: pure functions of byte counts, no tensors.
+
+A step on one rank walks through its collective groups: forward in plan order, backward in reverse,
+then the optimizer. What is alive at each moment is
+
+* always: the shards (and buffers), the optimizer state and the batch;
+* forward: the root group gathered for the whole call, the gathered window (the running group and the
+  ``prefetch`` groups after it, or every group so far without ``reshard_after_forward``) and the
+  activations saved so far;
+* backward of group ``k``: the reduced shard gradients of the groups already done, the root group, the
+  re-gathered window (``k`` and the ``prefetch`` groups before it; every group not yet reduced without
+  resharding), ``k``'s full-size gradients, and the activations;
+* optimizer step: every reduced gradient and one foreach group's temporary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from fsdpfn.memory.result import Breakdown
+
+__all__ = ["GroupBytes", "phase_peaks"]
+
+
+class GroupBytes(NamedTuple):
+    """One collective group on one rank, in bytes.
+
+    ``gathered``: the full-size parameters its gather allocates (0 where the gather aliases the shards:
+    one rank, no cast); ``full_grads``: the full-size gradients autograd makes for it; ``packed``: the
+    flat copy of them the reduction sends (0 where it sends the gradients themselves); ``reduce_out``:
+    this rank's reduced gradients (they stay until the optimizer step); ``reduce_scratch``: what the
+    reduction holds besides its input and output while in flight (CPU: the chunks of the peers beyond the
+    first); ``finish_scratch``: what finishing it adds (CPU: their sum); ``regathered``: whether backward
+    needs its parameters (autograd saved some), so a resharded group is gathered again; ``gather_input``:
+    the packed shard a gather sends, held while a backward prefetch of the group is in flight;
+    ``reduce_cast``: the reduction's output in its own dtype when the gradients are then cast to the
+    parameters' dtype (mixed precision: the reduction finishes at once, and ``reduce_out`` is the cast).
+    """
+
+    gathered: int
+    full_grads: int
+    packed: int
+    reduce_out: int
+    reduce_scratch: int = 0
+    finish_scratch: int = 0
+    regathered: bool = True
+    gather_input: int = 0
+    reduce_cast: int = 0
+
+
+def phase_peaks(
+    *,
+    shards: int,
+    state: int,
+    batch: int,
+    activations: int,
+    root: GroupBytes,
+    groups: Sequence[GroupBytes],
+    prefetch: int,
+    reshard: bool,
+    temporary: int,
+    root_early: Sequence[int] = (),
+    saved_until: Sequence[int] = (),
+    enclosing: Sequence[Sequence[int]] = (),
+) -> dict[str, Breakdown]:
+    """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
+
+    Backward visits the groups in reverse (the root last) and looks at three moments of each: its
+    gradients computed (the group still gathered), the previous group's reduction finishing while they
+    exist (without resharding; with it, the re-gather finishes that reduction before the gradients are
+    made), and its own reduction launched (the group released; gradients, their packed copy, the
+    reduction's output and scratch alive at once). ``root_early[k]`` is the root's gradients already
+    made during group ``k``'s backward (root parameters used after ``k`` in forward): the root is reduced
+    last, so they wait. ``saved_until[k]`` is the activations still saved during group ``k``'s backward
+    (what the forward saved up to the end of ``k``; ``saved_until[-1]``, one more entry, the root's);
+    without it every activation is assumed alive throughout backward. ``enclosing[k]``: the groups whose
+    units contain group ``k``'s (nested units): they stay gathered while ``k`` runs, in both directions.
+
+    Example:
+        >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
+        >>> peaks = phase_peaks(shards=8, state=16, batch=0, activations=0, root=GroupBytes(0, 0, 0, 0),
+        ...                     groups=[g, g], prefetch=1, reshard=True, temporary=1)
+        >>> peaks["optimizer step"].total
+        33
+    """
+    n = len(groups)
+    gathered_fwd = 0
+    for k in range(n):
+        outer = [groups[j] for j in (enclosing[k] if k < len(enclosing) else ())]
+        window = groups[: k + 1] if not reshard else [*groups[k : k + 1 + prefetch], *outer]
+        gathered_fwd = max(gathered_fwd, sum(g.gathered for g in window))
+    forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, activations + batch, 0)
+
+    moments = []
+    done = 0  # reduced gradients of the groups finished so far
+    in_flight: GroupBytes | None = None  # the reduction still running when the next group's gradients exist
+    order = [(k, groups[k]) for k in reversed(range(n))] + [(-1, root)]
+    for k, g in order:
+        if k >= 0:
+            before = groups[:k] if not reshard else [b for b in groups[:k] if b.regathered][-prefetch:] if prefetch else []
+            outer = [groups[j] for j in (enclosing[k] if k < len(enclosing) else ()) if groups[j] not in before]
+            held = root.gathered + sum(b.gathered + (b.gather_input if reshard else 0) for b in before)
+            held += sum(b.gathered for b in outer) if reshard else 0
+        else:
+            held = 0
+        mine = g.gathered if g.regathered or not reshard or k < 0 else 0
+        early = root_early[k] if 0 <= k < len(root_early) else 0
+        saved = (saved_until[k] if k >= 0 else saved_until[-1]) + batch if saved_until else activations + batch
+        pending = early
+        if in_flight is not None and not reshard:
+            pending += in_flight.packed + in_flight.reduce_scratch
+        moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + mine, saved, 0))
+        if in_flight is not None and not reshard:
+            moments.append(Breakdown(shards, state, done + g.full_grads + pending + in_flight.finish_scratch, held, saved, 0))
+        launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early
+        moments.append(Breakdown(shards, state, done + launched, held, saved, 0))
+        if g.reduce_cast:
+            cast = g.packed + g.reduce_cast + g.reduce_out + g.finish_scratch + early
+            moments.append(Breakdown(shards, state, done + cast, held, saved, 0))
+        done += g.reduce_out
+        in_flight = None if g.reduce_cast else g
+    backward = max(moments, key=lambda b: b.total)
+    optimizer = Breakdown(shards, state, done, 0, batch, temporary)
+    return {"forward": forward, "backward": backward, "optimizer step": optimizer}
