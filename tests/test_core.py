@@ -212,6 +212,41 @@ def test_layout_imports_nothing_of_fsdpfn_or_distributed():
                 assert not line.startswith("from fsdpfn") or line.startswith("from fsdpfn.layout"), (p, line)
 
 
+# DESIGN.md's layers, lowest first: a package may import only from packages of a lower rank (or itself).
+LAYER_RANK = {
+    "layout": 0, "policy": 0,
+    "core": 1,
+    "ops": 2, "debug": 2,
+    "transform": 3, "optim": 3, "checkpoint": 3, "memory": 3,
+    "compat": 4,
+    "__init__": 5,
+    "testing": 6,
+}  # fmt: skip
+
+
+def test_layers_import_downward_only():
+    import ast
+
+    root = pathlib.Path(fsdpfn.__file__).parent
+
+    def layer(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else "__init__"
+
+    upward = []
+    for p in root.rglob("*.py"):
+        here = layer(".".join(("fsdpfn", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"))
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                if name.split(".")[0] == "fsdpfn" and (there := layer(name)) != here:
+                    assert here in LAYER_RANK and there in LAYER_RANK, f"{p}: a package missing from LAYER_RANK"
+                    if LAYER_RANK[there] >= LAYER_RANK[here]:
+                        upward.append(f"{p.relative_to(root)} imports {name}")
+    assert upward == []
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path: needs a GPU (run on the lent GPU machine)")
 def test_cuda_gather_and_reduce_world_one():
     mesh = fsdpfn.init_mesh(device="cuda")

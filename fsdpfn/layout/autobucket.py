@@ -19,10 +19,13 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:  # plan.py imports this module
     from fsdpfn.layout.plan import UnitPlan
 
-__all__ = ["CAP_PARTS", "LATENCY_SHARE", "LinkCost", "auto_bucket_bytes"]
+__all__ = ["CAP_PARTS", "FOREACH_PARTS", "LATENCY_SHARE", "LinkCost", "auto_bucket_bytes"]
 
 LATENCY_SHARE = 4  # target: latency <= 1/4 of a group's transfer time
-CAP_PARTS = 8  # cap: a group gathers at most 1/8 of the model's bytes on this rank (or the largest unit)
+# fsdpfn.optim runs each foreach kernel over groups of at most this fraction of the shard bytes (or the
+# largest shard), so one optimizer temporary is bounded by it; the planner (fsdpfn.memory) predicts with it.
+FOREACH_PARTS = 8
+CAP_PARTS = FOREACH_PARTS  # cap: a group gathers at most 1/8 of the model's bytes on this rank (or the largest unit)
 
 
 class LinkCost(NamedTuple):

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from fsdpfn.layout import ParamInfo, build_plan
-from fsdpfn.layout.autobucket import LinkCost
+from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
+from fsdpfn.layout.autobucket import FOREACH_PARTS, LinkCost
 from fsdpfn.memory.activations import forward_cost
 from fsdpfn.memory.phases import GroupBytes, phase_peaks
 from fsdpfn.memory.result import PHASES, MemoryEstimate
@@ -33,9 +34,6 @@ OPTIMIZERS: dict[str, tuple[int, bool]] = {
     "sgd_momentum": (1, False),
     "none": (0, False),
 }
-FOREACH_PARTS = 8
-# fsdpfn.core.comm.EXCHANGE_MIN_BYTES: from this many bytes a CPU reduce-scatter sends the gradients unpacked
-EXCHANGE_MIN_BYTES = 4 << 20  # fsdpfn.optim runs each kernel over groups of at most max(1/8 of the shard bytes, largest)
 
 Optimizer = Union[Literal["adamw", "adam", "sgd", "sgd_momentum", "none"], None]
 

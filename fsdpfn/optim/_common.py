@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Union
 import torch
 
 from fsdpfn.layout import Unreduced, Sharded, ShardPlan
+from fsdpfn.layout.autobucket import FOREACH_PARTS
 
 __all__ = ["GradientTransformation", "LearningRate"]
 
@@ -218,9 +219,8 @@ def prepare_params(params: Sharded[torch.Tensor], fqns: Sequence[str], inplace: 
 
 # A foreach kernel allocates temporaries as large as the tensors it is given (Adam's denominator, SGD's
 # Nesterov copy): given every shard at once, one more copy of all of them at the optimizer step, the
-# step's peak. Calls over groups of at most this fraction of the bytes (or the largest tensor) bound
+# step's peak. Calls over groups of at most 1/FOREACH_PARTS of the bytes (or the largest tensor) bound
 # that temporary, at a few more kernel launches.
-FOREACH_PARTS = 8
 
 
 def foreach_groups(fqns: Sequence[str], tensors: Sequence[torch.Tensor], parts: int = FOREACH_PARTS) -> list[list[str]]:
