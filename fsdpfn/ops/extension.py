@@ -146,7 +146,7 @@ class ExtensionGather:
             outputs = []
             for in_dtype, shape in geometry:
                 n = _numel(shape) * in_dtype.itemsize
-                raw = gathered[:, offset : offset + n].contiguous().view(-1)
+                raw = gathered[:, offset : offset + n].clone().view(-1)  # a fresh, aligned buffer to view as the dtype
                 offset += n
                 outputs.append(raw.view(in_dtype).view(world * shape[0], *shape[1:]))
             with torch.no_grad():
