@@ -250,3 +250,66 @@ def test_compat_extension_matches_fsdp2(world, sizes, forms):
     # even splits of the quantised weights (uneven biases): FSDP2 wants every input of an unevenly split
     # parameter to have the padded shard's full shape, which leaves no room for a per-row scale
     spmd(world, _w_matches_fsdp2, sizes, forms, timeout=TIMEOUT)
+
+
+# --- torchao float8 training (the real client) -------------------------------------------------------
+def _float8_net(float8_gather: bool) -> nn.Module:
+    """A float8-trained MLP, all-gathering its weights in float8 (``float8_gather``) or not."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+    convert_to_float8_training(net, config=Float8LinearConfig(enable_fsdp_float8_all_gather=float8_gather))
+    return net
+
+
+def _train_float8(lib_name: str, float8: bool, mp: bool = False) -> dict:
+    import torch.distributed as dist
+
+    lib = importlib.import_module(lib_name)
+    net = _float8_net(float8)
+    kw = {"mp_policy": lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16)} if mp else {}
+    for m in (net[0], net[2], net):
+        lib.fully_shard(m, **kw)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    stats = None
+    out: dict = {"loss": [], "gathered": [], "types": {n: type(p.to_local()).__name__ for n, p in net.named_parameters()}}
+    for step in range(3):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * dist.get_rank() + step))
+        if stats is not None:
+            stats.log.clear()
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["loss"].append(loss.detach())
+        if lib_name == COMPAT:
+            from fsdpfn.compat.state import state_of
+
+            stats = state_of(net).root.comm.stats
+            stats.recording = True
+            if step:  # the first step's log began after lazy init: count whole steps only
+                out["gathered"].append(sum(n for kind, _, n in stats.log if kind == "all_gathers"))
+    out["param"] = {n: _plain_local(p) for n, p in net.named_parameters()}
+    return out
+
+
+def _w_float8() -> dict:
+    ref, got = _train_float8(TORCH, True), _train_float8(COMPAT, True)
+    assert got["types"] == ref["types"] and got["types"]["0.weight"] == "WeightWithDynamicFloat8CastTensor"
+    torch.testing.assert_close(torch.stack(got["loss"]), torch.stack(ref["loss"]), **TOL)
+    for n, t in ref["param"].items():
+        torch.testing.assert_close(got["param"][n]._tensor if hasattr(got["param"][n], "_tensor") else got["param"][n],
+                                   t._tensor if hasattr(t, "_tensor") else t, **TOL)  # fmt: skip
+    # the baseline: the same float8 training with weights all-gathered in bfloat16 (mixed precision)
+    bf16 = _train_float8(COMPAT, False, mp=True)
+    return {"float8": got["gathered"], "bf16": bf16["gathered"]}
+
+
+def test_torchao_float8_matches_fsdp2_and_gathers_half_of_bf16():
+    pytest.importorskip("torchao.float8")
+    got = spmd(2, _w_float8, timeout=TIMEOUT)
+    for rank in got:
+        assert rank["float8"] and len(rank["float8"]) == len(rank["bf16"]), rank
+        for f8, bf in zip(rank["float8"], rank["bf16"]):
+            assert 0 < f8 <= 0.55 * bf, (f8, bf, f8 / bf)
