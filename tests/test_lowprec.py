@@ -394,3 +394,39 @@ def _w_functional(sizes: tuple[int, int, int], forms: tuple, explicit: bool, uni
 )
 def test_functional_all_gather_transform_trains_like_one_process(world, sizes, forms, explicit, units):
     spmd(world, _w_functional, sizes, forms, explicit, units, timeout=TIMEOUT)
+
+
+# --- refusals ---------------------------------------------------------------------------------------
+def _w_refusals() -> None:
+    from torch.distributed.tensor import Shard
+
+    from fsdpfn.compat import fully_shard
+
+    net = _net((4, 6, 2), (RowInt8, None))
+    with pytest.raises(NotImplementedError, match=r"parameter 'weight' of Linear is a RowInt8 with fsdp_pre_all_gather.*dim 0"):
+        fully_shard(net.l1, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    plain = _net((4, 6, 2), (None, None))
+    row = fsdpfn.AllGatherTransform(_row_pre, _row_post)
+    with pytest.raises(ValueError, match=r"all_gather_transforms names 'l3.weight', which is not a sharded parameter"):
+        fsdpfn.shard(plain, fsdpfn.init_mesh(), all_gather_transforms={"l3.weight": row}, donate=False)
+    with pytest.raises(TypeError, match=r"all_gather_transforms\['l1.weight'\] must be a fsdpfn.AllGatherTransform"):
+        fsdpfn.shard(plain, fsdpfn.init_mesh(), all_gather_transforms={"l1.weight": (_row_pre, _row_post)}, donate=False)
+
+
+def test_extension_refusals():
+    spmd(2, _w_refusals, timeout=TIMEOUT)
+
+
+def test_uneven_inputs_must_split_like_the_shard():
+    from fsdpfn.layout import ShardSpec
+    from fsdpfn.ops.extension import ExtensionGather
+
+    spec = ShardSpec((5, 2), 2)  # rows 3 + 2
+    bad = fsdpfn.AllGatherTransform(lambda s: ((s.reshape(-1),), None), _row_post)
+    ext = ExtensionGather(("w",), (spec,), (bad,), (torch.float32,))
+    with pytest.raises(ValueError, match=r"all-gather transform of 'w': .* must have 2 \(this rank's rows\) or 3 \(the padded rows\) rows, got shape \(4,\)"):
+        ext.pack([torch.ones(2, 2)], rank=1, device=torch.device("cpu"))
+    # this rank's rows are padded, the padded rows taken as they are
+    good = fsdpfn.AllGatherTransform(lambda s: (_quantise(s), None), _row_post)
+    flat, _ = ExtensionGather(("w",), (spec,), (good,), (torch.float32,)).pack([torch.ones(2, 2)], rank=1, device=torch.device("cpu"))
+    assert flat.dtype == torch.uint8 and flat.numel() == 3 * 2 + 3 * 4  # int8 rows, float32 scales, padded to 3
