@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fsdpfn.layout import ShardSpec
+from fsdpfn.layout import BucketLayout, ShardSpec
 
 __all__ = ["AllGatherTransform", "ExtensionGather", "has_extension", "subclass_transform"]
 
@@ -100,6 +100,18 @@ class ExtensionGather:
     specs: tuple[ShardSpec, ...]
     transforms: tuple[AllGatherTransform, ...]
     param_dtypes: tuple[torch.dtype, ...]
+
+    def other_layouts(self, layouts: Sequence[BucketLayout]) -> tuple[BucketLayout, ...]:
+        """``layouts`` without these members (they travel in the ``uint8`` collective instead)."""
+        skip = set(self.fqns)
+        kept = []
+        for lay in layouts:
+            idx = [i for i, f in enumerate(lay.fqns) if f not in skip]
+            if len(idx) == len(lay.fqns):
+                kept.append(lay)
+            elif idx:
+                kept.append(BucketLayout.build([lay.fqns[i] for i in idx], [lay.specs[i] for i in idx], lay.dtype))
+        return tuple(kept)
 
     def pack(self, shards: Sequence[torch.Tensor], rank: int, device: torch.device) -> tuple[torch.Tensor, list[Any]]:
         """This rank's ``uint8`` segment and the per-member entries ``_Pending`` keeps."""

@@ -130,22 +130,12 @@ class Buckets:
         return pending
 
     def _plain_layouts(self) -> tuple[BucketLayout, ...]:
-        """The layouts without the members an all-gather transform moves (those travel in their own
-        ``uint8`` collective)."""
-        ext = self.extension
-        if ext is None:
+        """The layouts without the members an all-gather transform moves (in their own collective)."""
+        if self.extension is None:
             return self.layouts
         got = self._memo.get("plain")
         if got is None:
-            skip = set(ext.fqns)
-            kept = []
-            for lay in self.layouts:
-                idx = [i for i, f in enumerate(lay.fqns) if f not in skip]
-                if len(idx) == len(lay.fqns):
-                    kept.append(lay)
-                elif idx:
-                    kept.append(BucketLayout.build([lay.fqns[i] for i in idx], [lay.specs[i] for i in idx], lay.dtype))
-            got = self._memo["plain"] = tuple(kept)
+            got = self._memo["plain"] = self.extension.other_layouts(self.layouts)
         return got
 
     def finish(self, pending: Sequence[Handle]) -> list[torch.Tensor]:
@@ -336,6 +326,8 @@ class _BucketCollective(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, _b: Any, _info: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         # Both collectives are linear: the tangent of the output is the collective of the tangents.
+        if ctx.buckets.extension is not None:  # not linear: a transform quantises, say
+            raise NotImplementedError(f"jvp through the all-gather transforms of {list(ctx.buckets.extension.fqns)}")
         return tuple(ctx.buckets.run(tangents))
 
     @staticmethod
