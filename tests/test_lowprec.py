@@ -169,21 +169,27 @@ def _plain_local(t: torch.Tensor) -> torch.Tensor:
     return (t._data if isinstance(t, RowInt8) else t).detach().clone()
 
 
-def _train_compat(lib_name: str, sizes: tuple[int, int, int], forms: tuple) -> dict:
+def _train_compat(lib_name: str, sizes: tuple[int, int, int], forms: tuple, mp: bool = False, hsdp: bool = False) -> dict:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     lib = importlib.import_module(lib_name)
     net = _net(sizes, forms)
+    kw: dict = {}
+    if mp:  # the extension's post gets param_dtype=bfloat16
+        kw["mp_policy"] = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    if hsdp:  # the extension's pre gets the shard mesh
+        kw["mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        lib.fully_shard(net.l1)
-        lib.fully_shard(net)
+        lib.fully_shard(net.l1, **kw)
+        lib.fully_shard(net, **kw)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     out: dict = {"loss": [], "types": {n: type(p.to_local()).__name__ for n, p in net.named_parameters()}}
     for step in range(STEPS):
         loss = net(_x(dist.get_rank(), step, sizes[0])).pow(2).sum()
         loss.backward()
-        out["loss"].append(loss.detach())
+        out["loss"].append(loss.detach().float())
         if step == 0:
             out["grad"] = {n: _plain_local(p.grad) for n, p in net.named_parameters()}
         opt.step()
@@ -233,23 +239,30 @@ def test_compat_extension_trains_like_one_process(world, sizes, forms):
     spmd(world, _w_matches_one_process, sizes, forms, timeout=TIMEOUT)
 
 
-def _w_matches_fsdp2(sizes: tuple[int, int, int], forms: tuple) -> None:
-    ref, got = _train_compat(TORCH, sizes, forms), _train_compat(COMPAT, sizes, forms)
+def _w_matches_fsdp2(sizes: tuple[int, int, int], forms: tuple, mp: bool = False, hsdp: bool = False) -> None:
+    ref, got = _train_compat(TORCH, sizes, forms, mp, hsdp), _train_compat(COMPAT, sizes, forms, mp, hsdp)
     assert got["types"] == ref["types"]
-    torch.testing.assert_close(torch.stack(got["loss"]), torch.stack(ref["loss"]), **TOL)
+    tol = dict(rtol=1e-3, atol=1e-5) if mp else TOL  # bfloat16 compute: the same ops, summed in another order
+    torch.testing.assert_close(torch.stack(got["loss"]), torch.stack(ref["loss"]), **tol)
     for what in ("grad", "param"):
         for n, t in ref[what].items():
-            torch.testing.assert_close(got[what][n], t, **TOL)
+            torch.testing.assert_close(got[what][n], t, **tol)
 
 
 @pytest.mark.parametrize(
-    "world,sizes,forms",
-    [(2, (4, 6, 2), (RowInt8, RowInt8Old)), (3, (5, 6, 3), (RowInt8Old, RowInt8)), (4, (3, 8, 4), (None, RowInt8))],
+    "world,sizes,forms,mp,hsdp",
+    [
+        (2, (4, 6, 2), (RowInt8, RowInt8Old), False, False),
+        (3, (5, 6, 3), (RowInt8Old, RowInt8), False, False),
+        (4, (3, 8, 4), (None, RowInt8), False, False),
+        (2, (4, 6, 2), (RowInt8, RowInt8Old), True, False),
+        (4, (4, 6, 2), (RowInt8, RowInt8Old), False, True),
+    ],
 )
-def test_compat_extension_matches_fsdp2(world, sizes, forms):
+def test_compat_extension_matches_fsdp2(world, sizes, forms, mp, hsdp):
     # even splits of the quantised weights (uneven biases): FSDP2 wants every input of an unevenly split
     # parameter to have the padded shard's full shape, which leaves no room for a per-row scale
-    spmd(world, _w_matches_fsdp2, sizes, forms, timeout=TIMEOUT)
+    spmd(world, _w_matches_fsdp2, sizes, forms, mp, hsdp, timeout=TIMEOUT)
 
 
 # --- torchao float8 training (the real client) -------------------------------------------------------
