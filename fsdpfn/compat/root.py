@@ -27,7 +27,7 @@ from fsdpfn.layout.autobucket import LinkCost
 from fsdpfn.layout.plan import FUSED
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import gather_collective
-from fsdpfn.ops.extension import subclass_transform
+from fsdpfn.ops.extension import shard_mesh, subclass_transform
 from fsdpfn.ops.functions import Buckets, CallInfo
 from fsdpfn.transform.apply import Apply, OpenCall
 from fsdpfn.transform.call import Call, _reduce_dtypes
@@ -250,7 +250,7 @@ class RootContext:
             if m.extension:  # FSDP2's all-gather extension: the subclass gathers in its own representation
                 owner = states.get(unit, self.state)
                 transforms[fqn] = subclass_transform(
-                    _shard_mesh(mesh), tuple(m.param.shape), m.slots[0][0], owner.mp_policy, fallback=_local_of(m)
+                    shard_mesh(mesh), tuple(m.param.shape), m.slots[0][0], owner.mp_policy, fallback=_local_of(m)
                 )
         if self.comm is None:
             box = self.state.comm_box  # share_comm_ctx: the first root to build makes the shared Comm
@@ -468,14 +468,6 @@ def _check_replacement(fqn: str, old: DTensor, new: DTensor) -> None:
             f"{new.placements}, but fully_shard sharded it as {tuple(old.shape)} {old.placements}; load a state dict "
             "from a model sharded the same way (or reshard it with torch.distributed.checkpoint)"
         )
-
-
-def _shard_mesh(mesh: Any) -> Any:
-    """The mesh a subclass's ``fsdp_pre_all_gather`` is given: the shard dim's (FSDP2's shard mesh)."""
-    if mesh.ndim == 1:
-        return mesh
-    names = mesh.mesh_dim_names
-    return mesh[names[-1]] if names else mesh
 
 
 def _local_of(m: Any) -> Callable[[], torch.Tensor]:

@@ -23,7 +23,7 @@ import torch
 
 from fsdpfn.layout import BucketLayout, ShardSpec
 
-__all__ = ["AllGatherTransform", "ExtensionGather", "has_extension", "subclass_transform"]
+__all__ = ["AllGatherTransform", "ExtensionGather", "has_extension", "shard_mesh", "subclass_transform"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,15 @@ class AllGatherTransform:
 def has_extension(t: torch.Tensor) -> bool:
     """Whether ``t``'s class defines both halves of FSDP2's all-gather extension."""
     return hasattr(t, "fsdp_pre_all_gather") and hasattr(t, "fsdp_post_all_gather")
+
+
+def shard_mesh(mesh: Any) -> Any:
+    """The mesh a subclass's ``fsdp_pre_all_gather`` is given: the shard dim's (FSDP2's shard mesh),
+    the last dim of an HSDP ``(replicate, shard)`` mesh."""
+    if mesh is None or mesh.ndim == 1:
+        return mesh
+    names = mesh.mesh_dim_names
+    return mesh[names[-1]] if names else mesh
 
 
 def subclass_transform(

@@ -11,7 +11,7 @@ from torch import nn
 
 from fsdpfn.core import Comm, measure_link
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
-from fsdpfn.ops.extension import AllGatherTransform, has_extension, subclass_transform
+from fsdpfn.ops.extension import AllGatherTransform, has_extension, shard_mesh, subclass_transform
 from fsdpfn.ops.materialize import is_meta, materialize_and_shard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -246,7 +246,7 @@ def _transforms(
     for fqn, p in found.items():
         if has_extension(p.data):
             owner = module.get_submodule(fqn.rpartition(".")[0])
-            out[fqn] = subclass_transform(mesh, tuple(p.shape), owner, mp_policy or MixedPrecisionPolicy())
+            out[fqn] = subclass_transform(shard_mesh(mesh), tuple(p.shape), owner, mp_policy or MixedPrecisionPolicy())
     for fqn, t in (given or {}).items():
         name = aliases.get(fqn, fqn)
         if name not in found:
