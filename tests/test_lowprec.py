@@ -424,6 +424,15 @@ def _w_refusals() -> None:
         fsdpfn.shard(plain, fsdpfn.init_mesh(), all_gather_transforms={"l3.weight": row}, donate=False)
     with pytest.raises(TypeError, match=r"all_gather_transforms\['l1.weight'\] must be a fsdpfn.AllGatherTransform"):
         fsdpfn.shard(plain, fsdpfn.init_mesh(), all_gather_transforms={"l1.weight": (_row_pre, _row_post)}, donate=False)
+    # the traced executor (torch.compile of a whole step) has no transform path
+    from fsdpfn.ops.api import gather_collective
+    from fsdpfn.ops.traced import run_traced
+
+    params = fsdpfn.shard(plain, fsdpfn.init_mesh(), all_gather_transforms={"l1.weight": row}, donate=False, min_bucket_bytes=None)
+    plan = params.plan
+    b = gather_collective(plan, plan.units, 1.0)
+    with pytest.raises(NotImplementedError, match=r"traced executor .* cannot gather \['l1.weight'\] through their all-gather"):
+        run_traced(b, [params[f] for f in b.fqns])
 
 
 def test_extension_refusals():
