@@ -156,8 +156,9 @@ class ExtensionGather:
         flat, entries = self.pack(shards, rank, comm.groups.device)
         return _Pending(comm.all_gather(flat, label=label), tuple(entries))
 
-    def finish(self, pending: _Pending) -> dict[str, torch.Tensor]:
-        """Wait for the gather and rebuild every member's full tensor."""
+    def finish(self, pending: _Pending, track: Callable[[torch.Tensor], None] | None = None) -> dict[str, torch.Tensor]:
+        """Wait for the gather and rebuild every member's full tensor; ``track`` is shown the memory each
+        one holds (the tensor itself, or for a subclass the gathered inputs it wraps)."""
         gathered = pending.wait()
         world = gathered.shape[0]
         gathered = gathered.view(world, -1)
@@ -174,6 +175,9 @@ class ExtensionGather:
                 full = tr.post(tuple(outputs), meta, dtype)
             if tuple(full.shape) != spec.shape:  # padded rows: FSDP2 trims the same way
                 full = torch.as_strided(full, spec.shape, _contiguous_stride(torch.Size(spec.shape)), 0)
+            if track is not None:
+                for t in [full] if type(full) is torch.Tensor and full._base is None else outputs:
+                    track(t)
             out[fqn] = full
         return out
 

@@ -143,7 +143,7 @@ class Buckets:
         results: dict[str, torch.Tensor] = {}
         layouts = self._plain_layouts()
         if self.extension is not None:
-            results.update(self.extension.finish(pending[len(layouts)]))
+            results.update(self.extension.finish(pending[len(layouts)], self.comm.stats.track))
         for layout, handle in zip(layouts, pending):
             buf = handle.wait()
             if self.kind == "gather":
