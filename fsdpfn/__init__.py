@@ -13,7 +13,7 @@ Example:
 from fsdpfn.checkpoint import from_dtensor, full_state_dict, load, load_full_state_dict, save, to_dtensor
 from fsdpfn.core import init_mesh
 from fsdpfn.layout import Sharded, ShardSpec, Unreduced, shard_tensor, unshard_tensors
-from fsdpfn.ops import accumulate, reduce, reshard, shard, unshard
+from fsdpfn.ops import AllGatherTransform, accumulate, reduce, reshard, shard, unshard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdpfn.transform import compile_step, fsdp, grad, remat, value_and_grad
 from fsdpfn import debug, memory, optim
@@ -22,6 +22,7 @@ from fsdpfn.optim import clip_grad_norm
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllGatherTransform",
     "CPUOffloadPolicy",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

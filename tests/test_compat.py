@@ -1284,12 +1284,17 @@ def _w_unsupported():
     from fsdpfn.compat import fully_shard
 
     mesh = _mesh()
-    # a parameter whose tensor subclass defines fsdp_pre_all_gather
+    # a parameter whose tensor subclass defines fsdp_pre_all_gather, sharded on dim 1 (on dim 0 it works:
+    # tests/test_lowprec.py)
     torch.manual_seed(0)
     lin = nn.Linear(3, 2)
     lin.weight = nn.Parameter(lin.weight.detach().as_subclass(_AllGatherTensor))
     assert hasattr(lin.weight, "fsdp_pre_all_gather")
-    _raises(NotImplementedError, lambda: fully_shard(lin, mesh=mesh), "fsdp_pre_all_gather")
+    _raises(
+        NotImplementedError,
+        lambda: fully_shard(lin, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None),
+        "fsdp_pre_all_gather",
+    )
 
     torch.manual_seed(0)
     _raises(TypeError, lambda: fully_shard(Net(), mesh=mesh, dp_mesh_dims=(0,)), "dp_mesh_dims")  # supported: test_compat_tp.py

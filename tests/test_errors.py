@@ -250,7 +250,7 @@ def _compat_subclass():
 
     class WithHook(torch.Tensor):
         def fsdp_pre_all_gather(self, *args, **kwargs):  # pragma: no cover - never called
-            raise AssertionError
+            raise AssertionError  # and no fsdp_post_all_gather: half an extension
 
     model = _TwoLayer()
     model.blocks[0].weight = nn.Parameter(model.blocks[0].weight.detach().as_subclass(WithHook))
@@ -310,7 +310,7 @@ COMPAT_TRIGGERS = {
     "shard-tp-meta": (lambda m, p, a: _shard_tp_meta(), NotImplementedError, r"shard: _TwoLayer is on the meta device and has tensor-parallel parameters \('blocks.0.weight'\); materialise it first"),
     "compat-dp-mesh-dims": (lambda m, p, a: _compat_model(dp_mesh_dims=object()), TypeError, r"dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims\(shard=..., replicate=...\) naming dims of the mesh, got object"),
     "compat-spmd-param": (lambda m, p, a: _compat_spmd_plain(), ValueError, r"parameter 'weight' of Linear is a plain Parameter; with dp_mesh_dims every parameter must be a DTensor on the whole mesh"),
-    "compat-subclass": (lambda m, p, a: _compat_subclass(), NotImplementedError, r"'weight' of Linear is a WithHook with fsdp_pre_all_gather"),
+    "compat-subclass": (lambda m, p, a: _compat_subclass(), ValueError, r"'weight' of Linear is a WithHook defining only fsdp_pre_all_gather"),
     "compat-offload-cuda": (lambda m, p, a: _compat_offload_cuda(), NotImplementedError, r"CPUOffloadPolicy on a cuda mesh"),
     "compat-other-mesh": (lambda m, p, a: _compat_other_mesh(), NotImplementedError, r"module 'blocks.1' was sharded on a different mesh"),
     "compat-custom-comm": (lambda m, p, a: _compat_model().set_symm_mem_for_comm(), NotImplementedError, r"set_symm_mem_for_comm: symmetric-memory collectives are not supported"),

@@ -127,15 +127,16 @@ def _shard(
                     if p is not earlier.param:  # the plain original, still registered here
                         joins.append((earlier, mod, attr))
                     continue
-                if hasattr(p, "fsdp_pre_all_gather") or hasattr(p.data, "fsdp_pre_all_gather"):
-                    raise NotImplementedError(
-                        f"{kind}: parameter {attr!r} of {type(mod).__name__} is a {type(p.data).__name__} with "
-                        "fsdp_pre_all_gather/fsdp_post_all_gather: the tensor-subclass all-gather extension is not "
-                        "supported by fsdpfn.compat"
-                    )
                 where = f"parameter {attr!r} of {type(mod).__name__}"
+                extension = _extension_of(p, where, kind)
                 dim = shard_dim_of(p, attr, mod, shard_placement_fn, groups.world, kind)
-                by_id[id(p)] = ManagedParam(p, [(mod, attr)], dim, where=where)
+                if extension and (dim != 0 or isinstance(p, DTensor) or spmd is not None):
+                    raise NotImplementedError(
+                        f"{kind}: {where} is a {type(p.data).__name__} with fsdp_pre_all_gather/fsdp_post_all_gather: "
+                        "fsdpfn.compat gathers such parameters only as plain tensors sharded on dim 0 (no "
+                        "shard_placement_fn dim other than 0, no tensor-parallel DTensor); shard it on dim 0"
+                    )
+                by_id[id(p)] = ManagedParam(p, [(mod, attr)], dim, where=where, extension=extension)
                 managed.append(by_id[id(p)])
     hooked: set[int] = set()
     for earlier, mod, attr in joins:
@@ -180,6 +181,18 @@ def _shard(
             new_cls = _CLASSES.setdefault(key, made)  # rank-threads racing here all get the same class
         mod.__class__ = new_cls
     return module
+
+
+def _extension_of(p: nn.Parameter, where: str, kind: str) -> bool:
+    """Whether ``p``'s tensor subclass all-gathers in its own representation (FSDP2's extension)."""
+    data = p._local_tensor if isinstance(p, DTensor) else p.data
+    pre, post = hasattr(data, "fsdp_pre_all_gather"), hasattr(data, "fsdp_post_all_gather")
+    if pre != post:
+        raise ValueError(
+            f"{kind}: {where} is a {type(data).__name__} defining only "
+            f"{'fsdp_pre_all_gather' if pre else 'fsdp_post_all_gather'}; define both or neither"
+        )
+    return pre
 
 
 def _refuse_plain_tensors(module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:

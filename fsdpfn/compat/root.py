@@ -27,6 +27,7 @@ from fsdpfn.layout.autobucket import LinkCost
 from fsdpfn.layout.plan import FUSED
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import gather_collective
+from fsdpfn.ops.extension import shard_mesh, subclass_transform
 from fsdpfn.ops.functions import Buckets, CallInfo
 from fsdpfn.transform.apply import Apply, OpenCall
 from fsdpfn.transform.call import Call, _reduce_dtypes
@@ -239,12 +240,18 @@ class RootContext:
             if m.tp is not None:
                 self.tp[fqn] = m.tp
         infos = []
+        transforms = {}
         for fqn, m in self.managed.items():
             # A tied parameter belongs to the innermost unit holding all its names (as in fsdpfn.shard):
             # gathered wherever any of them runs, one gradient summed over every use.
             unit = units_of[id(m)][-1]
             local = m.param.to_local()
             infos.append(ParamInfo(fqn, m.gathered or tuple(m.param.shape), local.dtype, m.param.requires_grad, unit, m.dim))
+            if m.extension:  # FSDP2's all-gather extension: the subclass gathers in its own representation
+                owner = states.get(unit, self.state)
+                transforms[fqn] = subclass_transform(
+                    shard_mesh(mesh), tuple(m.param.shape), m.slots[0][0], owner.mp_policy, fallback=_local_of(m)
+                )
         if self.comm is None:
             box = self.state.comm_box  # share_comm_ctx: the first root to build makes the shared Comm
             shared = box[0] if box is not None else None
@@ -279,6 +286,7 @@ class RootContext:
             mp_policy=self.state.mp_policy,
             module_type=type(self.module).__name__,
             ignored=tuple(ignored),
+            transforms=transforms,
         )
         for name, st in states.items():
             st.root, st.name = self, name
@@ -460,6 +468,10 @@ def _check_replacement(fqn: str, old: DTensor, new: DTensor) -> None:
             f"{new.placements}, but fully_shard sharded it as {tuple(old.shape)} {old.placements}; load a state dict "
             "from a model sharded the same way (or reshard it with torch.distributed.checkpoint)"
         )
+
+
+def _local_of(m: Any) -> Callable[[], torch.Tensor]:
+    return lambda: m.param._local_tensor
 
 
 def lazy_root(state: UnitState, module: nn.Module) -> RootContext:

@@ -40,6 +40,7 @@ class ManagedParam:
     gathered: tuple[int, ...] = ()
     tp: TPParam | None = None
     where: str = ""  # "parameter 'weight' of Linear", for messages
+    extension: bool = False  # its tensor subclass defines fsdp_pre_all_gather/fsdp_post_all_gather
 
 
 @dataclass(eq=False)

@@ -87,6 +87,7 @@ class ShardPlan:
     group_of: Mapping[str, str] = field(default_factory=dict)  # unit name -> its group's name
     bucket_bytes: int | None = None  # the fusion threshold in force (what min_bucket_bytes="auto" chose)
     tp: Mapping[str, Any] = field(default_factory=dict)  # tensor-parallel parameters: fqn -> fsdpfn.ops.tp.TPLayout
+    transforms: Mapping[str, Any] = field(default_factory=dict)  # fqn -> its all-gather transform (ops.extension)
     _by_name: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
     _by_group: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # derived objects, built once per plan

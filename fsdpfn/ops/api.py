@@ -89,6 +89,7 @@ def gather_collective(plan: ShardPlan, units: tuple[UnitPlan, ...], scale: float
             scale=scale,
             label=",".join(u.label for u in units),
             custom=custom,
+            transforms=plan.transforms,
         )
     return b
 

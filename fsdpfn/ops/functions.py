@@ -9,7 +9,7 @@ before the first is waited for, so the buckets overlap each other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 from fsdpfn.core import Comm, Handle
 from fsdpfn.core.custom import CustomComms
 from fsdpfn.layout import BucketLayout
+from fsdpfn.ops.extension import AllGatherTransform, ExtensionGather
 
 __all__ = ["Buckets", "CallInfo", "ReduceFunction", "UnshardFunction", "apply_buckets", "collective_pair", "reduce_collective"]
 
@@ -42,6 +43,8 @@ class Buckets:
     batch_ndim: int = 0
     label: str = ""
     custom: CustomComms | None = None  # the user's collectives / all-reduce hook (FSDP2's set_custom_*)
+    # members gathered through their all-gather transforms (one extra uint8 collective; gather only)
+    extension: ExtensionGather | None = None
     adjoint: Buckets | None = field(default=None, repr=False)
     _batched: dict[int, Buckets] = field(default_factory=dict, repr=False)
     _memo: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -52,6 +55,11 @@ class Buckets:
         The adjoint chain (gather -> reduce -> gather' -> reduce ...) is batched alike; the per-object
         cache ends the recursion at the cycle."""
         nb = self.batch_ndim + 1
+        if self.extension is not None:
+            raise NotImplementedError(
+                f"vmap over the gather of {list(self.extension.fqns)}: parameters with an all-gather transform "
+                "cannot be batched; gather them without vmap"
+            )
         got = self._batched.get(nb)
         if got is None:
             got = self._batched[nb] = replace(self, batch_ndim=nb, adjoint=None, _batched={}, _memo={})
@@ -66,6 +74,8 @@ class Buckets:
         groups = self.comm.groups
         if self.kind == "reduce" and self.custom is not None and self.custom.reduces:
             return False  # the hook runs even where nothing moves, as in FSDP2
+        if self.extension is not None:
+            return False  # the transforms run at any world size, as in FSDP2
         return groups.world == 1 and not self.batch_ndim and (self.kind == "gather" or groups.replicas == 1)
 
     def run_in_place(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
@@ -100,8 +110,8 @@ class Buckets:
         by_name = dict(zip(self.fqns, tensors))
         batch = _batch_shape(tensors, self.batch_ndim)
         device = self.comm.groups.device
-        pending = []
-        for layout in self.layouts:
+        pending: list[Any] = []
+        for layout in self._plain_layouts():
             members = [by_name[f] for f in layout.fqns]
             if not batch:  # the core packs, or moves the tensors themselves where that is cheaper
                 if self.kind == "gather":
@@ -114,12 +124,27 @@ class Buckets:
             else:
                 flat = layout.pack_full(members, batch=batch, device=device)
                 pending.append(self.comm.reduce_scatter(flat, scale=self.scale, label=self.label, custom=self.custom))
+        ext = self.extension
+        if ext is not None:
+            pending.append(ext.launch(self.comm, [by_name[f] for f in ext.fqns], self.rank, self.label))
         return pending
+
+    def _plain_layouts(self) -> tuple[BucketLayout, ...]:
+        """The layouts without the members an all-gather transform moves (in their own collective)."""
+        if self.extension is None:
+            return self.layouts
+        got = self._memo.get("plain")
+        if got is None:
+            got = self._memo["plain"] = self.extension.other_layouts(self.layouts)
+        return got
 
     def finish(self, pending: Sequence[Handle]) -> list[torch.Tensor]:
         """Wait for launched collectives and unpack them into results in ``fqns`` order."""
         results: dict[str, torch.Tensor] = {}
-        for layout, handle in zip(self.layouts, pending):
+        layouts = self._plain_layouts()
+        if self.extension is not None:
+            results.update(self.extension.finish(pending[len(layouts)], self.comm.stats.track))
+        for layout, handle in zip(layouts, pending):
             buf = handle.wait()
             if self.kind == "gather":
                 if handle.direct:
@@ -135,7 +160,8 @@ class Buckets:
             else:
                 outs = layout.unpack_shards(buf, self.rank, batch_ndim=self.batch_ndim)
             results.update(zip(layout.fqns, outs))
-        return [_cast(results[f], d) for f, d in zip(self.fqns, self.out_dtypes)]
+        ext = () if self.extension is None else self.extension.fqns
+        return [results[f] if f in ext else _cast(results[f], d) for f, d in zip(self.fqns, self.out_dtypes)]
 
     def run(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Launch every bucket's collective, then wait for each and unpack (no autograd)."""
@@ -179,14 +205,23 @@ def collective_pair(
     scale: float,
     label: str = "",
     custom: CustomComms | None = None,
+    transforms: Mapping[str, AllGatherTransform] | None = None,
 ) -> Buckets:
     """The gather collective over ``fqns`` wired to its adjoint chain.
 
     Its backward reduce-scatters the ``reduce_fqns`` (trainable members, ``reduce`` layouts) with
     ``scale`` and returns them in their parameters' ``dtypes``; the reduce's own backward gathers again.
+    Members with an entry in ``transforms`` are gathered through it (``fsdpfn.ops.extension``); their
+    gradients are reduced like any other member's.
     """
     gather_dtype = {f: lay.dtype for lay in gather for f in lay.fqns}
-    g = Buckets("gather", comm, rank, tuple(fqns), tuple(gather), tuple(gather_dtype[f] for f in fqns), label=label, custom=custom)
+    spec_of = {f: s for lay in gather for f, s in zip(lay.fqns, lay.specs)}
+    moved = [f for f in fqns if transforms and f in transforms]
+    ext = None
+    if moved:
+        assert transforms is not None
+        ext = ExtensionGather(tuple(moved), tuple(spec_of[f] for f in moved), tuple(transforms[f] for f in moved), tuple(gather_dtype[f] for f in moved))
+    g = Buckets("gather", comm, rank, tuple(fqns), tuple(gather), tuple(gather_dtype[f] for f in fqns), label=label, custom=custom, extension=ext)
     r = reduce_collective(comm, rank, reduce_fqns, reduce, dtypes, scale, label, grad_dtypes=gather_dtype, custom=custom)
     object.__setattr__(g, "adjoint", r)
     return g
@@ -291,6 +326,8 @@ class _BucketCollective(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, _b: Any, _info: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         # Both collectives are linear: the tangent of the output is the collective of the tangents.
+        if ctx.buckets.extension is not None:  # not linear: a transform quantises, say
+            raise NotImplementedError(f"jvp through the all-gather transforms of {list(ctx.buckets.extension.fqns)}")
         return tuple(ctx.buckets.run(tangents))
 
     @staticmethod

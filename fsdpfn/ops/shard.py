@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, Union
 
 import torch
@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpfn.core import Comm, measure_link
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
+from fsdpfn.ops.extension import AllGatherTransform, has_extension, shard_mesh, subclass_transform
 from fsdpfn.ops.materialize import is_meta, materialize_and_shard
 from fsdpfn.ops.tp import TPLayout, tp_layout, unwrap
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -115,6 +116,7 @@ def shard(
     init: Callable[[nn.Module], None] | None = None,
     min_bucket_bytes: int | Literal["auto"] | None = "auto",
     donate: bool = True,
+    all_gather_transforms: Mapping[str, AllGatherTransform] | None = None,
 ) -> Sharded[torch.Tensor]:
     """Shard ``module``'s parameters over ``mesh`` and return this rank's ``Sharded`` tree.
 
@@ -152,6 +154,13 @@ def shard(
     ``mesh``: the leaves are the local shards, ``unshard`` and ``fsdp`` gather over ``mesh`` only and hand
     the module ``DTensor``s with its TP placements, and ``params.plan.tp`` holds each one's layout
     (docs/tensor_parallel.md).
+
+    ``all_gather_transforms`` maps parameter FQNs to ``fsdpfn.AllGatherTransform``s: such a parameter is
+    all-gathered in the representation its transform's ``pre`` makes of the local shard (e.g. int8 values
+    and a scale), and its full tensor is what ``post`` rebuilds from the gathered inputs; all transformed
+    members of a unit travel in one ``uint8`` collective, and their gradients are reduce-scattered as
+    usual (see ``fsdpfn.ops.extension``, FSDP2's ``fsdp_pre_all_gather`` in functional form). Parameters
+    whose tensor subclass defines ``fsdp_pre_all_gather``/``fsdp_post_all_gather`` get theirs without asking.
 
     Example:
         >>> mesh = fsdpfn.init_mesh()                                   # doctest: +SKIP
@@ -216,6 +225,7 @@ def shard(
         for fqn, p in found.items()
     ]
 
+    transforms = _transforms(all_gather_transforms, found, aliases, mesh, module, mp_policy)
     meta = is_meta(module)
     buffer_names = [fqn for fqn, _ in module.named_buffers()]
     policy = mp_policy or MixedPrecisionPolicy()
@@ -235,6 +245,7 @@ def shard(
         offload_policy=offload_policy,
         module_type=type(module).__name__,
         ignored=tuple(ignored_names),
+        transforms=transforms,
         min_bucket_bytes=min_bucket_bytes,
         tp=tp,
         link=lambda: measure_link(comm),
@@ -252,3 +263,34 @@ def shard(
         if donate:
             _donate(module, found.values())
     return Sharded._from_children([shards[f] for f in plan.params] + [buffers[b] for b in plan.buffers], plan)
+
+
+def _transforms(
+    given: Mapping[str, AllGatherTransform] | None,
+    found: Mapping[str, nn.Parameter],
+    aliases: Mapping[str, str],
+    mesh: Any,
+    module: nn.Module,
+    mp_policy: Any,
+) -> dict[str, AllGatherTransform]:
+    """``shard``'s all-gather transforms by owning FQN: the given ones (checked) and those of tensor
+    subclasses defining FSDP2's extension."""
+    out: dict[str, AllGatherTransform] = {}
+    for fqn, p in found.items():
+        if has_extension(p.data):
+            owner = module.get_submodule(fqn.rpartition(".")[0])
+            out[fqn] = subclass_transform(shard_mesh(mesh), tuple(p.shape), owner, mp_policy or MixedPrecisionPolicy())
+    for fqn, t in (given or {}).items():
+        name = aliases.get(fqn, fqn)
+        if name not in found:
+            raise ValueError(
+                f"shard: all_gather_transforms names {fqn!r}, which is not a sharded parameter of this module "
+                f"(parameters: {sorted(found)[:8]}{' ...' if len(found) > 8 else ''}); use the names of "
+                "module.named_parameters() and leave out ignored parameters"
+            )
+        if not isinstance(t, AllGatherTransform):
+            raise TypeError(
+                f"shard: all_gather_transforms[{fqn!r}] must be a fsdpfn.AllGatherTransform(pre, post), got {type(t).__name__}"
+            )
+        out[name] = t
+    return out

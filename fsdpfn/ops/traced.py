@@ -26,6 +26,11 @@ __all__ = ["TracedCollective", "run_traced", "traced_gather", "warm"]
 def run_traced(b: Buckets, tensors: Sequence[torch.Tensor | None], via: Collectives = "native") -> list[torch.Tensor]:
     """``b.run(tensors)`` written with traceable operations (no handles, no side streams, no stats), the
     collectives written as ``via`` says (see ``core.traced.Collectives``)."""
+    if b.extension is not None:
+        raise NotImplementedError(
+            f"the traced executor (compile_step, a compiled root) cannot gather {list(b.extension.fqns)} through their "
+            "all-gather transforms (fsdp_pre_all_gather or shard(all_gather_transforms=)); run these parameters eagerly"
+        )
     if b.in_place:
         return b.run_in_place(tensors)
     groups = b.comm.groups

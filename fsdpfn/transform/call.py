@@ -135,7 +135,7 @@ class Call:
             grad_fn.register_prehook(lambda _grads, _n=name: self._release(_n))
         if self.reshards(name):
             for fqn, t in full.items():
-                if t.numel():
+                if t.numel() and type(t) is torch.Tensor:  # a subclass (all-gather transform) has no storage to match
                     self.storages[t.untyped_storage().data_ptr()] = (name, fqn)
         self._prefetch_forward(name)
         return full
@@ -177,7 +177,7 @@ class Call:
         full = self.gathered.pop(name, None)
         if full is not None:
             for t in full.values():
-                if t.numel():
+                if t.numel() and type(t) is torch.Tensor:
                     self.storages.pop(t.untyped_storage().data_ptr(), None)
 
     def finish_forward(self) -> None:
