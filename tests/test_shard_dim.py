@@ -323,9 +323,9 @@ def _w_errors() -> dict:
 ERRORS = {
     "range": (AssertionError, r"^Shard dim 2 is invalid for 2D tensor: torch.Size\(\[3, 2\]\)\nshard: parameter 'lin.weight' of _Scalar; return Shard\(d\) with d in \[-2, 1\]"),
     "negative": (AssertionError, r"^Shard dim -1 is invalid for 2D tensor.*\nshard: parameter 'lin.weight' of _Scalar"),
-    "type": (ValueError, r"^Invalid shard_placement_fn result: Replicate\(\)\nshard: parameter 'lin.bias' of _Scalar; return None or a Shard\(dim\)"),
+    "type": (ValueError, r"^Invalid shard_placement_fn result: R\nshard: parameter 'lin.bias' of _Scalar; return None or a Shard\(dim\)"),
     "scalar": (ValueError, r"^shard: shard_placement_fn returned Shard\(dim=0\) for parameter 's' of _Scalar, a 0-d parameter: it has no dim to shard. Return None"),
-    "callable": (TypeError, r"^shard: shard_placement_fn must be a callable \(parameter\) -> Shard\(dim\) \| None, got Shard"),
+    "callable": (TypeError, r"^shard: shard_placement_fn must be a callable \(parameter\) -> Shard\(dim\) or None, got Shard"),
 }
 
 

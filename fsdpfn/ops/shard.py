@@ -219,7 +219,7 @@ def shard(
         )
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(
-            f"shard: shard_placement_fn must be a callable (parameter) -> Shard(dim) | None, got {type(shard_placement_fn).__name__}"
+            f"shard: shard_placement_fn must be a callable (parameter) -> Shard(dim) or None, got {type(shard_placement_fn).__name__}"
         )
     where = {fqn: f"parameter {fqn!r} of {type(module).__name__}" for fqn in found}
     dims = {fqn: placement_dim(p, shard_placement_fn, where[fqn], "shard") for fqn, p in found.items()}
