@@ -62,7 +62,7 @@ def check_placement(chosen: Any, shape: Sequence[int], where: str, kind: str) ->
         return 0
     if ndim == 0:
         raise ValueError(
-            f"{kind}: shard_placement_fn returned {chosen} for {where}, a 0-d parameter: it has no dim to shard. "
+            f"{kind}: shard_placement_fn returned {chosen!r} for {where}, a 0-d parameter: it has no dim to shard. "
             "Return None for it (fsdpfn keeps a 0-d parameter whole on the first rank) or make it 1-d"
         )
     dim = chosen.dim + ndim if chosen.dim < 0 else chosen.dim
