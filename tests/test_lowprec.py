@@ -424,6 +424,8 @@ def _w_refusals() -> None:
         fsdpfn.shard(plain, fsdpfn.init_mesh(), all_gather_transforms={"l3.weight": row}, donate=False)
     with pytest.raises(TypeError, match=r"all_gather_transforms\['l1.weight'\] must be a fsdpfn.AllGatherTransform"):
         fsdpfn.shard(plain, fsdpfn.init_mesh(), all_gather_transforms={"l1.weight": (_row_pre, _row_post)}, donate=False)
+    with pytest.raises(NotImplementedError, match=r"parameter 'l1.weight' has an all-gather transform and is sharded on dim 1"):
+        fsdpfn.shard(plain, fsdpfn.init_mesh(), all_gather_transforms={"l1.weight": row}, donate=False, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
     # the traced executor (torch.compile of a whole step) has no transform path
     from fsdpfn.ops.api import gather_collective
     from fsdpfn.ops.traced import run_traced

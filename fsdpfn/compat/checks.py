@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard
 
 from fsdpfn.compat.state import state_of
+from fsdpfn.ops.placement import check_placement, check_placement_type
 
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
@@ -200,13 +200,7 @@ def shard_dim_of(
     non-contiguous parameter, a dim out of range (negative dims count from the end)."""
     chosen = placement_fn(param) if placement_fn is not None else None
     where = f"parameter {attr!r} of {type(owner).__name__}"
-    if chosen is not None and not isinstance(chosen, Shard):
-        if type(chosen).__name__ == "ShardPlacementResult":
-            raise NotImplementedError(
-                f"{kind}: shard_placement_fn returned a ShardPlacementResult for {where}: a per-parameter mesh is "
-                "not supported by fsdpfn.compat (return None or Shard(dim))"
-            )
-        raise ValueError(f"Invalid shard_placement_fn result: {chosen}\n{kind}: {where}; return None or a Shard(dim)")
+    check_placement_type(chosen, where, kind)
     if not param.is_contiguous():
         raise NotImplementedError(
             _say(
@@ -214,14 +208,9 @@ def shard_dim_of(
                 f"{where}: make it contiguous before {kind} (e.g. nn.Parameter(p.contiguous()))",
             )
         )
-    if chosen is None:
-        return 0
-    dim = chosen.dim + param.ndim if chosen.dim < 0 else chosen.dim
-    if dim >= param.ndim:
-        raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: {param.shape}\n{where}")
     # Differs on purpose: FSDP2 refuses uneven splits of a dim > 0; fsdpfn shards them like
     # distribute_tensor(x, mesh, [Shard(dim)]) (docs/tensor_parallel.md)
-    return dim
+    return check_placement(chosen, tuple(param.shape), where, kind)
 
 
 def check_materialized(ctx: RootContext) -> None:

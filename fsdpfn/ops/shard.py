@@ -14,6 +14,7 @@ from fsdpfn.core import Comm, measure_link
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
 from fsdpfn.ops.extension import AllGatherTransform, has_extension, shard_mesh, subclass_transform
 from fsdpfn.ops.materialize import is_meta, materialize_and_shard
+from fsdpfn.ops.placement import PlacementFn, placement_dim
 from fsdpfn.ops.tp import TPLayout, tp_layout, unwrap
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -91,8 +92,8 @@ def _meta_like(p: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(p, device="meta")
 
 
-def _dp_placements(mesh: Any) -> tuple[Any, ...]:
-    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+def _dp_placements(mesh: Any, dim: int) -> tuple[Any, ...]:
+    return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
 
 
 def _owner(names: Sequence[str], unit_names: Sequence[str]) -> str:
@@ -117,6 +118,7 @@ def shard(
     min_bucket_bytes: int | Literal["auto"] | None = "auto",
     donate: bool = True,
     all_gather_transforms: Mapping[str, AllGatherTransform] | None = None,
+    shard_placement_fn: PlacementFn | None = None,
 ) -> Sharded[torch.Tensor]:
     """Shard ``module``'s parameters over ``mesh`` and return this rank's ``Sharded`` tree.
 
@@ -162,9 +164,17 @@ def shard(
     usual (see ``fsdpfn.ops.extension``, FSDP2's ``fsdp_pre_all_gather`` in functional form). Parameters
     whose tensor subclass defines ``fsdp_pre_all_gather``/``fsdp_post_all_gather`` get theirs without asking.
 
+    ``shard_placement_fn`` (FSDP2's): ``(parameter) -> Shard(dim) | None`` picks each parameter's shard
+    dim (``None``: ``Shard(0)``; negative dims count from the end; for a TP parameter, a dim of its
+    TP-local tensor). A parameter is split with ``torch.chunk`` along its dim, uneven sizes included, as
+    ``distribute_tensor(x, mesh, [Shard(dim)])`` lays it out; ``params.specs[fqn].dim`` records it and
+    every collective, ``to_dtensor`` (``Shard(dim)`` placements) and checkpoint follows it. It is called
+    once per parameter (tied ones once), never for ignored ones.
+
     Example:
         >>> mesh = fsdpfn.init_mesh()                                   # doctest: +SKIP
         >>> params = fsdpfn.shard(model, mesh, units=[f"blocks.{i}" for i in range(4)])  # doctest: +SKIP
+        >>> params = fsdpfn.shard(model, mesh, shard_placement_fn=lambda p: Shard(-1))  # doctest: +SKIP
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard: expected an nn.Module, got {type(module).__name__}")
@@ -216,16 +226,29 @@ def shard(
             f"({', '.join(map(repr, tp_names[:3]))}); materialise it first (module.to_empty(device=...) and "
             "reset_parameters(), then parallelize_module), and shard the real module"
         )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"shard: shard_placement_fn must be a callable (parameter) -> Shard(dim) or None, got {type(shard_placement_fn).__name__}"
+        )
+    where = {fqn: f"parameter {fqn!r} of {type(module).__name__}" for fqn in found}
+    dims = {fqn: placement_dim(p, shard_placement_fn, where[fqn], "shard") for fqn, p in found.items()}
     tp: dict[str, TPLayout] = {}
     for fqn, p in found.items():  # tensor-parallel parameters: their TP-local tensors are what dp shards
         if isinstance(p, DTensor):
-            tp[fqn] = tp_layout(p, mesh, _dp_placements(mesh), 0, f"parameter {fqn!r} of {type(module).__name__}", "shard")
+            tp[fqn] = tp_layout(p, mesh, _dp_placements(mesh, dims[fqn]), dims[fqn], where[fqn], "shard")
     infos = [
-        ParamInfo(fqn, tuple(unwrap(p).shape), p.dtype, p.requires_grad, _owner(names[fqn], unit_names))
+        ParamInfo(fqn, tuple(unwrap(p).shape), p.dtype, p.requires_grad, _owner(names[fqn], unit_names), dims[fqn])
         for fqn, p in found.items()
     ]
 
     transforms = _transforms(all_gather_transforms, found, aliases, mesh, module, mp_policy)
+    for fqn in transforms:
+        if dims[fqn] != 0 or fqn in tp:
+            what = f"sharded on dim {dims[fqn]} (shard_placement_fn)" if dims[fqn] != 0 else "a tensor-parallel DTensor"
+            raise NotImplementedError(
+                f"shard: parameter {fqn!r} has an all-gather transform and is {what}: fsdpfn gathers transformed "
+                "parameters only as plain tensors sharded on dim 0; shard it on dim 0 or drop its transform"
+            )
     meta = is_meta(module)
     buffer_names = [fqn for fqn, _ in module.named_buffers()]
     policy = mp_policy or MixedPrecisionPolicy()
