@@ -26,7 +26,7 @@ from torch.testing._internal.common_fsdp import FSDPTestMultiThread
 IMPLS = {"torch": "torch.distributed.fsdp", "fsdpfn": "fsdpfn.compat"}
 WORLDS = (1, 2, 4, 8)
 D, H, OUT, BATCH, STEPS, LR = 5, 12, 3, 2, 2, 0.1  # H=12 over 8 ranks: uneven chunks, empty shards
-WIDE = (2048, 512)  # a 4 MiB fp32 first weight: the size from which gloo would use point-to-point exchanges
+WIDE = (2048, 512)  # a 4 MiB fp32 first weight: above the size from which gloo would use point-to-point exchanges
 TOL = dict(rtol=1e-5, atol=1e-6)  # float32; the reduction may sum ranks in another order
 
 
@@ -105,7 +105,7 @@ class _ThreadedTraining:
         )
 
     def test_wide_layer_trains_like_one_process(self) -> None:
-        # Gathers and reductions of >= 4 MiB: gloo runs them as point-to-point exchanges, which the
+        # Gathers and reductions of >= 1 MiB: gloo runs them as point-to-point exchanges, which the
         # threaded group does not have (isend raises) — the plain collectives must be used instead.
         self._train(reshard_after_forward=True, param_dtype=None, shape=WIDE, steps=1)
 

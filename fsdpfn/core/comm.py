@@ -35,13 +35,15 @@ from fsdpfn.layout import BucketLayout
 
 __all__ = ["Comm", "CommStats", "EXCHANGE_MIN_BYTES", "Handle"]
 
-# From this many gathered bytes, CPU all-gathers run as point-to-point exchanges. gloo's isend/irecv
-# push part of the transfer on the calling thread (2.3 ms of a 3.5 ms 8 MiB all-gather at world 2) but
-# cost less than its all_gather there (4.5 ms); below ~4 MiB the collective, launched in ~0.1 ms and run
-# on gloo's own thread, wins (512 KiB: 0.8 ms against 1.9 ms). Reduce-scatters are exchanges at every
-# size: gloo's reduce_scatter is slower still, and an all-to-all would need one more full-size buffer.
-# Groups of other backends never use exchanges (see ``has_point_to_point``).
-EXCHANGE_MIN_BYTES = 4 << 20
+# From this many gathered bytes, CPU buckets move as point-to-point exchanges straight between the
+# tensors (no packed buffer, no unpacking copy). In isolation gloo's all_gather wins below ~4 MiB
+# (512 KiB: 0.8 ms against 1.9 ms; 8 MiB: 4.5 ms against 3.5 ms, world 2), but in a training step the
+# packing and unpacking copies it needs cost more: on 3.5 MiB units (bench ln_mlp, run15) 1 MiB gave
+# 47 ms of communication CPU per step against 62-77 ms at 4 MiB, a lower peak, and no loss on 48 small
+# fused units. Reduce-scatters are exchanges at every size: gloo's reduce_scatter is slower still, and an
+# all-to-all would need one more full-size buffer. Groups of other backends never use exchanges (see
+# ``has_point_to_point``).
+EXCHANGE_MIN_BYTES = 1 << 20
 
 
 class Comm:
