@@ -34,7 +34,6 @@ def placements(mesh: Any, dim: int = 0) -> tuple[Any, ...]:
     return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
 
 
-
 def shard_as_dtensor(local: torch.Tensor, spec: ShardSpec, mesh: Any) -> DTensor:
     """Wrap this rank's shard ``local`` (shape ``spec.local_shape(rank)``) as a DTensor of global shape
     ``spec.shape``; shares ``local``'s storage.
@@ -187,7 +186,6 @@ def _full(value: torch.Tensor) -> torch.Tensor:
     if isinstance(value, DTensor):
         return value.to_local() if all(p.is_replicate() for p in value.placements) else value.full_tensor()
     return value.detach()
-
 
 
 def from_dtensor(state: Mapping[str, Any], like: Sharded[Any]) -> Sharded[Any]:

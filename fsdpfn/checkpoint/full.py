@@ -163,7 +163,7 @@ def load_full_state_dict(
     """
     plan = _check(like, "load_full_state_dict")
     comm = comm_for([plan]) if rank0_only else None  # with TP: broadcast from the world's first rank
-    local = not rank0_only or is_root(comm_for([plan]))
+    local = not rank0_only or is_root(comm)
 
     def check() -> None:
         problems = _problems(state if state is not None else {}, like)
