@@ -80,7 +80,7 @@ def test_collectives_in_flight_together_pair_up_by_launch_order(world):
                 assert torch.equal(value, want), (kind, i, value, want)
 
 
-def _bucket_both_ways(shapes, dtype, seed):
+def _bucket_both_ways(shapes, dtype, seed, pack_below):
     """A bucket gathered and reduced packed and direct (every parameter's rows straight between tensors)."""
     import torch.distributed as dist
 
@@ -94,6 +94,7 @@ def _bucket_both_ways(shapes, dtype, seed):
     shards = [shard_tensor(f.float(), sp, rank).to(torch.float64) for f, sp in zip(fulls, specs)]  # cast on the way
     grads = [(f.to(torch.float32) * (rank + 1)).to(dtype).contiguous() for f in fulls]
     comm = Comm(fsdpfn.init_mesh())
+    comm.exchange.pack_below = pack_below  # members under this many bytes per rank share one message
     out = {}
     for name, threshold in (("packed", 1 << 62), ("direct", 0)):
         comm.exchange_min_bytes = threshold
@@ -110,9 +111,12 @@ def _bucket_both_ways(shapes, dtype, seed):
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
     world=st.integers(2, 4),
     seed=st.integers(0, 99),
+    pack_below=st.one_of(st.just(0), st.just(1 << 62), st.integers(1, 200)),
 )
-def test_direct_bucket_exchanges_equal_the_packed_collectives(shapes, dtype, world, seed):
-    for rank, (out, fulls, w) in enumerate(spmd(world, _bucket_both_ways, shapes, dtype, seed)):
+def test_direct_bucket_exchanges_equal_the_packed_collectives(shapes, dtype, world, seed, pack_below):
+    # pack_below: every member in a message of its own (0), all in one packed message per peer (huge),
+    # or a mix: the direct form must equal gloo's packed collectives exactly in every case.
+    for rank, (out, fulls, w) in enumerate(spmd(world, _bucket_both_ways, shapes, dtype, seed, pack_below)):
         (packed_direct, pg, pr), (direct, dg, dr) = out["packed"], out["direct"]
         assert not packed_direct and direct
         for p, d, f in zip(pg, dg, fulls):

@@ -243,8 +243,8 @@ class Comm:
         self.stats._note("all_gathers", label, layout.numel * groups.world * layout.dtype.itemsize)
         fp = self.guard.begin("all_gather", label, buf, groups.shard_group)
         assert self.exchange is not None  # direct() says so
-        fn = self.exchange.gather_direct(layout, shards, buf)  # type: ignore[arg-type]
-        handle = self._launch("gather", fn, keep=tuple(shards), result=buf, fp=fp)
+        fn, unpack = self.exchange.gather_direct(layout, shards, buf)  # type: ignore[arg-type]
+        handle = self._launch("gather", fn, keep=tuple(shards), result=buf, fp=fp, finish=unpack)
         handle.direct = True
         return handle
 
@@ -337,7 +337,7 @@ class Comm:
 
 
 def has_point_to_point(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` runs CPU tensors on gloo, whose ``isend``/``irecv`` the exchanges use. Other
+    """Whether ``group`` runs CPU tensors on gloo, whose ``send``/``recv`` the exchanges use. Other
     backends (PyTorch's threaded test group among them) get the plain collectives instead."""
     try:
         backend = str(dist.get_backend(group))
