@@ -155,21 +155,21 @@ class Exchange:
                 for j in others:
                     start, stop = rows[i][j]
                     if stop > start:
-                        works.append(self._recv(_bytes(buf[off + start : off + stop]), j, base + i))
+                        works.append(self._recv(buf[off + start : off + stop].view(torch.uint8), j, base + i))
             for j, box in zip(others, inboxes):
                 if box.numel():
-                    works.append(self._recv(_bytes(box), j, packed_tag))
+                    works.append(self._recv(box.view(torch.uint8), j, packed_tag))
             for i in route.alone:
                 start, stop = rows[i][me]
                 if stop > start:
-                    own = _bytes(buf[offs[i] + start : offs[i] + stop])
+                    own = buf[offs[i] + start : offs[i] + stop].view(torch.uint8)
                     works += [self._send(own, j, base + i) for j in others]
             keep: tuple = ()
             if route.packed:
                 mine = [buf[offs[i] + rows[i][me][0] : offs[i] + rows[i][me][1]] for i in route.packed]
                 out = torch.cat(mine) if len(mine) > 1 else mine[0]
                 if out.numel():
-                    works += [self._send(_bytes(out), j, packed_tag) for j in others]
+                    works += [self._send(out.view(torch.uint8), j, packed_tag) for j in others]
                     keep = (out,)
             return Works(works, keep)
 
@@ -218,22 +218,22 @@ class Exchange:
                 n = rows[i][me][1] - rows[i][me][0]
                 if n:
                     off = offsets[i]
-                    works += [self._recv(_bytes(slot[off : off + n]), j, base + i) for j, slot in zip(others, slots)]
+                    works += [self._recv(slot[off : off + n].view(torch.uint8), j, base + i) for j, slot in zip(others, slots)]
             for j, box in zip(others, inboxes):
-                works.append(self._recv(_bytes(box), j, packed_tag))
+                works.append(self._recv(box.view(torch.uint8), j, packed_tag))
             for i in route.alone:
                 f = flat[i]
                 for j in others:
                     start, stop = rows[i][j]
                     if stop > start:
-                        works.append(self._send(_bytes(f[start:stop]), j, base + i))
+                        works.append(self._send(f[start:stop].view(torch.uint8), j, base + i))
             keep = []
             if route.packed:
                 for j in others:
                     parts = [flat[i][rows[i][j][0] : rows[i][j][1]] for i in route.packed]
                     pack = torch.cat(parts) if len(parts) > 1 else parts[0]
                     if pack.numel():
-                        works.append(self._send(_bytes(pack), j, packed_tag))
+                        works.append(self._send(pack.view(torch.uint8), j, packed_tag))
                         keep.append(pack)
             return Works(works, tuple(keep))
 
