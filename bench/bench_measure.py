@@ -13,7 +13,9 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import threading
 import time
 import warnings
 from typing import Any
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 from bench_variants import Coll, Variant
 
-__all__ = ["sync", "barrier", "timed_step", "peak_step", "timed_replay", "storage_bytes", "reduce_max", "reduce_mean", "format_table"]
+__all__ = ["sync", "barrier", "timed_step", "thread_cpu", "peak_step", "timed_replay", "storage_bytes", "reduce_max", "reduce_mean", "format_table"]
 
 MiB = 2**20
 
@@ -40,21 +42,49 @@ def barrier(world: int) -> None:
         dist.barrier()
 
 
-def timed_step(v: Variant, x: torch.Tensor, y: torch.Tensor, world: int) -> tuple[float, float, torch.Tensor]:
-    """``(seconds, cpu seconds, loss)`` of one training step of ``v``. The CPU time is this process's,
-    every thread included (compute, gloo's, the kernel's socket copies charged to them): when it is
-    close to the wall time, the rank's core is the bound and overlap cannot shorten the step."""
+def timed_step(v: Variant, x: torch.Tensor, y: torch.Tensor, world: int) -> tuple[float, float, torch.Tensor, dict[str, float]]:
+    """``(seconds, cpu seconds, loss, cpu seconds by thread)`` of one training step of ``v``. The CPU
+    time is this process's, every thread included (compute, gloo's, the kernel's socket copies charged
+    to them): when it is close to the wall time, the rank's core is the bound and overlap cannot
+    shorten the step. By thread (``thread_cpu``): ``main`` (Python: compute, hooks, launching
+    collectives), ``gloo`` (gloo's transport threads: moving the bytes), ``other``."""
     barrier(world)
     sync(v.device)
+    th0 = thread_cpu()
     c0 = _cpu()
     t0 = time.perf_counter()
     loss = v.step(x, y)
     sync(v.device)
-    return time.perf_counter() - t0, _cpu() - c0, loss
+    t1, c1 = time.perf_counter(), _cpu()
+    th1 = thread_cpu()
+    by: dict[str, float] = {}
+    for key, sec in th1.items():
+        by[key[0]] = by.get(key[0], 0.0) + sec - th0.get(key, 0.0)
+    return t1 - t0, c1 - c0, loss, by
 
 
 def _cpu() -> float:
     return time.process_time()  # every thread of the process, user + system
+
+
+def thread_cpu() -> dict[tuple[str, int], float]:
+    """CPU seconds each thread of this process has run, keyed ``(kind, tid)`` with kind ``main``,
+    ``gloo`` (threads named ``gloo*``/``pt_gloo*``) or ``other`` (Linux ``/proc``; empty elsewhere)."""
+    out: dict[tuple[str, int], float] = {}
+    main = threading.main_thread().native_id
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            name = open(f"/proc/self/task/{tid}/comm").read().strip()
+            ns = int(open(f"/proc/self/task/{tid}/schedstat").read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended, or no schedstat
+        kind = "main" if int(tid) == main else "gloo" if name.startswith(("gloo", "pt_gloo")) else "other"
+        out[(kind, int(tid))] = ns / 1e9
+    return out
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -202,12 +232,17 @@ def _fmt(x: Any, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _by_thread(r: dict[str, Any]) -> str:
+    by = r.get("cpu_by_thread_s")
+    return f"{by['main'] * 1e3:.0f} / {by['gloo'] * 1e3:.0f}" if by else "-"
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The human-readable summary printed at the end of a run."""
     head = (f"model {result['model']} ({result['params'] / 1e6:.2f}M params, batch {result['batch_per_rank']}/rank, "
             f"{result['dtype']}), world {result['world']}, {result['device']}, torch {result['torch_version']}, "
             f"{result['steps']} measured steps after {result['warmup']} warm-up")
-    cols = f"{'variant':<19} {'step ms median [min-max]':>28} {'cpu ms':>7} {'peak MiB':>9} {'comm ms':>8} {'comm cpu':>8} {'step/torch':>10} {'peak/torch':>10} {'step/floor':>10} {'step/cpufl':>10}  final loss"
+    cols = f"{'variant':<19} {'step ms median [min-max]':>28} {'cpu ms':>7} {'peak MiB':>9} {'comm ms':>8} {'comm cpu':>8} {'step/torch':>10} {'peak/torch':>10} {'step/floor':>10} {'step/cpufl':>10} {'main/gloo cpu':>13}  final loss"
     lines = [head, cols, "-" * len(cols)]
     for name, r in result["variants"].items():
         if "skipped" in r:
@@ -220,6 +255,6 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_fmt(comm * 1e3 if comm is not None else None, '8.2f'):>8} "
             f"{_fmt(r['comm_cpu_s'] * 1e3 if 'comm_cpu_s' in r else None, '8.2f'):>8} "
             f"{_fmt(r.get('step_vs_torch'), '10.3f'):>10} {_fmt(r.get('peak_vs_torch'), '10.3f'):>10} "
-            f"{_fmt(r.get('step_vs_floor'), '10.3f'):>10} {_fmt(r.get('step_vs_cpu_floor'), '10.3f'):>10}  {r['final_loss']:.6g}"
+            f"{_fmt(r.get('step_vs_floor'), '10.3f'):>10} {_fmt(r.get('step_vs_cpu_floor'), '10.3f'):>10} {_by_thread(r):>13}  {r['final_loss']:.6g}"
         )
     return "\n".join(lines)

@@ -50,6 +50,7 @@ from bench_variants import ALL_VARIANTS, COMPILED, SHARDED, Functional, Variant,
 
 COMPAT_MISSING = "fsdpfn.compat not available"
 REPLAYS = 5  # collective replays per sharded variant (median)
+THREAD_KINDS = ("main", "gloo", "other")  # bench_measure.thread_cpu's kinds
 
 
 def machine_load() -> dict[str, float]:
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
     times: dict[str, list[float]] = {n: [] for n in names}
     cpus: dict[str, list[float]] = {n: [] for n in names}  # process CPU seconds per step
+    thread_cpus: dict[str, dict[str, list[float]]] = {n: {k: [] for k in THREAD_KINDS} for n in names}
     last_loss: dict[str, torch.Tensor] = {}
     ref_loss: torch.Tensor | None = None
     peaks: dict[str, float] = {}
@@ -202,10 +204,12 @@ def main(argv: list[str] | None = None) -> int:
             if probe:
                 last_loss[n], logs[n], peaks[n], breakdown[n] = peak_step(v, x, y, world)
             else:
-                t, cpu, last_loss[n] = timed_step(v, x, y, world)
+                t, cpu, last_loss[n], by_thread = timed_step(v, x, y, world)
                 if step > args.warmup:
                     times[n].append(t)
                     cpus[n].append(cpu)
+                    for kind in THREAD_KINDS:
+                        thread_cpus[n][kind].append(by_thread.get(kind, 0.0))
         ref_loss = reference_step(step) if reference is not None else last_loss.get("local")
         if probe:  # collectives alone, right after the recorded step
             comm: dict[str, list[float]] = {n: [] for n in names if variants[n].sharded}
@@ -224,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         r["peak_mib"] = reduce_max([peaks[n]], world)[0]
         r["peak_method"] = "profiler" if variants[n].compiled or variants[n].profile_peak else "memtracker"
         r["cpu_s"] = statistics.median(reduce_max(cpus[n], world))  # the busiest rank's, per step
+        # where that CPU went, by thread (median per step, mean over ranks): main = compute + Python +
+        # launching collectives (gloo's sender-side writes run here too), gloo = its transport threads
+        r["cpu_by_thread_s"] = {k: statistics.median(reduce_mean(thread_cpus[n][k], world)) for k in THREAD_KINDS}
         if breakdown[n]:
             r["peak_breakdown_mib"] = breakdown[n]  # rank 0's, by MemTracker category
         if n == "local":

@@ -20,6 +20,11 @@ def _x(v: dict[str, Any] | None, key: str) -> str:
     return f"{v[key]:.2f}" if v and v.get(key) is not None else "–"
 
 
+def _threads(v: dict[str, Any] | None) -> str:
+    by = (v or {}).get("cpu_by_thread_s")
+    return f"{by['main'] * 1e3:.0f}+{by['gloo'] * 1e3:.0f}" if by else "–"
+
+
 def row(r: dict[str, Any], machine: str) -> str:
     """One table row: run metadata, then step ms / peak MiB per variant, then the sharded ratios."""
     vs = r["variants"]
@@ -38,6 +43,8 @@ def row(r: dict[str, Any], machine: str) -> str:
         v = vs.get(n)
         cells.append("–" if not v or "skipped" in v else f"{_x(v, 'step_vs_torch')} / {_x(v, 'peak_vs_torch')}")
     cells += [_x(vs.get(n), "step_vs_floor") for n in ("torch", "functional", "compat")]
+    cells.append(" / ".join(_x(vs.get(n), "step_vs_cpu_floor") for n in ("functional", "compat")))
+    cells.append(" / ".join(_threads(vs.get(n)) for n in ("torch", "functional", "compat")))
     cells.append("ok" if r["check"]["ok"] else "FAIL")
     return "| " + " | ".join(cells) + " |"
 
@@ -45,7 +52,8 @@ def row(r: dict[str, Any], machine: str) -> str:
 HEADER = ("| date | machine | device | world | threads | torch | fsdpfn | model | dtype | fused bytes | steps | CPU PSI % before/after "
           "| torch ms / MiB | functional ms / MiB | local ms / MiB | compat ms / MiB | CPU ms per step torch / functional / local / compat "
           "| torch comm ms | functional comm ms | functional step / peak vs torch | compat step / peak vs torch "
-          "| torch step vs floor | functional step vs floor | compat step vs floor | check |")
+          "| torch step vs floor | functional step vs floor | compat step vs floor | functional / compat step vs CPU floor "
+          "| CPU ms main+gloo threads torch / functional / compat | check |")
 
 
 def main(argv: list[str] | None = None) -> None:
