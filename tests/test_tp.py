@@ -309,6 +309,34 @@ def test_save_load_round_trips_and_reloads_at_another_dp_size(tmp_path):
     spmd(2, _w_load_elsewhere, path, (2, 1), timeout=TIMEOUT)  # dp 2 x tp 1: the TP layout itself changes
 
 
+def _w_load_fsdp2s(path: str) -> None:
+    # the other direction: torch's fully_shard + TP model saves with DCP (its state_dict() and
+    # get_model_state_dict: both DTensors on the dp + tp mesh, keyed by FQN), fsdpfn.load reads it
+    import fsdpfn
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    mesh = fsdpfn.init_mesh((2, 2), names=("dp", "tp"))
+    torch.manual_seed(0)
+    fs2 = _fully_shard(_parallelize(Net(CKPT_WIDTHS), mesh["tp"], "mixed"), mesh["dp"], ("l1", "l2"))
+    with torch.no_grad():
+        for p in fs2.parameters():
+            p.mul_(-2.0).add_(0.5)  # not what a fresh model holds, so a load that does nothing shows
+    for how, state in (("state_dict", fs2.state_dict()), ("get_model_state_dict", get_model_state_dict(fs2))):
+        dcp.save(state, checkpoint_id=f"{path}/{how}")
+        torch.manual_seed(1)  # other values in like
+        like = fsdpfn.shard(_parallelize(Net(CKPT_WIDTHS), mesh["tp"], "mixed"), mesh["dp"], units=["l1", "l2"])
+        got = fsdpfn.load(f"{path}/{how}", like)
+        full, mine = fsdpfn.full_state_dict(got, rank0_only=False), fsdpfn.to_dtensor(got)
+        assert list(full) == [n for n, _ in fs2.named_parameters()], (how, list(full))
+        for n, p in fs2.named_parameters():
+            assert (mine[n].device_mesh, mine[n].placements) == (p.device_mesh, p.placements), (how, n)
+            torch.testing.assert_close(full[n], p.full_tensor().detach(), msg=lambda m, n=n: f"{how}: {n}: {m}")
+
+
+def test_load_reads_a_checkpoint_fsdp2_tp_saved_with_dcp(tmp_path):
+    spmd(4, _w_load_fsdp2s, str(tmp_path), timeout=TIMEOUT)
+
 
 # ---- refusals: the same errors as fsdpfn.compat's (docs/errors.md compat-tp-*) ------------------------------
 def _w_refusals() -> dict:
