@@ -38,24 +38,44 @@ PLANS = {
 }
 
 
+# Sequence parallelism (Megatron-SP): ``Net(widths, norm=True)`` has a LayerNorm after ``l0`` that runs on
+# sequence shards; its batches are (2, SEQ, d), the sequence dim (1) split evenly over tp 2. See _parallelize.
+SP = "sequence_parallel"
+SEQ = 4
+
+
 class Net(nn.Module):
-    def __init__(self, widths: tuple[int, ...]):
+    def __init__(self, widths: tuple[int, ...], norm: bool = False):
         super().__init__()
         for i in range(4):
             setattr(self, f"l{i}", nn.Linear(widths[i], widths[i + 1]))
+        self.norm = nn.LayerNorm(widths[1]) if norm else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i in range(4):
             x = getattr(self, f"l{i}")(x)
+            x = self.norm(x) if i == 0 and self.norm is not None else x
             x = torch.tanh(x) if i < 3 else x
         return x
 
 
 # ---- worker side ------------------------------------------------------------------------------------------
 def _parallelize(model: nn.Module, tp_mesh, plan_name: str) -> nn.Module:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
+    if plan_name == SP:
+        # l0 enters the sequence-parallel region (its partial output is reduce-scattered to sequence shards),
+        # the norm runs on those shards (its TP-replicated weight and bias get partial gradients: each TP rank
+        # saw its own tokens), l1 / l2 are a Megatron pair that all-gathers the sequence and reduce-scatters it
+        # back, and l3 all-gathers it again and returns a replicated output
+        return parallelize_module(model, tp_mesh, {
+            "l0": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "l1": ColwiseParallel(input_layouts=Shard(1)),
+            "l2": RowwiseParallel(output_layouts=Shard(1)),
+            "l3": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        })
     plan = {}
     for name, (kind, gathered) in PLANS[plan_name].items():
         if kind == "col":
@@ -67,8 +87,21 @@ def _parallelize(model: nn.Module, tp_mesh, plan_name: str) -> nn.Module:
     return model
 
 
-def _batch(dp_rank: int, step: int, d: int) -> torch.Tensor:
-    return torch.randn(3, d, generator=torch.Generator().manual_seed(1000 * dp_rank + step))
+def _batch(dp_rank: int, step: int, d: int, plan_name: str) -> torch.Tensor:
+    shape = (2, SEQ, d) if plan_name == SP else (3, d)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1000 * dp_rank + step))
+
+
+def _fully_shard(model: nn.Module, dp_mesh, units, **kw) -> nn.Module:
+    """torch's ``fully_shard`` on each unit, then on the root (as ``fsdpfn.shard(..., units=units)`` groups)."""
+    from torch.distributed.fsdp import fully_shard
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for n in units:
+            fully_shard(model.get_submodule(n), mesh=dp_mesh, **kw)
+        fully_shard(model, mesh=dp_mesh, **kw)
+    return model
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -77,7 +110,6 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
 
 def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bucket: bool, steps: int = STEPS, mp: bool = False) -> dict:
     import fsdpfn
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     if len(shape) == 2:
@@ -92,22 +124,18 @@ def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bu
     names = [f"l{i}" for i in range(4)]
 
     torch.manual_seed(0)
-    ref = Net(widths)
+    ref = Net(widths, norm=plan_name == SP)
     torch.manual_seed(0)
-    fs2 = _parallelize(Net(widths), mesh["tp"], plan_name)
+    fs2 = _parallelize(Net(widths, norm=plan_name == SP), mesh["tp"], plan_name)
     torch.manual_seed(0)
-    fn = _parallelize(Net(widths), mesh["tp"], plan_name)
+    fn = _parallelize(Net(widths, norm=plan_name == SP), mesh["tp"], plan_name)
     kw, fn_kw = {}, {}
     if mp:  # bf16 gathers and compute, fp32 reductions: compared with FSDP2's, not the fp32 reference
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         fn_kw["mp_policy"] = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for n in names:
-            fully_shard(getattr(fs2, n), mesh=dp_mesh, **kw)
-        fully_shard(fs2, mesh=dp_mesh, **kw)
+    _fully_shard(fs2, dp_mesh, names, **kw)
     params = fsdpfn.shard(fn, dp_mesh, units=names, min_bucket_bytes="auto" if bucket else None, **fn_kw)
     tol = dict(rtol=2e-2, atol=2e-3) if mp else {}
     apply = fsdpfn.fsdp(fn)
@@ -119,11 +147,11 @@ def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bu
 
     for step in range(steps):
         # reference: the mean of the dp ranks' losses (fsdpfn and FSDP2 average gradients over dp)
-        ref_losses = [_loss(ref(_batch(r, step, widths[0]))) for r in range(dp)]
+        ref_losses = [_loss(ref(_batch(r, step, widths[0], plan_name))) for r in range(dp)]
         torch.stack(ref_losses).mean().backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
 
-        x = _batch(dp_rank, step, widths[0])
+        x = _batch(dp_rank, step, widths[0], plan_name)
         fs2_loss = _loss(fs2(x))
         fs2_loss.backward()
         # torch's clip_grad_norm_ refuses DTensors on different meshes (dp-only and dp x tp): clip by hand
@@ -170,7 +198,7 @@ def _w_train(shape: tuple[int, ...], widths: tuple[int, ...], plan_name: str, bu
             assert (value.device_mesh, value.placements) == (mesh["tp"], tp.placements), n
             value = value.full_tensor()
         torch.testing.assert_close(value, p.detach(), msg=lambda m, n=n: f"unshard {n} vs reference: {m}")
-    x = _batch(dp_rank, steps, widths[0])
+    x = _batch(dp_rank, steps, widths[0], plan_name)
     torch.testing.assert_close(torch.func.functional_call(fn, gathered, (x,)), apply(params, x))
     full = fsdpfn.full_state_dict(params, rank0_only=False)
     want = ref.state_dict()
@@ -210,6 +238,12 @@ def test_hsdp_times_tp_3d_matches_fsdp2_and_the_unsharded_model():
     spmd(8, _w_train, (2, 2, 2), (3, 2, 6, 4, 5), "mixed", False, 2, timeout=TIMEOUT)  # 8 processes on few cores: 2 steps
 
 
+def test_sequence_parallel_matches_fsdp2_tp_and_the_unsharded_model():
+    # widths: l0's input and l3's output are TP-split (Rowwise in, Colwise out: even), the rest split unevenly
+    # over dp 2 (the norm's 5, l1's 3 TP-local rows, l2's 3 columns, l3's 1 TP-local row leaves dp rank 1 empty)
+    spmd(4, _w_train, (2, 2), (4, 5, 6, 3, 2), SP, False, timeout=TIMEOUT)
+
+
 # ---- checkpoints: save / load round trip, and reload at another dp size ----------------------------------
 CKPT_WIDTHS = (3, 4, 6, 2, 5)
 
@@ -232,15 +266,9 @@ def _w_save(path: str) -> None:
         torch.testing.assert_close(got[k], v, msg=lambda m, k=k: f"{k}: {m}")
     # the checkpoint is FSDP2 + TP's layout: torch's fully_shard model loads it with DCP as it is
     from torch.distributed import checkpoint as dcp
-    from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(1)
-    fs2 = _parallelize(Net(CKPT_WIDTHS), mesh["tp"], "mixed")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for n in ("l1", "l2"):
-            fully_shard(getattr(fs2, n), mesh=mesh["dp"])
-        fully_shard(fs2, mesh=mesh["dp"])
+    fs2 = _fully_shard(_parallelize(Net(CKPT_WIDTHS), mesh["tp"], "mixed"), mesh["dp"], ("l1", "l2"))
     state = fs2.state_dict()
     dcp.load(state, checkpoint_id=path)
     fs2.load_state_dict(state)
@@ -279,6 +307,35 @@ def test_save_load_round_trips_and_reloads_at_another_dp_size(tmp_path):
     spmd(4, _w_save, path, timeout=TIMEOUT)
     spmd(2, _w_load_elsewhere, path, (1, 2), timeout=TIMEOUT)  # dp 1 x tp 2
     spmd(2, _w_load_elsewhere, path, (2, 1), timeout=TIMEOUT)  # dp 2 x tp 1: the TP layout itself changes
+
+
+def _w_load_fsdp2s(path: str) -> None:
+    # the other direction: torch's fully_shard + TP model saves with DCP (its state_dict() and
+    # get_model_state_dict: both DTensors on the dp + tp mesh, keyed by FQN), fsdpfn.load reads it
+    import fsdpfn
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    mesh = fsdpfn.init_mesh((2, 2), names=("dp", "tp"))
+    torch.manual_seed(0)
+    fs2 = _fully_shard(_parallelize(Net(CKPT_WIDTHS), mesh["tp"], "mixed"), mesh["dp"], ("l1", "l2"))
+    with torch.no_grad():
+        for p in fs2.parameters():
+            p.mul_(-2.0).add_(0.5)  # not what a fresh model holds, so a load that does nothing shows
+    for how, state in (("state_dict", fs2.state_dict()), ("get_model_state_dict", get_model_state_dict(fs2))):
+        dcp.save(state, checkpoint_id=f"{path}/{how}")
+        torch.manual_seed(1)  # other values in like
+        like = fsdpfn.shard(_parallelize(Net(CKPT_WIDTHS), mesh["tp"], "mixed"), mesh["dp"], units=["l1", "l2"])
+        got = fsdpfn.load(f"{path}/{how}", like)
+        full, mine = fsdpfn.full_state_dict(got, rank0_only=False), fsdpfn.to_dtensor(got)
+        assert list(full) == [n for n, _ in fs2.named_parameters()], (how, list(full))
+        for n, p in fs2.named_parameters():
+            assert (mine[n].device_mesh, mine[n].placements) == (p.device_mesh, p.placements), (how, n)
+            torch.testing.assert_close(full[n], p.full_tensor().detach(), msg=lambda m, n=n: f"{how}: {n}: {m}")
+
+
+def test_load_reads_a_checkpoint_fsdp2_tp_saved_with_dcp(tmp_path):
+    spmd(4, _w_load_fsdp2s, str(tmp_path), timeout=TIMEOUT)
 
 
 # ---- refusals: the same errors as fsdpfn.compat's (docs/errors.md compat-tp-*) ------------------------------
