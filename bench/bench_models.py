@@ -7,6 +7,8 @@
   batch 48 per rank: the model #15 measured (one the project had not tuned for).
 * ``gpt1b``: a ~1B-parameter pre-norm GPT (16 layers, d_model 2048, 16 heads, seq 1024, vocab 50304,
   untied head), batch 4 per rank: for a GPU only.
+* ``gpt_small``: the README's shape of model on a CPU scale: 4 GPT blocks (d_model 256, 4 heads, seq
+  128), vocab 8192, untied head, batch 8 per rank; the embeddings and head (~16 MiB) are the root unit.
 
 Every model keeps its units in ``model.blocks`` (a ``ModuleList``), so the unit plan is the same
 for every variant: ``blocks.0``, ``blocks.1``, ... plus the root.
@@ -49,6 +51,7 @@ MODELS: dict[str, ModelSpec] = {
     "overhead": ModelSpec("overhead", "mlp", blocks=48, width=64, hidden=256, batch=32),
     "ln_mlp": ModelSpec("ln_mlp", "mlp", blocks=12, width=384, hidden=1152, batch=48, norm=True),
     "gpt1b": ModelSpec("gpt1b", "gpt", blocks=16, width=2048, hidden=8192, batch=4, heads=16, seq=1024, vocab=50304, gpu_only=True),
+    "gpt_small": ModelSpec("gpt_small", "gpt", blocks=4, width=256, hidden=1024, batch=8, heads=4, seq=128, vocab=8192),
 }
 
 # --tiny: the same structure, small enough for a smoke test that takes a few seconds.
@@ -57,6 +60,7 @@ TINY: dict[str, ModelSpec] = {
     "overhead": ModelSpec("overhead", "mlp", blocks=4, width=8, hidden=16, batch=4),
     "ln_mlp": ModelSpec("ln_mlp", "mlp", blocks=3, width=12, hidden=36, batch=4, norm=True),
     "gpt1b": ModelSpec("gpt1b", "gpt", blocks=2, width=32, hidden=128, batch=2, heads=2, seq=16, vocab=64, gpu_only=True),
+    "gpt_small": ModelSpec("gpt_small", "gpt", blocks=2, width=32, hidden=128, batch=2, heads=2, seq=16, vocab=64),
 }
 
 
