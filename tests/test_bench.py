@@ -37,6 +37,9 @@ def test_step_benchmark_smoke(tmp_path):
         assert MEASURED_KEYS <= r.keys(), (name, r.keys())
         assert r["step_s_min"] <= r["step_s"] <= r["step_s_max"]
         assert r["peak_mib"] > 0
+        by_thread = r["cpu_by_thread_s"]  # where the step's CPU went: the Python thread computes
+        assert set(by_thread) == {"main", "gloo", "other"} and by_thread["main"] > 0
+        assert sum(by_thread.values()) <= 1.5 * r["cpu_s"] + 0.01, (by_thread, r["cpu_s"])
     for name in ("torch", "functional"):
         assert SHARDED_KEYS <= variants[name].keys(), (name, variants[name].keys())
     assert variants["torch"]["step_vs_torch"] == 1.0
