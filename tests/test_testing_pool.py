@@ -151,26 +151,6 @@ def test_fresh_pool_after_a_failure_that_communicated(fn) -> None:
     assert spmd(2, _rank_world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
-def _make_groups(n: int) -> int:
-    for _ in range(n):
-        dist.new_group([0, 1])
-    return len(dist.distributed_c10d._world.pg_names)
-
-
-def test_a_pool_holding_many_process_groups_is_retired(monkeypatch) -> None:
-    # Idle gloo groups cost CPU (a thread each, waking 100 times a second): past MAX_GROUPS the pool
-    # finishes the call, then the next call starts a fresh one.
-    first = spmd(2, _pid)
-    n = spmd(2, _make_groups, 0)[0]  # what earlier calls left on this pool (the default group at least)
-    monkeypatch.setattr(pool_mod, "MAX_GROUPS", n + 1)
-    assert spmd(2, _make_groups, 1) == [n + 1, n + 1]  # at the limit: kept
-    assert spmd(2, _pid) == first
-    assert spmd(2, _make_groups, 1) == [n + 2, n + 2]  # over it: this call's results, then retired
-    fresh = spmd(2, _pid)
-    assert not set(first) & set(fresh)
-    assert spmd(2, _make_groups, 0) == [1, 1]  # the fresh pool has the default group only
-
-
 def test_a_failure_before_any_communication_keeps_the_pool() -> None:
     # Rejecting input up front (what most error tests do) leaves the group in step: no restart.
     before = spmd(2, _pid)

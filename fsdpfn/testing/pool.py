@@ -8,8 +8,7 @@ the same ``W`` cost only the call itself.  Pools are stopped at interpreter exit
 next call starts a fresh one), except when no rank hung or died and no rank communicated at
 all during the call (no process group made, every group's sequence number unchanged, on every
 rank: as when the ranks reject their input up front): the group is then still in step and the
-pool is kept.  A pool whose workers hold more than ``MAX_GROUPS`` process groups (tests that
-build meshes leave theirs behind) is retired after the call, since idle gloo groups cost CPU.
+pool is kept.
 
 ``fn`` and ``args`` are sent with plain :mod:`pickle`, so ``fn`` must be a module-level
 function (pickled by reference, imported by the workers) and ``args`` picklable.
@@ -44,10 +43,6 @@ MAX_WORLD_SIZE = 8
 """Largest supported world size."""
 
 _GRACE_S = 2.0  # after a rank failed, how long to wait for the others
-# A worker holding more process groups than this is retired after the call: every gloo group keeps a
-# thread that wakes 100 times a second, and tests that build meshes leave theirs behind (a world-4
-# worker had gathered 113 groups halfway through the suite, using 13% of a core each while idle).
-MAX_GROUPS = 24
 _DUMP_WAIT_S = 1.0  # how long to wait for SIGUSR1 stack dumps to appear
 _EXIT_WAIT_S = 3.0  # clean shutdown: how long to wait for workers to exit
 _AUTHKEY_ENV = "FSDPFN_SPMD_AUTHKEY"  # same name in _worker.py (not imported: runpy warns)
@@ -94,7 +89,6 @@ class _Pool:
         self.world_size = world_size
         self.owner_pid = os.getpid()
         self.in_step = False  # set by a failed call that left the group in step (see spmd)
-        self.retire = False  # set by a call after which the workers hold more than MAX_GROUPS groups
         self.tmpdir = tempfile.mkdtemp(prefix=f"fsdpfn-spmd-w{world_size}-")
         self.logs = [os.path.join(self.tmpdir, f"rank{r}.log") for r in range(world_size)]
         self.conns: list[Connection | None] = [None] * world_size
@@ -331,22 +325,13 @@ def spmd(
         timeout = _env_float("FSDPFN_SPMD_TIMEOUT", 120.0)
 
     pool = _get_pool(world_size)
-    pool.in_step = pool.retire = False
+    pool.in_step = False
     try:
-        results = _call(pool, fn, payload, float(timeout), reraise)
+        return _call(pool, fn, payload, float(timeout), reraise)
     except BaseException:
         if not pool.in_step:
             _discard(world_size)  # after any failure (incl. Ctrl-C) the group may be out of sync
         raise
-    if pool.retire:  # its workers hold many process groups, idle but waking: start afresh next time
-        _discard(world_size)
-    return results
-
-
-def _status(reply: tuple) -> dict[str, Any]:
-    """The worker's status (the last element of its reply; see ``_worker._run_call``)."""
-    last = reply[-1] if reply else None
-    return last if isinstance(last, dict) else {}
 
 
 def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, reraise: bool) -> list[Any]:
@@ -391,12 +376,11 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
         if first_fail is None and (dead or any(v[0] != "ok" for v in replies.values())):
             first_fail = time.monotonic()
     if not pending and not dead and all(v[0] == "ok" for v in replies.values()):
-        pool.retire = any(_status(v).get("groups", 0) > MAX_GROUPS for v in replies.values())
         return [replies[r][1] for r in range(world)]
 
     # --- failure: build the report --------------------------------------------------------
     # Every rank answered and none communicated: no message can be pending, the pool stays usable.
-    pool.in_step = not pending and not dead and len(replies) == world and all(_status(v).get("quiet") for v in replies.values())
+    pool.in_step = not pending and not dead and len(replies) == world and all(v[-1] is True for v in replies.values())
     hung = sorted(pending)
     waited = time.monotonic() - (start if first_fail is None else first_fail)
     dumps = pool.stack_dumps(hung) if hung else {}
