@@ -10,9 +10,8 @@ Protocol (every message is ``conn.send_bytes(pickle.dumps(obj))``; plain pickle)
   ``("init_error", type_name, message, traceback_text, pickled_exc_or_None)``.
 * parent -> worker: ``("call", payload)`` where ``payload = pickle.dumps((fn, args))``,
   or ``("exit",)``.
-* worker -> parent, once per call: ``("ok", result, quiet)`` or
-  ``("error", type_name, message, traceback_text, pickled_exc_or_None, quiet)``; ``quiet``: the
-  call issued no collective or point-to-point message on any process group.
+* worker -> parent, once per call: ``("ok", result)`` or
+  ``("error", type_name, message, traceback_text, pickled_exc_or_None)``.
 
 The worker prints nothing itself.  ``faulthandler`` writes fatal-error dumps and the
 stack dumps requested with ``SIGUSR1`` to the per-worker ``--log`` file.
@@ -93,38 +92,17 @@ def error_reply(exc: BaseException, tag: str = "error", skip: int = 0) -> tuple:
     return (tag, type_name, message, tb, blob)
 
 
-def sequence_numbers() -> dict[str, int] | None:
-    """Collectives (and point-to-point messages) issued so far on each process group this process
-    belongs to, by group name; ``None`` when a group cannot tell."""
-    try:
-        from torch.distributed import distributed_c10d as c10d
-
-        return {name: pg._get_sequence_number_for_group() for pg, name in c10d._world.pg_names.items()}
-    except Exception:  # noqa: BLE001 - any doubt counts as "communicated"
-        return None
-
-
-def _quiet(before: dict[str, int] | None) -> bool:
-    # Nothing sent or received on any group, and no group made (group names come from a per-process
-    # counter: a group made on some ranks only would pair later groups wrongly).
-    return before is not None and sequence_numbers() == before
-
-
 def _run_call(payload: bytes, rank: int) -> bytes:
-    """Run one call; the reply's last element says whether it communicated at all (``quiet``): a
-    pool whose ranks all failed without communicating is still in step and can be kept."""
-    before = sequence_numbers()
     try:
         fn, args = pickle.loads(payload)
         reply: tuple = ("ok", detach_result(fn(*args)))
     except BaseException as exc:  # noqa: BLE001 - report everything, incl. SystemExit
         reply = error_reply(exc, skip=1)
-    reply = (*reply, _quiet(before))
     try:
         return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException as exc:  # noqa: BLE001
         err = TypeError(f"the result of fn on rank {rank} is not picklable: {exc!r}")
-        return pickle.dumps((*error_reply(err), False), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(error_reply(err), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def main(argv: list[str] | None = None) -> int:

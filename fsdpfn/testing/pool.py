@@ -4,11 +4,8 @@
 ``W`` worker processes (``python -m fsdpfn.testing._worker``) is started on first use;
 each worker joins a gloo process group once and then serves calls, so later calls with
 the same ``W`` cost only the call itself.  Pools are stopped at interpreter exit (or by
-:func:`shutdown_pools`).  A call in which a rank raised, hung or died discards its pool (the
-next call starts a fresh one), except when no rank hung or died and no rank communicated at
-all during the call (no process group made, every group's sequence number unchanged, on every
-rank: as when the ranks reject their input up front): the group is then still in step and the
-pool is kept.
+:func:`shutdown_pools`).  A call in which a rank raised, hung or died discards its pool;
+the next call starts a fresh one.
 
 ``fn`` and ``args`` are sent with plain :mod:`pickle`, so ``fn`` must be a module-level
 function (pickled by reference, imported by the workers) and ``args`` picklable.
@@ -88,7 +85,6 @@ class _Pool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.owner_pid = os.getpid()
-        self.in_step = False  # set by a failed call that left the group in step (see spmd)
         self.tmpdir = tempfile.mkdtemp(prefix=f"fsdpfn-spmd-w{world_size}-")
         self.logs = [os.path.join(self.tmpdir, f"rank{r}.log") for r in range(world_size)]
         self.conns: list[Connection | None] = [None] * world_size
@@ -325,12 +321,10 @@ def spmd(
         timeout = _env_float("FSDPFN_SPMD_TIMEOUT", 120.0)
 
     pool = _get_pool(world_size)
-    pool.in_step = False
     try:
         return _call(pool, fn, payload, float(timeout), reraise)
     except BaseException:
-        if not pool.in_step:
-            _discard(world_size)  # after any failure (incl. Ctrl-C) the group may be out of sync
+        _discard(world_size)  # after any failure (incl. Ctrl-C) the group may be out of sync
         raise
 
 
@@ -379,8 +373,6 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
         return [replies[r][1] for r in range(world)]
 
     # --- failure: build the report --------------------------------------------------------
-    # Every rank answered and none communicated: no message can be pending, the pool stays usable.
-    pool.in_step = not pending and not dead and len(replies) == world and all(v[-1] is True for v in replies.values())
     hung = sorted(pending)
     waited = time.monotonic() - (start if first_fail is None else first_fail)
     dumps = pool.stack_dumps(hung) if hung else {}
