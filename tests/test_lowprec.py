@@ -405,6 +405,11 @@ def test_functional_all_gather_transform_trains_like_one_process(world, sizes, f
 
 
 # --- refusals ---------------------------------------------------------------------------------------
+class _PreOnly(torch.Tensor):
+    def fsdp_pre_all_gather(self, *args, **kwargs):  # pragma: no cover - never called
+        raise AssertionError  # and no fsdp_post_all_gather: half an extension
+
+
 def _w_refusals() -> None:
     from torch.distributed.tensor import Shard
 
@@ -414,6 +419,10 @@ def _w_refusals() -> None:
     with pytest.raises(NotImplementedError, match=r"parameter 'weight' of Linear is a RowInt8 with fsdp_pre_all_gather.*dim 0"):
         fully_shard(net.l1, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
     plain = _net((4, 6, 2), (None, None))
+    half = _net((4, 6, 2), (None, None))
+    half.l1.weight = nn.Parameter(half.l1.weight.detach().as_subclass(_PreOnly))
+    with pytest.raises(ValueError, match=r"shard: parameter 'l1.weight' of Net is a _PreOnly defining only fsdp_pre_all_gather; define both"):
+        fsdpfn.shard(half, fsdpfn.init_mesh(), donate=False)  # half an extension is refused as fully_shard refuses it
     row = fsdpfn.AllGatherTransform(_row_pre, _row_post)
     with pytest.raises(ValueError, match=r"all_gather_transforms names 'l3.weight', which is not a sharded parameter"):
         fsdpfn.shard(plain, fsdpfn.init_mesh(), all_gather_transforms={"l3.weight": row}, donate=False)

@@ -22,6 +22,7 @@ from fsdpfn.compat.state import ManagedParam, UnitState, mark_sharded, set_state
 from fsdpfn.compat.tp import SpmdMesh, spmd_layout, tp_param
 from fsdpfn.core import default_mesh, mesh_groups
 from fsdpfn.layout import ShardSpec, contiguous_stride, shard_tensor
+from fsdpfn.ops.extension import extension_of
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard"]
@@ -128,7 +129,7 @@ def _shard(
                         joins.append((earlier, mod, attr))
                     continue
                 where = f"parameter {attr!r} of {type(mod).__name__}"
-                extension = _extension_of(p, where, kind)
+                extension = extension_of(p._local_tensor if isinstance(p, DTensor) else p.data, where, kind)
                 dim = shard_dim_of(p, attr, mod, shard_placement_fn, groups.world, kind)
                 if extension and (dim != 0 or isinstance(p, DTensor) or spmd is not None):
                     raise NotImplementedError(
@@ -181,18 +182,6 @@ def _shard(
             new_cls = _CLASSES.setdefault(key, made)  # rank-threads racing here all get the same class
         mod.__class__ = new_cls
     return module
-
-
-def _extension_of(p: nn.Parameter, where: str, kind: str) -> bool:
-    """Whether ``p``'s tensor subclass all-gathers in its own representation (FSDP2's extension)."""
-    data = p._local_tensor if isinstance(p, DTensor) else p.data
-    pre, post = hasattr(data, "fsdp_pre_all_gather"), hasattr(data, "fsdp_post_all_gather")
-    if pre != post:
-        raise ValueError(
-            f"{kind}: {where} is a {type(data).__name__} defining only "
-            f"{'fsdp_pre_all_gather' if pre else 'fsdp_post_all_gather'}; define both or neither"
-        )
-    return pre
 
 
 def _refuse_plain_tensors(module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from fsdpfn.layout import BucketLayout, ShardSpec
 
-__all__ = ["AllGatherTransform", "ExtensionGather", "has_extension", "shard_mesh", "subclass_transform"]
+__all__ = ["AllGatherTransform", "ExtensionGather", "extension_of", "has_extension", "shard_mesh", "subclass_transform"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,23 @@ class AllGatherTransform:
 def has_extension(t: torch.Tensor) -> bool:
     """Whether ``t``'s class defines both halves of FSDP2's all-gather extension."""
     return hasattr(t, "fsdp_pre_all_gather") and hasattr(t, "fsdp_post_all_gather")
+
+
+def extension_of(t: torch.Tensor, where: str, kind: str) -> bool:
+    """``has_extension(t)`` for a parameter being sharded (``where`` names it, ``kind`` the caller:
+    ``fully_shard`` or ``shard``); a class with only one half is refused, not gathered as plain.
+
+    Example:
+        >>> extension_of(torch.ones(2), "parameter 'w' of Linear", "shard")
+        False
+    """
+    pre, post = hasattr(t, "fsdp_pre_all_gather"), hasattr(t, "fsdp_post_all_gather")
+    if pre != post:
+        raise ValueError(
+            f"{kind}: {where} is a {type(t).__name__} defining only "
+            f"{'fsdp_pre_all_gather' if pre else 'fsdp_post_all_gather'}; define both or neither"
+        )
+    return pre
 
 
 def shard_mesh(mesh: Any) -> Any:

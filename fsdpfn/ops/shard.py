@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpfn.core import Comm, measure_link
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
-from fsdpfn.ops.extension import AllGatherTransform, has_extension, shard_mesh, subclass_transform
+from fsdpfn.ops.extension import AllGatherTransform, extension_of, shard_mesh, subclass_transform
 from fsdpfn.ops.materialize import is_meta, materialize_and_shard
 from fsdpfn.ops.placement import PlacementFn, placement_dim
 from fsdpfn.ops.tp import TPLayout, tp_layout, unwrap
@@ -300,7 +300,7 @@ def _transforms(
     subclasses defining FSDP2's extension."""
     out: dict[str, AllGatherTransform] = {}
     for fqn, p in found.items():
-        if has_extension(p.data):
+        if extension_of(p.data, f"parameter {fqn!r} of {type(module).__name__}", "shard"):
             owner = module.get_submodule(fqn.rpartition(".")[0])
             out[fqn] = subclass_transform(shard_mesh(mesh), tuple(p.shape), owner, mp_policy or MixedPrecisionPolicy())
     for fqn, t in (given or {}).items():
