@@ -203,21 +203,20 @@ class Exchange:
         slots = [out, *extra.unbind(0)]
         flat = [f.reshape(-1) for f in fulls]
         offsets = layout.offsets
-        for i, (off, spec) in enumerate(zip(offsets, layout.specs)):
-            n = rows[i][me][1] - rows[i][me][0]
+        own = [stop - start for start, stop in (r[me] for r in rows)]  # our rows of each member, in elements
+        for off, spec, n in zip(offsets, layout.specs, own):
             if n < spec.padded_numel:
                 for slot in slots:  # the peers' padding is summed into ours: keep it zero
                     slot[off + n : off + spec.padded_numel].zero_()
-        mine = [(i, rows[i][me][1] - rows[i][me][0]) for i in route.packed]
+        mine = [(i, own[i]) for i in route.packed]
         inbox_numel = sum(n for _, n in mine)
         inboxes = [out.new_empty(inbox_numel) for _ in others] if inbox_numel else []
 
         def fn(_async: bool) -> Works:
             works = []
             for i in route.alone:
-                n = rows[i][me][1] - rows[i][me][0]
+                n, off = own[i], offsets[i]
                 if n:
-                    off = offsets[i]
                     works += [self._recv(slot[off : off + n].view(torch.uint8), j, base + i) for j, slot in zip(others, slots)]
             for j, box in zip(others, inboxes):
                 works.append(self._recv(box.view(torch.uint8), j, packed_tag))
