@@ -92,6 +92,49 @@ def _unpicklable_result() -> threading.Lock:
     return threading.Lock()
 
 
+def _groups_then_new_group() -> tuple[int, int]:
+    """How many process groups this worker holds on entry, and after making one more."""
+    from torch.distributed import distributed_c10d as c10d
+
+    before = len(c10d._world.pg_map)
+    group = dist.new_group(list(range(dist.get_world_size())))
+    dist.all_reduce(torch.ones(1), group=group)
+    return before, len(c10d._world.pg_map)
+
+
+_CACHED: dict = {}  # per worker process: a group and a mesh kept across calls, as a test may cache them
+
+
+def _cached_group_and_mesh_still_work() -> float:
+    """Sum over a group and over a mesh's groups made by the first call, after a throwaway group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not _CACHED:
+        _CACHED["group"] = dist.new_group([0, 1])
+        _CACHED["mesh"] = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    dist.new_group([0, 1])  # made and dropped: what the pool tidies
+    t = torch.ones(1)
+    assert dist.get_process_group_ranks(_CACHED["group"]) == [0, 1]  # raises for a destroyed group
+    dist.all_reduce(t, group=_CACHED["group"])
+    for dim in ("a", "b"):
+        dist.all_reduce(t, group=_CACHED["mesh"].get_group(dim))
+    return t.item()
+
+
+def _hsdp_full_tensor(lib: str) -> float:
+    """A 2-D mesh, parameters sharded on it, gathered back: a later call builds an equal mesh, which
+    DTensor's caches (keyed by mesh equality) must not answer with the destroyed groups of this one."""
+    import importlib
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 6)
+    importlib.import_module(lib).fully_shard(model, mesh=mesh)
+    return model.weight.detach().full_tensor().sum().item()  # the seeded weight, whole again
+
+
 # --- tests --------------------------------------------------------------------------------
 
 
@@ -130,6 +173,33 @@ def test_fresh_pool_after_failure() -> None:
     assert not set(before) & set(after)
     assert spmd(2, _pid) == after  # and the fresh pool is kept
     assert spmd(2, _rank_world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+def test_the_groups_calls_create_are_destroyed_between_calls() -> None:
+    from fsdpfn.testing._worker import TIDY_ABOVE
+
+    held = [spmd(2, _groups_then_new_group) for _ in range(TIDY_ABOVE + 3)]
+    assert all(after == before + 1 for call in held for before, after in call), held
+    counts = [call[0][0] for call in held]  # groups on entry: the pool's own plus the ones kept
+    assert max(counts) <= 1 + TIDY_ABOVE, counts  # bounded: without tidying they only grow
+    assert any(b < a for a, b in zip(counts, counts[1:])), counts
+
+
+def test_groups_and_meshes_kept_across_calls_are_not_destroyed() -> None:
+    from fsdpfn.testing._worker import TIDY_ABOVE
+
+    for i in range(TIDY_ABOVE + 3):  # the throwaway groups make the pool tidy on the way
+        assert spmd(2, _cached_group_and_mesh_still_work) == [4.0, 4.0], i
+
+
+@pytest.mark.parametrize("libs", [("torch.distributed.fsdp", "fsdpfn.compat"), ("fsdpfn.compat",)])
+def test_an_equal_mesh_in_a_later_call_gets_live_groups(libs) -> None:
+    from fsdpfn.testing._worker import TIDY_ABOVE
+
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(4, 6).weight.detach().sum().item()
+    for i in range(TIDY_ABOVE // 2 + 2):  # two groups per call: the pool tidies on the way
+        assert spmd(4, _hsdp_full_tensor, libs[i % len(libs)]) == pytest.approx([expected] * 4), i
 
 
 def test_exception_type_preserved_and_rank_named() -> None:

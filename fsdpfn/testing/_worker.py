@@ -9,7 +9,7 @@ Protocol (every message is ``conn.send_bytes(pickle.dumps(obj))``; plain pickle)
 * worker -> parent: ``("hello", rank, pid)``, then ``("ready",)`` or
   ``("init_error", type_name, message, traceback_text, pickled_exc_or_None)``.
 * parent -> worker: ``("call", payload)`` where ``payload = pickle.dumps((fn, args))``,
-  or ``("exit",)``.
+  ``("tidy",)`` (no reply: sent once every rank has answered a call; see ``_tidy_groups``), or ``("exit",)``.
 * worker -> parent, once per call: ``("ok", result)`` or
   ``("error", type_name, message, traceback_text, pickled_exc_or_None)``.
 
@@ -105,6 +105,90 @@ def _run_call(payload: bytes, rank: int) -> bytes:
         return pickle.dumps(error_reply(err), protocol=pickle.HIGHEST_PROTOCOL)
 
 
+TIDY_ABOVE = 16  # call-made process groups a worker may hold before it destroys the unused ones
+
+
+def _tidy_groups(keep: set) -> None:
+    """Destroy the process groups calls made and nothing uses any more, once there are more than
+    ``TIDY_ABOVE`` of them.
+
+    Meshes and ``new_group`` calls inside calls leave gloo groups behind, and every group keeps
+    transport threads that wake many times a second: a world-4 worker that had served a few hundred
+    calls held ~100 groups and spent 11-18% of a core idle.  This runs between calls, after every rank
+    returned, and locally (destroying a group communicates nothing).  Kept: groups a live
+    ``DeviceMesh`` names or a live object holds (a mesh or group a test caches across calls), and
+    groups named by a hash of their ranks (``new_group(..., use_local_synchronization=True)``, as
+    FSDP2's separate reduce-scatter group): a later group over the same ranks takes the same name and
+    rendezvous keys, and would read the destroyed one's stale addresses.
+    """
+    import gc
+    import types
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = c10d._world
+    made = [g for g in list(world.pg_map) if g not in keep and world.pg_names.get(g, "").isdigit()]
+    if len(made) <= TIDY_ABOVE:
+        return
+    _forget_meshes()  # DTensor's caches hold the meshes of finished calls alive
+    gc.collect()  # and their modules sit in reference cycles
+    named: set[str] = set()
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DeviceMesh):
+            names = getattr(obj, "_dim_group_names", None)
+            if names is None:  # a torch whose meshes keep groups differently: destroy nothing
+                return
+            named.update(n for n in names if n is not None)
+    candidates = [g for g in made if world.pg_names[g] not in named]
+    registries = [world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag]
+    registries += [getattr(world, "pg_coalesce_state", None), made, candidates, *world.tags_to_pg.values()]
+    ignore = {id(r) for r in registries if r is not None}
+    held: set[int] = set()
+    for ref in gc.get_referrers(*candidates):
+        if id(ref) not in ignore and not isinstance(ref, types.FrameType):
+            held.update(id(x) for x in gc.get_referents(ref))
+    unused = [g for g in candidates if id(g) not in held]
+    for group in unused:
+        try:
+            dist.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - a group torch already dropped
+            pass
+
+
+def _forget_meshes() -> None:
+    """Clear DTensor's caches (and anything else in ``torch.distributed.tensor`` that caches).
+
+    DTensor caches redistribution planners, mesh topologies and sharding propagation by mesh
+    *equality* (layout and names, not groups): they keep finished calls' meshes alive, and would hand
+    a later call's equal mesh results naming the groups destroyed here.  Clearing a cache only costs
+    recomputation, so every one found is cleared rather than a list that changes with torch versions.
+    """
+    import torch
+
+    clears = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(("torch.distributed.tensor", "torch.distributed.device_mesh")):
+            continue
+        for obj in list(vars(module).values()):
+            clears.append(getattr(obj, "cache_clear", None))
+            if isinstance(obj, type) and obj.__module__ == name:
+                for attr in list(vars(obj).values()):
+                    clears.append(getattr(getattr(attr, "__func__", attr), "cache_clear", None))
+        clears.append(getattr(module, "clear_redistribute_planner_cache", None))
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    propagator = getattr(getattr(getattr(dtensor, "DTensor", None), "_op_dispatcher", None), "sharding_propagator", None)
+    clears.append(getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None))
+    clears.append(getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None))  # the C++ fast path's
+    for clear in clears:
+        if callable(clear):
+            try:
+                clear()
+            except Exception:  # noqa: BLE001 - a cache_clear that wants arguments is not one of these
+                pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one pool worker; returns the process exit code."""
     parser = argparse.ArgumentParser(prog="python -m fsdpfn.testing._worker")
@@ -143,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:  # noqa: BLE001
         _send(conn, error_reply(exc, tag="init_error"))
         return 2
+    from torch.distributed import distributed_c10d as c10d
+
+    keep = set(c10d._world.pg_map)  # the pool's own group(s); everything later is a call's
     _send(conn, ("ready",))
 
     while True:
@@ -152,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             break
         if msg[0] == "exit":
             break
+        if msg[0] == "tidy":
+            _tidy_groups(keep)
+            continue
         if msg[0] == "call":
             try:
                 conn.send_bytes(_run_call(msg[1], ns.rank))

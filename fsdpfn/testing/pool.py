@@ -3,7 +3,9 @@
 :func:`spmd` is the entry point for multi-rank tests.  For each world size ``W`` a pool of
 ``W`` worker processes (``python -m fsdpfn.testing._worker``) is started on first use;
 each worker joins a gloo process group once and then serves calls, so later calls with
-the same ``W`` cost only the call itself.  Pools are stopped at interpreter exit (or by
+the same ``W`` cost only the call itself.  Between calls, a worker holding more than a few
+process groups that calls created (meshes, ``new_group``) destroys those nothing refers to any
+more (idle gloo groups cost CPU); a group or mesh kept across calls stays.  Pools are stopped at interpreter exit (or by
 :func:`shutdown_pools`).  A call in which a rank raised, hung or died discards its pool;
 the next call starts a fresh one.
 
@@ -283,6 +285,8 @@ def spmd(
     Returns the ranks' results, index = rank (tensors come back detached).  Inside ``fn``
     the default process group is the pool's: ``torch.distributed.get_rank()`` is the rank.
     ``fn`` must be a module-level function and ``args`` picklable (plain :mod:`pickle`).
+    Process groups ``fn`` creates and drops (meshes, ``new_group``) are destroyed after some
+    later call, once every rank has returned; groups and meshes kept alive across calls stay.
 
     Failures (the pool is then discarded and the next call starts a fresh one):
 
@@ -370,6 +374,9 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
         if first_fail is None and (dead or any(v[0] != "ok" for v in replies.values())):
             first_fail = time.monotonic()
     if not pending and not dead and all(v[0] == "ok" for v in replies.values()):
+        for conn in conns:  # every rank is done with the call's process groups: they may go
+            with contextlib.suppress(OSError):  # a worker that died now is found by the next call
+                _send(conn, ("tidy",))
         return [replies[r][1] for r in range(world)]
 
     # --- failure: build the report --------------------------------------------------------
