@@ -108,9 +108,11 @@ def _run_call(payload: bytes, rank: int) -> bytes:
 TIDY_ABOVE = 16  # call-made process groups a worker may hold before it destroys the unused ones
 
 
-def _tidy_groups(keep: set) -> None:
+def _tidy_groups(keep: set, held_before: int) -> int:
     """Destroy the process groups calls made and nothing uses any more, once there are more than
-    ``TIDY_ABOVE`` of them.
+    ``TIDY_ABOVE`` of them besides the ``held_before`` that the last tidy found in use.  Returns how
+    many call-made groups are left (the next call's ``held_before``): groups a test keeps alive do
+    not make every later call scan the heap.
 
     Meshes and ``new_group`` calls inside calls leave gloo groups behind, and every group keeps
     transport threads that wake many times a second: a world-4 worker that had served a few hundred
@@ -130,8 +132,8 @@ def _tidy_groups(keep: set) -> None:
 
     world = c10d._world
     made = [g for g in list(world.pg_map) if g not in keep and world.pg_names.get(g, "").isdigit()]
-    if len(made) <= TIDY_ABOVE:
-        return
+    if len(made) <= held_before + TIDY_ABOVE:
+        return held_before
     _forget_meshes()  # DTensor's caches hold the meshes of finished calls alive
     gc.collect()  # and their modules sit in reference cycles
     named: set[str] = set()
@@ -139,7 +141,7 @@ def _tidy_groups(keep: set) -> None:
         if issubclass(type(obj), DeviceMesh):
             names = getattr(obj, "_dim_group_names", None)
             if names is None:  # a torch whose meshes keep groups differently: destroy nothing
-                return
+                return len(made)
             named.update(n for n in names if n is not None)
     candidates = [g for g in made if world.pg_names[g] not in named]
     registries = [world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config, world.pg_to_tag]
@@ -155,6 +157,7 @@ def _tidy_groups(keep: set) -> None:
             dist.destroy_process_group(group)
         except Exception:  # noqa: BLE001 - a group torch already dropped
             pass
+    return len(made) - len(unused)
 
 
 def _forget_meshes() -> None:
@@ -230,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import distributed_c10d as c10d
 
     keep = set(c10d._world.pg_map)  # the pool's own group(s); everything later is a call's
+    held = 0  # call-made groups the last tidy found in use
     _send(conn, ("ready",))
 
     while True:
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         if msg[0] == "exit":
             break
         if msg[0] == "tidy":
-            _tidy_groups(keep)
+            held = _tidy_groups(keep, held)
             continue
         if msg[0] == "call":
             try:
