@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdpfn.testing import pool as pool_mod
+from fsdpfn.testing._worker import TIDY_ABOVE
 from fsdpfn.testing.pool import SpmdError, SpmdTimeout, shutdown_pools, spmd
 
 Pair = collections.namedtuple("Pair", ["a", "b"])
@@ -176,8 +177,6 @@ def test_fresh_pool_after_failure() -> None:
 
 
 def test_the_groups_calls_create_are_destroyed_between_calls() -> None:
-    from fsdpfn.testing._worker import TIDY_ABOVE
-
     held = [spmd(2, _groups_then_new_group) for _ in range(TIDY_ABOVE + 3)]
     assert all(after == before + 1 for call in held for before, after in call), held
     counts = [call[0][0] for call in held]  # groups on entry: the pool's own, those in use, the dropped
@@ -186,16 +185,12 @@ def test_the_groups_calls_create_are_destroyed_between_calls() -> None:
 
 
 def test_groups_and_meshes_kept_across_calls_are_not_destroyed() -> None:
-    from fsdpfn.testing._worker import TIDY_ABOVE
-
     for i in range(TIDY_ABOVE + 3):  # the throwaway groups make the pool tidy on the way
         assert spmd(2, _cached_group_and_mesh_still_work) == [4.0, 4.0], i
 
 
 @pytest.mark.parametrize("libs", [("torch.distributed.fsdp", "fsdpfn.compat"), ("fsdpfn.compat",)])
 def test_an_equal_mesh_in_a_later_call_gets_live_groups(libs) -> None:
-    from fsdpfn.testing._worker import TIDY_ABOVE
-
     torch.manual_seed(0)
     expected = torch.nn.Linear(4, 6).weight.detach().sum().item()
     for i in range(TIDY_ABOVE // 2 + 2):  # two groups per call: the pool tidies on the way

@@ -181,7 +181,8 @@ def _forget_meshes() -> None:
                     clears.append(getattr(getattr(attr, "__func__", attr), "cache_clear", None))
         clears.append(getattr(module, "clear_redistribute_planner_cache", None))
     dtensor = sys.modules.get("torch.distributed.tensor")
-    propagator = getattr(getattr(getattr(dtensor, "DTensor", None), "_op_dispatcher", None), "sharding_propagator", None)
+    dispatcher = getattr(getattr(dtensor, "DTensor", None), "_op_dispatcher", None)
+    propagator = getattr(dispatcher, "sharding_propagator", None)
     clears.append(getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None))
     clears.append(getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None))  # the C++ fast path's
     for clear in clears:

@@ -5,9 +5,9 @@
 each worker joins a gloo process group once and then serves calls, so later calls with
 the same ``W`` cost only the call itself.  Between calls, a worker holding more than a few
 process groups that calls created (meshes, ``new_group``) destroys those nothing refers to any
-more (idle gloo groups cost CPU); a group or mesh kept across calls stays.  Pools are stopped at interpreter exit (or by
-:func:`shutdown_pools`).  A call in which a rank raised, hung or died discards its pool;
-the next call starts a fresh one.
+more (idle gloo groups cost CPU); a group or mesh kept across calls stays.  Pools are stopped
+at interpreter exit (or by :func:`shutdown_pools`).  A call in which a rank raised, hung or
+died discards its pool; the next call starts a fresh one.
 
 ``fn`` and ``args`` are sent with plain :mod:`pickle`, so ``fn`` must be a module-level
 function (pickled by reference, imported by the workers) and ``args`` picklable.
