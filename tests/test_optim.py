@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -21,7 +22,7 @@ from fsdpfn.testing.models import ParamTree
 F64 = (torch.float64,)
 LOW = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 K = 3
-_MESHES: dict = {}  # per worker process: meshes are reused across examples
+_MESHES: dict = {}  # per worker process and default group: meshes are reused across examples
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,12 @@ class Decay:
 
 
 def _mesh(shape=None):
-    if shape not in _MESHES:
-        _MESHES[shape] = fsdpfn.init_mesh(shape)
-    return _MESHES[shape]
+    key = (shape, dist.group.WORLD)  # a call that raised renews the pool's groups: its meshes go too
+    if key not in _MESHES:
+        for stale in [k for k in _MESHES if k[1] is not key[1]]:
+            del _MESHES[stale]
+        _MESHES[key] = fsdpfn.init_mesh(shape)
+    return _MESHES[key]
 
 
 def _full_grads(model: torch.nn.Module, seed: int, k: int, p_drop: float) -> dict[str, torch.Tensor | None]:

@@ -53,6 +53,24 @@ def _raise_alone_on_rank1() -> None:
         raise ValueError("only rank 1")
 
 
+def _send_then_raise(value: float) -> None:
+    """Rank 0 sends ``value`` (tag 7) that rank 1 never receives; both raise."""
+    if dist.get_rank() == 0:
+        dist.isend(torch.tensor([value]), dst=1, tag=7)
+    raise ValueError("after sending")
+
+
+def _exchange_tag7(value: float) -> float:
+    """Rank 0 sends ``value`` with tag 7 to rank 1; every rank returns what rank 1 received."""
+    t = torch.tensor([value if dist.get_rank() == 0 else -1.0])
+    if dist.get_rank() == 0:
+        dist.send(t, dst=1, tag=7)
+    else:
+        dist.recv(t, src=0, tag=7)
+    dist.broadcast(t, src=1)
+    return t.item()
+
+
 def _raise_different_types() -> None:
     raise (KeyError if dist.get_rank() == 0 else ValueError)("boom")
 
@@ -166,13 +184,25 @@ def test_tensors_come_back_detached() -> None:
         assert res["n"] == 7
 
 
-def test_fresh_pool_after_failure() -> None:
+def test_a_call_that_raised_leaves_the_workers_with_fresh_groups() -> None:
     before = spmd(2, _pid)
     with pytest.raises(ValueError, match="only rank 1"):
         spmd(2, _raise_alone_on_rank1)
+    assert spmd(2, _pid) == before  # the same workers: no new pool to start
+    assert spmd(2, _rank_world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
+    # a message the failed call sent and nobody received is not taken by a later receive
+    with pytest.raises(ValueError, match="after sending"):
+        spmd(2, _send_then_raise, 1.0)
+    assert spmd(2, _exchange_tag7, 2.0) == [2.0, 2.0]
+    assert spmd(2, _pid) == before
+
+
+def test_a_hang_discards_the_pool() -> None:
+    before = spmd(2, _pid)
+    with pytest.raises(SpmdTimeout):
+        spmd(2, _lonely_all_reduce, timeout=3)
     after = spmd(2, _pid)
     assert not set(before) & set(after)
-    assert spmd(2, _pid) == after  # and the fresh pool is kept
     assert spmd(2, _rank_world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 

@@ -9,9 +9,12 @@ Protocol (every message is ``conn.send_bytes(pickle.dumps(obj))``; plain pickle)
 * worker -> parent: ``("hello", rank, pid)``, then ``("ready",)`` or
   ``("init_error", type_name, message, traceback_text, pickled_exc_or_None)``.
 * parent -> worker: ``("call", payload)`` where ``payload = pickle.dumps((fn, args))``,
-  ``("tidy",)`` (no reply: sent once every rank has answered a call; see ``_tidy_groups``), or ``("exit",)``.
+  ``("tidy",)`` (no reply: sent once every rank has answered a call; see ``_tidy_groups``),
+  ``("renew", init_method)`` (sent after a call in which ranks raised but every rank answered; see
+  ``_renew_groups``), or ``("exit",)``.
 * worker -> parent, once per call: ``("ok", result)`` or
-  ``("error", type_name, message, traceback_text, pickled_exc_or_None)``.
+  ``("error", type_name, message, traceback_text, pickled_exc_or_None)``; once per renew:
+  ``("renewed",)`` or ``("renew_error", ...)`` (the worker then exits).
 
 The worker prints nothing itself.  ``faulthandler`` writes fatal-error dumps and the
 stack dumps requested with ``SIGUSR1`` to the per-worker ``--log`` file.
@@ -160,6 +163,32 @@ def _tidy_groups(keep: set, held_before: int) -> int:
     return len(made) - len(unused)
 
 
+def _renew_groups(rank: int, world_size: int, init_method: str) -> None:
+    """Destroy every process group and join a fresh default group at ``init_method``.
+
+    After a call in which ranks raised, the groups may hold what the call left behind: point-to-point
+    messages a rank sent and its peer never received (a later receive with the same tag would take
+    them), or collective counters that differ between ranks. New groups have new connections, so
+    nothing crosses over, and the worker keeps its imported modules (starting a process costs
+    seconds). Meshes and groups a test cached across calls do not survive this.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()  # the failed call's tensors, works and meshes sit in cycles with its frames
+    _forget_meshes()
+    dist.destroy_process_group()  # every group, the default one included
+    _init_default_group(rank, world_size, init_method)
+
+
+def _init_default_group(rank: int, world_size: int, init_method: str) -> None:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV) or 60))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=init_method, timeout=timeout)
+
+
 def _forget_meshes() -> None:
     """Clear DTensor's caches (and anything else in ``torch.distributed.tensor`` that caches).
 
@@ -220,14 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        timeout = datetime.timedelta(seconds=float(os.environ.get(PG_TIMEOUT_ENV) or 60))
-        dist.init_process_group(
-            "gloo",
-            rank=ns.rank,
-            world_size=ns.world_size,
-            init_method=ns.init_method,
-            timeout=timeout,
-        )
+        _init_default_group(ns.rank, ns.world_size, ns.init_method)
     except BaseException as exc:  # noqa: BLE001
         _send(conn, error_reply(exc, tag="init_error"))
         return 2
@@ -246,6 +268,15 @@ def main(argv: list[str] | None = None) -> int:
             break
         if msg[0] == "tidy":
             held = _tidy_groups(keep, held)
+            continue
+        if msg[0] == "renew":
+            try:
+                _renew_groups(ns.rank, ns.world_size, msg[1])
+            except BaseException as exc:  # noqa: BLE001 - the parent discards the pool
+                _send(conn, error_reply(exc, tag="renew_error"))
+                return 3
+            keep, held = set(c10d._world.pg_map), 0
+            _send(conn, ("renewed",))
             continue
         if msg[0] == "call":
             try:

@@ -6,8 +6,10 @@ each worker joins a gloo process group once and then serves calls, so later call
 the same ``W`` cost only the call itself.  Between calls, a worker holding more than a few
 process groups that calls created (meshes, ``new_group``) destroys those nothing refers to any
 more (idle gloo groups cost CPU); a group or mesh kept across calls stays.  Pools are stopped
-at interpreter exit (or by :func:`shutdown_pools`).  A call in which a rank raised, hung or
-died discards its pool; the next call starts a fresh one.
+at interpreter exit (or by :func:`shutdown_pools`).  After a call in which ranks raised but
+every rank answered, the workers destroy all their process groups and join a fresh default
+group (a second, not the seconds a new pool takes to start); a call in which a rank hung or
+died discards its pool, and the next call starts a fresh one.
 
 ``fn`` and ``args`` are sent with plain :mod:`pickle`, so ``fn`` must be a module-level
 function (pickled by reference, imported by the workers) and ``args`` picklable.
@@ -44,6 +46,7 @@ MAX_WORLD_SIZE = 8
 _GRACE_S = 2.0  # after a rank failed, how long to wait for the others
 _DUMP_WAIT_S = 1.0  # how long to wait for SIGUSR1 stack dumps to appear
 _EXIT_WAIT_S = 3.0  # clean shutdown: how long to wait for workers to exit
+_RENEW_S = 10.0  # how long renewing the process groups may take (~1 s) before the pool is discarded
 _AUTHKEY_ENV = "FSDPFN_SPMD_AUTHKEY"  # same name in _worker.py (not imported: runpy warns)
 _POOLS: dict[int, _Pool] = {}
 
@@ -91,6 +94,7 @@ class _Pool:
         self.logs = [os.path.join(self.tmpdir, f"rank{r}.log") for r in range(world_size)]
         self.conns: list[Connection | None] = [None] * world_size
         self.procs: list[subprocess.Popen] = []
+        self.all_answered = False  # whether every rank answered the last call (set by _call)
         authkey = secrets.token_bytes(32)
         self.listener = Listener(("127.0.0.1", 0), backlog=2 * MAX_WORLD_SIZE, authkey=authkey)
         host, port = self.listener.address
@@ -138,6 +142,32 @@ class _Pool:
                 ready.add(rank)
                 self.conns[rank] = obj
         return None
+
+    def renew(self) -> bool:
+        """Have every worker destroy its process groups and join a fresh default group (after a
+        call in which ranks raised and every rank answered); False if any did not within
+        ``_RENEW_S`` seconds (the caller then discards the pool)."""
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        conns = [c for c in self.conns if c is not None]
+        try:
+            for conn in conns:
+                _send(conn, ("renew", init_method))
+        except OSError:
+            return False
+        deadline = time.monotonic() + _RENEW_S
+        pending = set(conns)
+        while pending:
+            if time.monotonic() > deadline:
+                return False
+            for conn in wait(list(pending), timeout=0.1):
+                try:
+                    msg = _recv(conn)  # type: ignore[arg-type]
+                except (EOFError, OSError):
+                    return False
+                if msg[0] != "renewed":
+                    return False
+                pending.discard(conn)  # type: ignore[arg-type]
+        return True
 
     def ask_exit(self) -> None:
         """Ask the workers to leave their serving loop and exit."""
@@ -286,9 +316,13 @@ def spmd(
     the default process group is the pool's: ``torch.distributed.get_rank()`` is the rank.
     ``fn`` must be a module-level function and ``args`` picklable (plain :mod:`pickle`).
     Process groups ``fn`` creates and drops (meshes, ``new_group``) are destroyed after some
-    later call, once every rank has returned; groups and meshes kept alive across calls stay.
+    later call, once every rank has returned; groups and meshes kept alive across calls stay
+    until a call fails (then every group is destroyed: a cache of meshes must notice that, e.g.
+    by keying on ``torch.distributed.group.WORLD``).
 
-    Failures (the pool is then discarded and the next call starts a fresh one):
+    Failures (after one where every rank answered, the workers' process groups are destroyed
+    and a fresh default group is made; otherwise the pool is discarded and the next call
+    starts a fresh one):
 
     * Some ranks raised: if ``reraise`` and all of them raised the same exception type
       (and no rank died), a new exception of that type is raised, with message
@@ -327,13 +361,22 @@ def spmd(
     pool = _get_pool(world_size)
     try:
         return _call(pool, fn, payload, float(timeout), reraise)
-    except BaseException:
-        _discard(world_size)  # after any failure (incl. Ctrl-C) the group may be out of sync
+    except BaseException as exc:
+        # The groups may be out of sync now (unreceived messages, unequal collective counts). If
+        # every rank answered, fresh groups in the same workers fix that; otherwise (a hang, a
+        # death, Ctrl-C) the pool goes.
+        renewed = False
+        try:
+            renewed = pool.all_answered and isinstance(exc, Exception) and pool.renew()
+        finally:
+            if not renewed:
+                _discard(world_size)
         raise
 
 
 def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, reraise: bool) -> list[Any]:
     world = pool.world_size
+    pool.all_answered = False
     conns: list[Connection] = [c for c in pool.conns if c is not None]
     replies: dict[int, tuple] = {}
     dead: dict[int, int | None] = {}
@@ -381,6 +424,7 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
 
     # --- failure: build the report --------------------------------------------------------
     hung = sorted(pending)
+    pool.all_answered = not hung and not dead
     waited = time.monotonic() - (start if first_fail is None else first_fail)
     dumps = pool.stack_dumps(hung) if hung else {}
     raised = {r: v for r, v in sorted(replies.items()) if v[0] != "ok"}
