@@ -159,14 +159,16 @@ def _compare(recipe, units, world, reshard, fuse, mp, ckpt=False, every_regather
 
 @settings(max_examples=5, **COMPILED)
 @given(
-    recipe=fst.model_recipes(kinds=("transformer",), min_width=2, min_seq=2),
     world=fst.world_sizes(1, 3),
     reshard=st.booleans(),
     fuse=st.sampled_from([None, 2048]),
     mp=st.booleans(),
     data=st.data(),
 )
-def test_traced_step_equals_the_eager_step(recipe, world, reshard, fuse, mp, data):
+def test_traced_step_equals_the_eager_step(world, reshard, fuse, mp, data):
+    # In bf16 a LayerNorm over two features is ill-conditioned (its two outputs are +-1, and which
+    # is which flips with a rounding): such a model differs between any two summation orders.
+    recipe = data.draw(fst.model_recipes(kinds=("transformer",), min_width=4 if mp else 2, min_seq=2), label="recipe")
     units = data.draw(fst.unit_plans(recipe))
     _compare(recipe, units, world, reshard, fuse, mp)
 
