@@ -10,25 +10,21 @@ gathered values back so the recompute never sees the module's stale parameters.
 
 from __future__ import annotations
 
-import os
-import sys
 import weakref
 from collections.abc import Callable
-from types import FrameType
 from typing import Any
 
 import torch
-import torch.utils._pytree as tree
 from torch import nn
 
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
-from fsdpfn.ops.api import check_shards, gather_collective, reduce_scale
+from fsdpfn.ops.api import reduce_scale
 from fsdpfn.transform.call import Call, OpenCall
 from fsdpfn.transform.casting import cast_inputs, cast_output
-from fsdpfn.transform.eager import eager, stable_graph_choice, under_compile
+from fsdpfn.transform.eager import caller_frame, eager, on_stack, stable_graph_choice, under_compile
 from fsdpfn.transform.recompute import BackwardSwaps
-from fsdpfn.transform.remat import RematSpec, remat, unflatten_out
+from fsdpfn.transform.remat import override_forwards
 from fsdpfn.transform.traced import enter_unit, exit_unit, run_traced
 
 __all__ = ["Apply", "fsdp"]
@@ -179,10 +175,10 @@ class Apply:
         call.remat = self.reshard_after_forward and functorch and _only_grad_transforms()
         call.released = self._recompute.leave
         self._install_hooks(plan)
-        opened = OpenCall(call, anchor=_caller_frame() if traced else None)
+        opened = OpenCall(call, anchor=caller_frame() if traced else None)
         self._forward.append(opened)
         try:
-            opened.overridden = self._override_forwards(call) if call.remat else []
+            opened.overridden = override_forwards(self, call) if call.remat else []
             if call.reshard:
                 opened.hooks = torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack)
                 opened.hooks.__enter__()
@@ -229,7 +225,7 @@ class Apply:
     def close_stale(self) -> bool:
         """Close the calls whose traced forward raised (the frame that began them is gone, so they can
         never end); true if there were any."""
-        stale = [o for o in self._forward if o.anchor is not None and not _on_stack(o.anchor)]
+        stale = [o for o in self._forward if o.anchor is not None and not on_stack(o.anchor)]
         for o in reversed(stale):
             self.close(o)
         return bool(stale)
@@ -390,50 +386,6 @@ class Apply:
 
         return hook
 
-    # --- remat (torch.func gradient transforms) ---------------------------------------------------
-    def _override_forwards(self, call: Call) -> list[tuple[nn.Module, bool, Any]]:
-        """Route every outermost non-root unit's forward through ``remat`` for this call."""
-        plan = call.plan
-        names = [u.name for u in plan.units if u.name]
-        outer = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
-        done = []
-        for name in outer:
-            mod = self.module.get_submodule(name)
-            had = "forward" in mod.__dict__
-            old = mod.__dict__.get("forward")
-            inner = tuple(plan.unit(n) for n in names if n == name or n.startswith(name + "."))
-            mod.forward = self._remat_forward(call, name, inner, mod.forward)
-            done.append((mod, had, old))
-        return done
-
-    def _remat_forward(self, call: Call, name: str, units: tuple[Any, ...], orig: Callable[..., Any]) -> Callable[..., Any]:
-        plan = call.plan
-
-        @eager  # a compiled unit under torch.func runs eagerly: dynamo cannot trace remat under functorch
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            b = gather_collective(plan, units, call.scale)
-            shards = check_shards(call.params, b.fqns)
-            flat, in_tree = tree.tree_flatten((args, kwargs))
-            where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
-
-            def run(full: dict[str, torch.Tensor], tensors: Any) -> Any:
-                leaves = list(flat)
-                for i, t in zip(where, tensors):
-                    leaves[i] = t
-                a, kw = cast_inputs(plan, *tree.tree_unflatten(leaves, in_tree), name)
-                swapped = [s for u in units for s in self._swap(plan, full, u.name)]
-                self._remat_depth += 1
-                try:
-                    return orig(*a, **kw)
-                finally:
-                    self._remat_depth -= 1
-                    self._restore(swapped)
-
-            spec = RematSpec(b, run, tuple(plan.requires_grad[f] for f in b.fqns), len(shards))
-            return unflatten_out(spec, remat.apply(spec, *shards, *(flat[i] for i in where)))
-
-        return forward
-
     def _recompute_call(self, name: str) -> Call | None:
         calls = [c for c in self._backward if any(u.name == name for u in c.plan.units)]
         if not calls:
@@ -446,29 +398,6 @@ class Apply:
                     "over different parameter trees await backward; run backward before the next forward"
                 )
         return first
-
-
-_INTERNAL = tuple(
-    os.path.dirname(os.path.abspath(f)) + os.sep for f in (os.path.dirname(__file__), torch._dynamo.__file__)
-)
-
-
-def _caller_frame() -> FrameType:
-    """The nearest frame outside fsdpfn and torch's compile wrappers: it lives exactly as long as the
-    outermost call into fsdpfn does, however dynamo split that call into compiled pieces."""
-    f = sys._getframe(1)
-    while f.f_back is not None and os.path.abspath(f.f_code.co_filename).startswith(_INTERNAL):
-        f = f.f_back
-    return f
-
-
-def _on_stack(frame: FrameType) -> bool:
-    f: FrameType | None = sys._getframe(1)
-    while f is not None:
-        if f is frame:
-            return True
-        f = f.f_back
-    return False
 
 
 @eager

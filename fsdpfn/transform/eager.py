@@ -8,12 +8,15 @@ units' own compute. The reason dynamo reports says so, and names the one mode wi
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["REASON", "eager", "stable_graph_choice", "under_compile"]
+__all__ = ["REASON", "caller_frame", "eager", "on_stack", "stable_graph_choice", "under_compile"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,3 +68,39 @@ def stable_graph_choice() -> None:
     setter = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "_set_lru_cache", None)
     if setter is not None:
         setter(False)
+
+
+_INTERNAL = tuple(
+    os.path.dirname(os.path.abspath(f)) + os.sep for f in (os.path.dirname(__file__), torch._dynamo.__file__)
+)
+
+
+def caller_frame() -> FrameType:
+    """The nearest frame outside fsdpfn and torch's compile wrappers: it lives exactly as long as the
+    outermost call into fsdpfn does, however dynamo split that call into compiled pieces.
+
+    Example:
+        >>> on_stack(caller_frame())
+        True
+    """
+    f = sys._getframe(1)
+    while f.f_back is not None and os.path.abspath(f.f_code.co_filename).startswith(_INTERNAL):
+        f = f.f_back
+    return f
+
+
+def on_stack(frame: FrameType) -> bool:
+    """Whether ``frame`` is still running (on the calling thread's stack): a traced call whose
+    frame is gone raised, and can be closed.
+
+    Example:
+        >>> import sys
+        >>> on_stack(sys._getframe())
+        True
+    """
+    f: FrameType | None = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False

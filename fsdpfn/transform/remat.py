@@ -6,21 +6,30 @@ saved tensors away. Instead each non-root unit's forward runs inside ``remat``, 
 drops the gathered copy, saving only the unit's shards and inputs; its backward gathers the unit again,
 recomputes just that unit with a graph, and returns the input gradients and the reduced shard gradients.
 ``apply`` uses it automatically when every active ``torch.func`` transform is a gradient transform
-(``grad``, ``vjp``, ``grad_and_value``); under ``jvp``/``vmap`` the units simply stay gathered.
+(``grad``, ``vjp``, ``grad_and_value``): ``override_forwards`` routes the units' forwards through it for
+one call. Under ``jvp``/``vmap`` the units simply stay gathered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as tree
+from torch import nn
 
+from fsdpfn.ops.api import check_shards, gather_collective
 from fsdpfn.ops.functions import Buckets, apply_buckets
+from fsdpfn.transform.casting import cast_inputs
+from fsdpfn.transform.eager import eager
 
-__all__ = ["RematSpec", "remat"]
+if TYPE_CHECKING:
+    from fsdpfn.transform.apply import Apply
+    from fsdpfn.transform.call import Call
+
+__all__ = ["RematSpec", "override_forwards", "remat"]
 
 
 @dataclass(eq=False)
@@ -100,3 +109,47 @@ class remat(torch.autograd.Function):  # noqa: N801 - public name from the desig
         reduced = dict(zip(reduce.fqns, apply_buckets(reduce, [param_grads.get(f) for f in reduce.fqns])))
         it = iter(input_grads)
         return (None, *(reduced.get(f) for f in spec.gather.fqns), *(next(it) if n else None for n in needs))
+
+
+def override_forwards(apply: Apply, call: Call) -> list[tuple[nn.Module, bool, Any]]:
+    """Route every outermost non-root unit's forward through ``remat`` for this call."""
+    plan = call.plan
+    names = [u.name for u in plan.units if u.name]
+    outer = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+    done = []
+    for name in outer:
+        mod = apply.module.get_submodule(name)
+        had = "forward" in mod.__dict__
+        old = mod.__dict__.get("forward")
+        inner = tuple(plan.unit(n) for n in names if n == name or n.startswith(name + "."))
+        mod.forward = _remat_forward(apply, call, name, inner, mod.forward)
+        done.append((mod, had, old))
+    return done
+
+def _remat_forward(apply: Apply, call: Call, name: str, units: tuple[Any, ...], orig: Callable[..., Any]) -> Callable[..., Any]:
+    plan = call.plan
+
+    @eager  # a compiled unit under torch.func runs eagerly: dynamo cannot trace remat under functorch
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        b = gather_collective(plan, units, call.scale)
+        shards = check_shards(call.params, b.fqns)
+        flat, in_tree = tree.tree_flatten((args, kwargs))
+        where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+
+        def run(full: dict[str, torch.Tensor], tensors: Any) -> Any:
+            leaves = list(flat)
+            for i, t in zip(where, tensors):
+                leaves[i] = t
+            a, kw = cast_inputs(plan, *tree.tree_unflatten(leaves, in_tree), name)
+            swapped = [s for u in units for s in apply._swap(plan, full, u.name)]
+            apply._remat_depth += 1
+            try:
+                return orig(*a, **kw)
+            finally:
+                apply._remat_depth -= 1
+                apply._restore(swapped)
+
+        spec = RematSpec(b, run, tuple(plan.requires_grad[f] for f in b.fqns), len(shards))
+        return unflatten_out(spec, remat.apply(spec, *shards, *(flat[i] for i in where)))
+
+    return forward
