@@ -38,6 +38,8 @@ import time
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Callable
 
+from fsdpfn.testing.failure import SpmdError, SpmdTimeout, failure
+
 __all__ = ["SpmdError", "SpmdTimeout", "spmd", "shutdown_pools", "MAX_WORLD_SIZE"]
 
 MAX_WORLD_SIZE = 8
@@ -49,39 +51,6 @@ _EXIT_WAIT_S = 3.0  # clean shutdown: how long to wait for workers to exit
 _RENEW_S = 10.0  # how long renewing the process groups may take (~1 s) before the pool is discarded
 _AUTHKEY_ENV = "FSDPFN_SPMD_AUTHKEY"  # same name in _worker.py (not imported: runpy warns)
 _POOLS: dict[int, _Pool] = {}
-
-
-class SpmdError(RuntimeError):
-    """A :func:`spmd` call failed on one or more ranks (raised, died, or did not start).
-
-    ``rank_errors`` maps each failing rank to a text report (traceback, exit code or stack
-    dump); ``original`` is the first failing rank's exception when it could be unpickled.
-
-    Example::
-
-        try:
-            spmd(2, my_fn)
-        except SpmdError as e:
-            print(sorted(e.rank_errors))
-    """
-
-    def __init__(self, message: str, rank_errors: dict[int, str] | None = None, original: BaseException | None = None):
-        super().__init__(message)
-        self.rank_errors: dict[int, str] = dict(rank_errors or {})
-        self.original: BaseException | None = original
-
-    def __reduce__(self) -> tuple:
-        return (type(self), (str(self), self.rank_errors, self.original))
-
-
-class SpmdTimeout(SpmdError, TimeoutError):
-    """Some rank(s) did not answer a :func:`spmd` call in time; the message has their stacks.
-
-    Example::
-
-        with pytest.raises(SpmdTimeout, match="rank 0"):
-            spmd(2, waits_forever, timeout=3)
-    """
 
 
 class _Pool:
@@ -290,15 +259,6 @@ def shutdown_pools() -> None:
 atexit.register(shutdown_pools)
 
 
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "its connection closed but it has not exited"
-    killed = ""
-    with contextlib.suppress(ValueError):
-        killed = f" (killed by {signal.Signals(-code).name})" if code < 0 else ""
-    return f"exit code {code}{killed}"
-
-
 def _describe_fn(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -427,44 +387,6 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
     pool.all_answered = not hung and not dead
     waited = time.monotonic() - (start if first_fail is None else first_fail)
     dumps = pool.stack_dumps(hung) if hung else {}
-    raised = {r: v for r, v in sorted(replies.items()) if v[0] != "ok"}
-    rank_errors: dict[int, str] = {}
-    for r, v in raised.items():
-        rank_errors[r] = f"rank {r} raised {v[1]}: {v[2]}\n{v[3]}".rstrip()
-    for r, code in sorted(dead.items()):
-        log = _read(pool.logs[r])
-        rank_errors[r] = f"rank {r} died ({_exit_text(code)})" + (f"\n{log}" if log else "")
-    why = "(the call's timeout)" if first_fail is None else "after the first failure"
-    for r in hung:
-        rank_errors[r] = f"rank {r} did not answer within {waited:.1f} s {why}; its stacks:\n{dumps[r]}"
-    sections = "\n\n".join(f"--- {rank_errors[r]}" for r in sorted(rank_errors))
-    summary = []
-    if dead:
-        summary.append("rank(s) " + ", ".join(f"{r} ({_exit_text(c)})" for r, c in sorted(dead.items())) + " died")
-    if raised:
-        summary.append("rank(s) " + ", ".join(f"{r} ({v[1]})" for r, v in raised.items()) + " raised")
-    if hung:
-        summary.append(f"rank(s) {', '.join(map(str, hung))} did not answer within {waited:.1f} s {why}")
-    header = f"spmd({_describe_fn(fn)}, world_size={world}): " + "; ".join(summary)
-    message = f"{header}\n\n{sections}"
-
-    original: BaseException | None = None
-    first = next(iter(raised.values()), None)
-    if first is not None and first[4] is not None:
-        with contextlib.suppress(Exception):
-            original = pickle.loads(first[4])
-    if not raised and not dead:
-        raise SpmdTimeout(message, rank_errors, None)
-    if reraise and original is not None and not dead and len({v[1] for v in raised.values()}) == 1:
-        r0 = next(iter(raised))
-        others = "\n\n".join(f"--- {rank_errors[r]}" for r in sorted(rank_errors) if r != r0)
-        text = f"rank {r0}: {first[2]}\n{first[3]}".rstrip()  # type: ignore[index]
-        text += f"\n\n({header})" + (f"\n\n{others}" if others else "")
-        new = None
-        with contextlib.suppress(Exception):
-            new = type(original)(text)
-        if isinstance(new, BaseException):
-            with contextlib.suppress(Exception):
-                new.rank_errors, new.original = rank_errors, original  # type: ignore[attr-defined]
-            raise new from original
-    raise SpmdError(message, rank_errors, original) from original
+    dead_logs = {r: _read(pool.logs[r]) for r in dead}
+    exc, cause = failure(_describe_fn(fn), world, replies, dead, dead_logs, hung, dumps, waited, first_fail is None, reraise)
+    raise exc from cause
