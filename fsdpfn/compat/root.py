@@ -6,7 +6,8 @@ one ``ShardPlan`` (unit name = the state's module FQN relative to the root, ``""
 parameters) sharing one ``Comm``. Each forward builds the ``Sharded`` tree from the ``DTensor``
 parameters' local shards (``to_local()``, so autograd carries the reduced shard gradients back into the
 parameters' ``.grad``) and runs the module through ``Apply.run``. The per-unit knobs of ``FSDPModule``
-(resharding, gradient sync, divide factor, explicit prefetch) are read live by ``CompatCall``.
+(resharding, gradient sync, divide factor, explicit prefetch) are read live by its executor
+(``fsdpfn.compat.executor``).
 """
 
 from __future__ import annotations
@@ -19,135 +20,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdpfn.compat.checks import check_materialized, state_name
+from fsdpfn.compat.executor import CompatApply, LocalShards
 from fsdpfn.compat.state import UnitState, drop_unsharded, sharded_as, state_of
 from fsdpfn.compat.tp import TPParam
 from fsdpfn.core import Comm, measure_link
-from fsdpfn.layout import ParamInfo, Sharded, ShardPlan, build_plan
+from fsdpfn.layout import ParamInfo, Sharded, build_plan
 from fsdpfn.layout.autobucket import LinkCost
 from fsdpfn.layout.plan import FUSED
-from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import gather_collective
 from fsdpfn.ops.extension import shard_mesh, subclass_transform
-from fsdpfn.ops.functions import Buckets, CallInfo
-from fsdpfn.transform.apply import Apply, OpenCall
-from fsdpfn.transform.call import Call, _reduce_dtypes
+from fsdpfn.ops.functions import Buckets
+from fsdpfn.transform.apply import OpenCall
 from fsdpfn.transform.eager import eager
 
 __all__ = ["RootContext", "lazy_root"]
-
-
-class LocalShards(torch.autograd.Function):
-    """The local shards of ``DTensor`` parameters, differentiably: one autograd node for all of them
-    (``DTensor.to_local`` costs an autograd node and a ``from_local`` in backward per parameter). The
-    backward wraps each shard gradient in a ``DTensor`` with its parameter's spec."""
-
-    @staticmethod
-    def forward(ctx: Any, specs: tuple[Any, ...], deferred: list[Any], *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.specs = specs
-        ctx.deferred = deferred
-        ctx.set_materialize_grads(False)
-        # fresh tensor objects: autograd metadata must not land on the DTensors' own local tensors
-        out = tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
-        ctx.mark_non_differentiable(*(o for o, p in zip(out, params) if not p.requires_grad))
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        for handle in ctx.deferred:  # the units' reduce-scatters, left in flight by their backward
-            handle.wait()
-        ctx.deferred.clear()
-        return (None, None, *(None if g is None else DTensor(g.contiguous(), s, requires_grad=False) for g, s in zip(grads, ctx.specs)))
-
-
-class CompatCall(Call):
-    """One forward of a compat root: the unit knobs come from the ``UnitState``s."""
-
-    def __init__(self, ctx: RootContext, params: Sharded[torch.Tensor], schedule: Schedule):
-        self.ctx = ctx
-        super().__init__(params, scale=1.0, schedule=schedule, deferred=ctx.deferred)
-        self.deferral_needs_leaves = False  # the shards come from LocalShards, whose backward drains
-
-    def _collective(self, unit: Any) -> Buckets:
-        return self.ctx.collective(unit)
-
-    def info(self, name: str) -> CallInfo:
-        st = self.ctx.knobs(name)
-        pending = self.pending.pop(name, None)
-        keep_none = not st.reduce_scatter_unused
-        if not st.requires_gradient_sync or (not st.requires_all_reduce and self.plan.replicas > 1):
-            return CallInfo(pending, sink=st.acc, sink_dtypes=_reduce_dtypes(self.plan), keep_none=keep_none)
-        return CallInfo(pending, carry=st.acc if st.acc else None, keep_none=keep_none, deferred=self.deferred)
-
-
-class CompatApply(Apply):
-    """``Apply`` whose calls are ``CompatCall``s and whose units may span several modules."""
-
-    def __init__(self, ctx: RootContext):
-        super().__init__(ctx.module, reshard_after_forward=True, prefetch=1, reduce_op="avg", divide_by=None)
-        self.ctx = ctx
-
-    def new_call(self, params: Sharded[torch.Tensor], functorch: bool) -> Call:
-        call = CompatCall(self.ctx, params, self.schedule(params.plan, functorch=functorch))
-        if functorch:  # torch.func transforms: no deferred reductions
-            call.deferred = None
-        for name, st in self.ctx.states.items():  # an explicit unshard() already launched the gather
-            if st.unsharded is not None:
-                call.pending[name] = st.unsharded[0]
-        return call
-
-    def _validate(self, plan: Any) -> None:
-        pass  # RootContext.params checks every DTensor parameter before each call
-
-    def schedule(self, plan: ShardPlan, *, functorch: bool = False) -> Schedule:
-        """The schedule of a call: resharding and explicit prefetch lists from the units' knobs, read
-        at every call (``set_reshard_after_forward`` & co. apply from the next forward)."""
-        if functorch:  # torch.func transforms: no prefetch, no packing of saved tensors
-            return build_schedule(plan, reshard=False, prefetch=0)
-        ctx = self.ctx
-        order = plan.memo.get(("order", id(self)))
-        knobs = [(g.name, ctx.knobs(g.name)) for g in plan.groups]
-        key = (order, [(g, ctx.reshards(g), st.forward_prefetch, st.backward_prefetch) for g, st in knobs])
-        hit = plan.memo.get(("schedule", id(self)))
-        if hit is None or hit[0] != key:
-            schedule = build_schedule(
-                plan,
-                order=order,
-                reshard=ctx.reshards,
-                prefetch=1,
-                forward_prefetch={g: ctx.names_of(st.forward_prefetch) for g, st in knobs if st.forward_prefetch is not None},
-                backward_prefetch={g: ctx.names_of(st.backward_prefetch) for g, st in knobs if st.backward_prefetch is not None},
-            )
-            hit = plan.memo[("schedule", id(self))] = (key, schedule)
-        return hit[1]
-
-    def unit_modules(self, name: str) -> list[nn.Module]:
-        return list(self.ctx.states[name].modules)
-
-    def _swap_names(self, names: list[tuple[str, str]], full: dict[str, torch.Tensor]) -> Any:
-        tp = self.ctx.tp
-        if tp:  # the gathered TP-local tensors, seen by the TP modules as DTensors on their TP mesh
-            full = {o: tp[o].wrap(full[o]) if o in tp else full[o] for _, o in names}
-        return super()._swap_names(names, full)
-
-    def release_after_module(self, name: str) -> bool:
-        return len(self.ctx.states[name].modules) == 1  # fully_shard([a, b]): gathered once per forward
-
-    def run_unit(self, name: str, module: nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``fn`` (a method of ``module``) as if it were the unit's forward: gathered around it."""
-        pre, post = self.unit_hooks(name)
-        got = pre(module, args, kwargs)
-        if got is not None:
-            args, kwargs = got
-        if torch.compiler.is_compiling():  # no try block around traced code (see Apply._run_traced)
-            out = fn(*args, **kwargs)
-            cast = post(module, args, out)
-            return out if cast is None else cast
-        out = None
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            cast = post(module, args, out)
-        return out if cast is None else cast
 
 
 class RootContext:
