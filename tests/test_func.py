@@ -102,7 +102,7 @@ def _remat_worker(reshard):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2", "4"])
-    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
+    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard if isinstance(reshard, bool) else (lambda unit: unit in reshard))
     stats = params.plan.comm.stats
     stats.reset()
     x = torch.randn(3, 6, requires_grad=False)
@@ -128,3 +128,10 @@ def test_remat_keeps_the_reshard_memory_profile_under_torch_func_grad():
         assert gathers == 3 + 3 + 5
     for alive, gathers, same in spmd(2, _remat_worker, False):
         assert same and alive > 0 and gathers == 3 + 3
+    everything = spmd(2, _remat_worker, False)[0][0]
+    for alive, gathers, same in spmd(2, _remat_worker, frozenset({"0", "2"})):
+        # a predicate: units 0 and 2 run through remat, unit 4 stays gathered from its forward on
+        assert same and 0 < alive < everything
+        # forward 3; torch.func.grad's backward recomputes units 0 and 2 (2); the autograd reference:
+        # 3 + unit 2 again (unit 0's weight is never needed, unit 4 stayed gathered)
+        assert gathers == 3 + 2 + 4

@@ -151,6 +151,7 @@ def test_activations_are_what_the_forward_saves():
         (dict(optimizer="lion"), ValueError, r"optimizer='lion' is not one the planner knows"),
         (dict(prefetch=-1), ValueError, r"prefetch must be an int >= 0"),
         (dict(replicate=0), ValueError, r"replicate must be an int >= 1"),
+        (dict(reshard_after_forward=lambda unit: True), TypeError, r"reshard_after_forward must be a bool, got .*per-unit predicate"),
         (dict(model=object()), TypeError, r"model must be an nn.Module"),
         (dict(min_bucket_bytes="1MB"), ValueError, r"min_bucket_bytes must be an int >= 0"),
     ],

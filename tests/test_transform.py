@@ -34,7 +34,7 @@ def _grads_worker(recipe, units, reshard, prefetch, seed, dtype=torch.float32, m
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=min_bucket_bytes, donate=False)
     if exchange_min_bytes is not None:  # move every bucket the way large ones move (straight between tensors)
         params.plan.comm.exchange_min_bytes = exchange_min_bytes
-    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard, prefetch=prefetch)
+    apply = fsdpfn.fsdp(model, reshard_after_forward=_rule(reshard), prefetch=prefetch)
     x = _local(recipe.inputs(LOCAL_BATCH * world, seed, dtype), rank)
     y = _local(_targets(recipe, LOCAL_BATCH * world, seed).to(dtype), rank)
     stats = params.plan.comm.stats
@@ -46,10 +46,24 @@ def _grads_worker(recipe, units, reshard, prefetch, seed, dtype=torch.float32, m
     # most one more for each resharded group in backward (none when backward saved nothing from it); one
     # reduce-scatter per trainable dtype bucket of each group
     gathers = sum(len(g.gather) for g in plan.groups)
-    regathers = sum(len(g.gather) for g in plan.groups if g.name) if reshard else 0
+    # (a per-unit rule: the groups with a unit it reshards)
+    wants = (lambda unit: reshard) if isinstance(reshard, bool) else _rule(reshard)
+    regathers = sum(len(g.gather) for g in plan.groups if g.name and any(wants(u) for u in plan.members(g.name)))
     expect_reduces = sum(len(g.reduce) for g in plan.groups)
     untouched = all(p.grad is None for p in model.parameters())
     return loss, dict(grads.params()), counts, (gathers, regathers, expect_reduces), untouched
+
+
+def _rule(reshard):
+    """``fsdp``'s reshard_after_forward from a test parameter: a bool, or the set of units to reshard."""
+    return reshard if isinstance(reshard, bool) else (lambda unit: unit in reshard)
+
+
+def _reshard_modes(data, units):
+    """True, False, or a random set of ``units`` (a per-unit predicate)."""
+    if units and data.draw(st.booleans(), label="per-unit reshard"):
+        return frozenset(data.draw(st.lists(st.sampled_from(units), unique=True), label="resharded units"))
+    return data.draw(st.booleans(), label="reshard")
 
 
 def _check_grads(recipe, units, world, reshard, prefetch, seed, dtype, tol, min_bucket_bytes=None, exchange_min_bytes=None):
@@ -78,12 +92,13 @@ FUSION = st.sampled_from([None, 0, 1, 200, 1000, 10**9, "auto"])
 # exchange_min_bytes: None keeps the core's choice (these small buckets are packed); 0 sends every
 # bucket the way large CPU buckets go, each parameter's rows straight between the tensors.
 @given(
-    world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), prefetch=st.integers(0, 2), seed=st.integers(0, 99),
+    world=fst.world_sizes(), data=st.data(), prefetch=st.integers(0, 2), seed=st.integers(0, 99),
     fuse=FUSION, exchange=st.sampled_from([None, 0]),
 )  # fmt: skip
-def test_grads_match_single_process_autograd_f64(world, data, reshard, prefetch, seed, fuse, exchange):
+def test_grads_match_single_process_autograd_f64(world, data, prefetch, seed, fuse, exchange):
     recipe = data.draw(fst.model_recipes())
     units = data.draw(fst.unit_plans(recipe))
+    reshard = _reshard_modes(data, units)  # every unit, none, or a random set of them
     tol = dict(rtol=1e-10, atol=1e-12)
     _check_grads(recipe, units, world, reshard, prefetch, seed, torch.float64, tol, fuse, exchange)
 
@@ -102,7 +117,7 @@ def _live_worker(reshard):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2", "4"], donate=False)
-    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
+    apply = fsdpfn.fsdp(model, reshard_after_forward=_rule(reshard))
     stats = params.plan.comm.stats
     x = torch.randn(3, 8)
     s = {k: v.detach().requires_grad_() for k, v in params.items()}
@@ -128,6 +143,15 @@ def test_after_forward_with_reshard_no_unit_buffer_is_alive():
     for alive, after_backward, _, counts in spmd(2, _live_worker, False):
         assert alive > 0 and after_backward == 0  # without reshard every unit stays until its backward
         assert counts == (3, 3)
+
+
+def test_a_reshard_predicate_keeps_the_units_it_excludes_gathered():
+    # units 0 and 2 reshard; unit 4 (the last) stays gathered until its backward: after the forward only
+    # its gathered bytes are alive, and backward gathers unit 2 again but not unit 4
+    everything = spmd(2, _live_worker, False)[0][0]
+    for alive, after_backward, _, counts in spmd(2, _live_worker, frozenset({"0", "2"})):
+        assert 0 < alive < everything and after_backward == 0
+        assert counts == (4, 3)
 
 
 def _fused_worker(prefetch, min_bucket_bytes, reshard):

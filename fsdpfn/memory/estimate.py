@@ -89,6 +89,11 @@ def estimate(
         )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fsdpfn.memory.estimate: prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            f"fsdpfn.memory.estimate: reshard_after_forward must be a bool, got {reshard_after_forward!r}; the planner "
+            "does not model fsdp's per-unit predicate: estimate with True (the smaller peak) and False (the larger)"
+        )
     if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
         raise ValueError(f"fsdpfn.memory.estimate: replicate must be an int >= 1 (HSDP replicas), got {replicate!r}")
     if link is not None and not isinstance(link, LinkCost):

@@ -10,6 +10,7 @@ gathered values back so the recompute never sees the module's stale parameters.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -56,11 +57,22 @@ def _only_grad_transforms() -> bool:
 class Apply:
     """The pure ``apply(params, *args, **kwargs)`` returned by ``fsdp``; see ``fsdp`` for the semantics."""
 
-    def __init__(self, module: nn.Module, *, reshard_after_forward: bool, prefetch: int, reduce_op: str, divide_by: float | None):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        reshard_after_forward: bool | Callable[[str], bool],
+        prefetch: int,
+        reduce_op: str,
+        divide_by: float | None,
+    ):
         if not isinstance(module, nn.Module):
             raise TypeError(f"fsdp: expected an nn.Module, got {type(module).__name__}")
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"fsdp: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        if not isinstance(reshard_after_forward, bool) and not callable(reshard_after_forward):
+            raise TypeError(
+                "fsdp: reshard_after_forward must be a bool or a predicate on unit names "
+                f"(unit -> bool), got {reshard_after_forward!r}"
+            )
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"fsdp: prefetch must be an int >= 0 (units gathered ahead), got {prefetch!r}")
         if reduce_op not in ("avg", "sum"):
@@ -120,9 +132,29 @@ class Apply:
         key = ("schedule", id(self), functorch)
         hit = plan.memo.get(key)
         if hit is None or hit[0] != order:
-            reshard = self.reshard_after_forward and not functorch
+            reshard: bool | Callable[[str], bool] = False
+            if not functorch and self.reshard_after_forward is True:
+                reshard = True
+            elif not functorch and self.reshard_after_forward is not False:
+                reshard = functools.partial(self.reshards_group, plan)
             hit = plan.memo[key] = (order, build_schedule(plan, order=order, reshard=reshard, prefetch=0 if functorch else self.prefetch))
         return hit[1]
+
+    def reshards_unit(self, name: str) -> bool:
+        """Whether unit ``name`` (not the root) is dropped after its forward and gathered again in
+        backward: ``reshard_after_forward`` itself, or what the predicate says of ``name``."""
+        rule = self.reshard_after_forward
+        if isinstance(rule, bool):
+            return rule
+        got = rule(name)
+        if not isinstance(got, bool):
+            raise TypeError(f"fsdp: the reshard_after_forward predicate returned {got!r} for unit {name!r}; it must return a bool")
+        return got
+
+    def reshards_group(self, plan: ShardPlan, group: str) -> bool:
+        """Whether collective group ``group`` reshards: units fused into one group (``min_bucket_bytes``)
+        are gathered together, so the group reshards if any of them asks to (the smaller peak)."""
+        return bool(group) and any(self.reshards_unit(u) for u in plan.members(group))
 
     def run(self, params: Sharded[torch.Tensor], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)`` with the module's parameters taken from ``params`` (``fn`` is usually
@@ -172,7 +204,7 @@ class Apply:
         if functorch and (traced or under_compile()):
             raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
         call = self.new_call(params, functorch)
-        call.remat = self.reshard_after_forward and functorch and _only_grad_transforms()
+        call.remat = self.reshard_after_forward is not False and functorch and _only_grad_transforms()
         call.released = self._recompute.leave
         self._install_hooks(plan)
         opened = OpenCall(call, anchor=caller_frame() if traced else None)
@@ -215,7 +247,8 @@ class Apply:
         self.close(opened)
         call = opened.call
         plan = call.plan
-        plan.memo[("order", id(self))] = list(call.order)
+        if not call.remat_units:  # units run through remat gather outside the call: its order lacks them
+            plan.memo[("order", id(self))] = list(call.order)
         self._backward.add(call)
         if torch.is_grad_enabled() and "" in plan.group_of and not _functorch_active():
             self._recompute.arm_on(call, "", out)
@@ -333,7 +366,7 @@ class Apply:
     def _pre_hook(self, name: str) -> Callable[..., Any]:
         @eager  # the eager executor: compiled code breaks around it
         def eager_pre(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if self._remat_depth or (self._forward and self._forward[-1].call.remat):
+            if self._remat_depth or (self._forward and name in self._forward[-1].call.remat_units):
                 self._unit_swaps.setdefault(name, []).append([])  # remat gathers and swaps itself
                 return None
             if self._forward:
@@ -413,7 +446,7 @@ def _end_eagerly(apply: Apply, opened: OpenCall, out: Any) -> Any:
 def fsdp(
     module: nn.Module,
     *,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | Callable[[str], bool] = True,
     prefetch: int = 1,
     reduce_op: str = "avg",
     divide_by: float | None = None,
@@ -422,7 +455,10 @@ def fsdp(
 
     Each unit is all-gathered just before its own forward (``prefetch`` units ahead are launched
     early) and, with ``reshard_after_forward``, its gathered copy is dropped when it finishes: tensors
-    autograd saved from it are re-gathered in backward on first use. The root unit stays gathered from
+    autograd saved from it are re-gathered in backward on first use. ``reshard_after_forward`` may be a
+    predicate on unit names instead (``lambda unit: unit != "blocks.11"`` keeps the last block gathered
+    until its backward, which comes right after: one gather less per step, one block more in memory);
+    units fused into one collective group reshard if any of them does. The root unit stays gathered from
     the start of the forward until its gradient is reduced. Gradients reach the shards reduced as
     ``reduce_op`` says: ``"avg"`` (the mean over data-parallel ranks, DDP's convention), ``"sum"``, or
     the sum divided by ``divide_by``. ``apply`` mutates nothing outside the call (buffers updated in

@@ -92,6 +92,7 @@ class Call:
         self.members_done: dict[str, set[str]] = {}  # fused groups: units whose forward finished
         self.in_forward = True
         self.remat = False  # units run through fsdpfn.remat (torch.func gradient transforms)
+        self.remat_units: frozenset[str] = frozenset()  # the outermost units routed through it
         self.deferral_needs_leaves = True  # deferred reductions only when the shards are autograd leaves
         self.released: Callable[[Call, str], None] | None = None  # told when a group's reduction starts
 

@@ -112,10 +112,13 @@ class remat(torch.autograd.Function):  # noqa: N801 - public name from the desig
 
 
 def override_forwards(apply: Apply, call: Call) -> list[tuple[nn.Module, bool, Any]]:
-    """Route every outermost non-root unit's forward through ``remat`` for this call."""
+    """Route the forward of every outermost resharding unit through ``remat`` for this call (units
+    nested in it run inside it); units ``apply`` keeps gathered run through their hooks."""
     plan = call.plan
     names = [u.name for u in plan.units if u.name]
-    outer = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
+    wants = [n for n in names if apply.reshards_unit(n)]
+    outer = [n for n in wants if not any(n.startswith(o + ".") for o in wants if o != n)]
+    call.remat_units = frozenset(outer)
     done = []
     for name in outer:
         mod = apply.module.get_submodule(name)
