@@ -27,6 +27,7 @@ from fsdpfn.transform.eager import caller_frame, eager, on_stack, stable_graph_c
 from fsdpfn.transform.recompute import BackwardSwaps
 from fsdpfn.transform.remat import override_forwards
 from fsdpfn.transform.traced import enter_unit, exit_unit, run_traced
+from fsdpfn.transform.validate import check_module
 
 __all__ = ["Apply", "fsdp"]
 
@@ -265,34 +266,7 @@ class Apply:
 
     # --- validation ---------------------------------------------------------------------------------
     def _validate(self, plan: ShardPlan) -> None:
-        # re-checked whenever the module's parameters change (replaced, reshaped, recast) since last time
-        signature = tuple((id(p), p.shape, p.dtype) for p in self.module.parameters())
-        key = ("validated", id(self.module))
-        if plan.memo.get(key) == signature:
-            return
-        module_params = dict(self.module.named_parameters(remove_duplicate=False))
-        for fqn in plan.params:
-            p = module_params.get(fqn)
-            if p is None:
-                raise ValueError(
-                    f"apply: params has leaf {fqn!r} but {type(self.module).__name__} has no such parameter; "
-                    f"the Sharded was built from another module ({plan.module_type})"
-                )
-            shape = tuple(plan.tp[fqn].shape) if fqn in plan.tp else plan.specs[fqn].shape  # TP: global shape
-            if tuple(p.shape) != shape or p.dtype != plan.dtypes[fqn]:
-                raise ValueError(
-                    f"apply: leaf {fqn!r} was sharded as {shape} {plan.dtypes[fqn]} but the module's "
-                    f"parameter is now {tuple(p.shape)} {p.dtype}; the plan is stale: call fsdpfn.shard again"
-                )
-        known = set(plan.params) | set(plan.aliases) | set(plan.ignored)
-        extra = [n for n in module_params if n not in known]
-        if extra:
-            raise ValueError(f"apply: module parameters {extra} are not in params; was it sharded from another module?")
-        module_buffers = dict(self.module.named_buffers())
-        missing = [b for b in plan.buffers if b not in module_buffers]
-        if missing:
-            raise ValueError(f"apply: params has buffers {missing} that the module does not have")
-        plan.memo[key] = signature
+        check_module(self.module, plan)
 
     # --- swapping --------------------------------------------------------------------------------
     def _target(self, fqn: str, kind: str) -> tuple[dict[str, Any], str]:

@@ -1,0 +1,47 @@
+"""``check_module``: is this module the one a ``Sharded`` tree was built from, as it was then?"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from fsdpfn.layout import ShardPlan
+
+__all__ = ["check_module"]
+
+
+def check_module(module: nn.Module, plan: ShardPlan) -> None:
+    """Raise if ``module``'s parameters and buffers are not those ``plan`` was built from (names,
+    shapes, dtypes). Re-checked whenever the module's parameters change (replaced, reshaped, recast)
+    since the last check; otherwise free.
+
+    Example:
+        >>> check_module(model, params.plan)   # doctest: +SKIP
+    """
+    # re-checked whenever the module's parameters change (replaced, reshaped, recast) since last time
+    signature = tuple((id(p), p.shape, p.dtype) for p in module.parameters())
+    key = ("validated", id(module))
+    if plan.memo.get(key) == signature:
+        return
+    module_params = dict(module.named_parameters(remove_duplicate=False))
+    for fqn in plan.params:
+        p = module_params.get(fqn)
+        if p is None:
+            raise ValueError(
+                f"apply: params has leaf {fqn!r} but {type(module).__name__} has no such parameter; "
+                f"the Sharded was built from another module ({plan.module_type})"
+            )
+        shape = tuple(plan.tp[fqn].shape) if fqn in plan.tp else plan.specs[fqn].shape  # TP: global shape
+        if tuple(p.shape) != shape or p.dtype != plan.dtypes[fqn]:
+            raise ValueError(
+                f"apply: leaf {fqn!r} was sharded as {shape} {plan.dtypes[fqn]} but the module's "
+                f"parameter is now {tuple(p.shape)} {p.dtype}; the plan is stale: call fsdpfn.shard again"
+            )
+    known = set(plan.params) | set(plan.aliases) | set(plan.ignored)
+    extra = [n for n in module_params if n not in known]
+    if extra:
+        raise ValueError(f"apply: module parameters {extra} are not in params; was it sharded from another module?")
+    module_buffers = dict(module.named_buffers())
+    missing = [b for b in plan.buffers if b not in module_buffers]
+    if missing:
+        raise ValueError(f"apply: params has buffers {missing} that the module does not have")
+    plan.memo[key] = signature
