@@ -126,9 +126,10 @@ def test_remat_keeps_the_reshard_memory_profile_under_torch_func_grad():
         # forward: 3 units; torch.func.grad backward recomputes each unit once (3); the autograd
         # reference call: 3 + 2 re-gathers (unit 0's weight is never needed in backward)
         assert gathers == 3 + 3 + 5
-    for alive, gathers, same in spmd(2, _remat_worker, False):
+    kept = spmd(2, _remat_worker, False)
+    for alive, gathers, same in kept:
         assert same and alive > 0 and gathers == 3 + 3
-    everything = spmd(2, _remat_worker, False)[0][0]
+    everything = kept[0][0]
     for alive, gathers, same in spmd(2, _remat_worker, frozenset({"0", "2"})):
         # a predicate: units 0 and 2 run through remat, unit 4 stays gathered from its forward on
         assert same and 0 < alive < everything

@@ -176,8 +176,8 @@ def _renew_groups(rank: int, world_size: int, init_method: str) -> None:
 
     import torch.distributed as dist
 
-    gc.collect()  # the failed call's tensors, works and meshes sit in cycles with its frames
-    _forget_meshes()
+    _forget_meshes()  # DTensor's caches hold meshes alive, as in _tidy_groups
+    gc.collect()  # and the failed call's tensors and works sit in cycles with its frames
     dist.destroy_process_group()  # every group, the default one included
     _init_default_group(rank, world_size, init_method)
 

@@ -133,10 +133,10 @@ class Apply:
         key = ("schedule", id(self), functorch)
         hit = plan.memo.get(key)
         if hit is None or hit[0] != order:
-            reshard: bool | Callable[[str], bool] = False
-            if not functorch and self.reshard_after_forward is True:
-                reshard = True
-            elif not functorch and self.reshard_after_forward is not False:
+            reshard: bool | Callable[[str], bool] = self.reshard_after_forward
+            if functorch:
+                reshard = False
+            elif not isinstance(reshard, bool):
                 reshard = functools.partial(self.reshards_group, plan)
             hit = plan.memo[key] = (order, build_schedule(plan, order=order, reshard=reshard, prefetch=0 if functorch else self.prefetch))
         return hit[1]

@@ -129,6 +129,7 @@ def override_forwards(apply: Apply, call: Call) -> list[tuple[nn.Module, bool, A
         done.append((mod, had, old))
     return done
 
+
 def _remat_forward(apply: Apply, call: Call, name: str, units: tuple[Any, ...], orig: Callable[..., Any]) -> Callable[..., Any]:
     plan = call.plan
 

@@ -17,7 +17,6 @@ def check_module(module: nn.Module, plan: ShardPlan) -> None:
     Example:
         >>> check_module(model, params.plan)   # doctest: +SKIP
     """
-    # re-checked whenever the module's parameters change (replaced, reshaped, recast) since last time
     signature = tuple((id(p), p.shape, p.dtype) for p in module.parameters())
     key = ("validated", id(module))
     if plan.memo.get(key) == signature:
