@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 import fsdpfn
-from bench_measure import add_ratios, format_table, peak_step, reduce_max, reduce_mean, summarize, timed_replay, timed_step
+from bench_measure import add_ratios, format_table, peak_step, reduce_max, reduce_mean, summarize, sync, timed_replay, timed_step
 from bench_models import MODELS, count_params, make_batches, build_model, spec_for
 from bench_variants import ALL_VARIANTS, COMPILED, SHARDED, Functional, Variant, build_variant, compat_available
 
@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="functional and compat variants: fuse consecutive blocks into collectives of at least this many "
                         "bytes (fsdpfn.shard(..., min_bucket_bytes=) / root.set_min_bucket_bytes); 'none': one per block, "
                         "like torch; default 'auto' (fsdpfn.shard's default, chosen from the measured link)")
+    p.add_argument("--fake-world", type=int, default=0, metavar="N",
+                   help="run as rank 0 of a fake world of N ranks in this one process (torch's fake process group: "
+                        "collectives are no-ops, so streams, events, memory and per-step overhead are real but the "
+                        "losses are not; no reference, no --check)")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="after the measured steps, profile 2 more steps of every variant (torch.profiler, CPU + CUDA) "
+                        "into DIR/trace_<variant>.json.gz and record each side stream's overlap with compute")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tiny models, for the smoke test
     args = p.parse_args(argv)
     if args.variants is None:
@@ -115,7 +122,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--variants: unknown {unknown}; choose from {', '.join(ALL_VARIANTS)}")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.fake_world:
+        if args.fake_world < 1:
+            p.error(f"--fake-world must be >= 1, got {args.fake_world}")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            p.error("--fake-world simulates the other ranks in one process: run it as plain python, not torchrun")
+        if args.check:
+            p.error("--check needs real collectives: under --fake-world they are no-ops and the losses are not comparable")
     return args
+
+
+def start_fake_world(world: int, device_type: str) -> None:
+    """Make this process rank 0 of a fake default process group of ``world`` ranks (torch's ``fake``
+    backend: every collective returns at once and moves nothing)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if device_type == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def trace_steps(v: Variant, x: torch.Tensor, y: torch.Tensor, path: str, steps: int = 2) -> dict[str, Any]:
+    """Profile ``steps`` steps of ``v`` into a gzipped Chrome trace at ``path``; the side streams'
+    overlap with the compute stream (``trace_overlap.stream_overlap``) is returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trace_overlap import load_trace, stream_overlap
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if v.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            v.step(x, y)
+        sync(v.device)
+    prof.export_chrome_trace(path)
+    return {"path": path, "steps": steps, **stream_overlap(load_trace(path))}
 
 
 def cores_per_rank(device: torch.device, world: int) -> float:
@@ -154,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     load_before = machine_load()
+    if args.fake_world:
+        start_fake_world(args.fake_world, device_type)
     mesh = fsdpfn.init_mesh(device=device_type)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
@@ -178,13 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     variants: dict[str, Variant] = {n: build_variant(n, base, spec, mesh, device, dtype) for n in names}
     # The global-batch reference: at world 1 it is `local` itself (same batch), so reuse it when timed.
     reuse_local = world == 1 and "local" in variants
-    reference: Any = None if reuse_local else build_variant("reference", base, spec, mesh, device, dtype)
+    no_reference = reuse_local or args.fake_world  # a fake world's losses have nothing to agree with
+    reference: Any = None if no_reference else build_variant("reference", base, spec, mesh, device, dtype)
     del base
 
     rounds = args.warmup + 1 + args.steps  # warm-up, one recorded/memory step, measured steps
     say(f"{args.model}: {n_params / 1e6:.2f}M params, batch {spec.batch}/rank, world {world}, {device}, "
         f"{str(dtype).removeprefix('torch.')}; variants {', '.join(names)}; {args.warmup} warm-up + 1 probe + {args.steps} measured")
-    batches = make_batches(spec, args.seed, rounds, list(range(world)), device)
+    # a fake world needs rank 0's batches only (there is no global-batch reference)
+    batches = make_batches(spec, args.seed, rounds, [0] if args.fake_world else list(range(world)), device)
 
     def reference_step(step: int) -> torch.Tensor | None:
         return reference.global_step(batches[step]) if reference is not None else None
@@ -219,6 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         if lead and (step + 1) % max(1, rounds // 5) == 0:
             print(f"  round {step + 1}/{rounds}", flush=True)
 
+    traces: dict[str, dict[str, Any]] = {}
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
+        x, y = batches[-1][rank]
+        for n, v in variants.items():
+            path = os.path.join(args.trace, f"trace_{n}{'' if world == 1 else f'_rank{rank}'}.json.gz")
+            traces[n] = trace_steps(v, x, y, path)
+
     # --- aggregate over ranks (untimed) -------------------------------------------------------
     losses = reduce_mean([float(last_loss[n]) for n in names], world)
     ref_value = float(ref_loss) if ref_loss is not None else float("nan")
@@ -248,12 +300,16 @@ def main(argv: list[str] | None = None) -> int:
                 "reduce_scatter": sum(c.kind == "reduce_scatter" for c in log),
                 "mib": sum(c.nbytes for c in log) / 2**20,
             }
+        if n in traces:
+            r["trace"] = traces[n]  # rank 0's
         results[n] = r
     ordered = {n: results[n] for n in args.variants}
-    add_ratios(ordered, SHARDED, cores_per_rank=cores_per_rank(device, world))
+    # one process plays every rank of a fake world: no CPU floor per rank
+    add_ratios(ordered, SHARDED, cores_per_rank=0.0 if args.fake_world else cores_per_rank(device, world))
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "world": world,
+        "fake_world": bool(args.fake_world),
         "torch_version": torch.__version__,
         "fsdpfn_commit": fsdpfn_commit(),
         "model": args.model,
@@ -275,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants": ordered,
     }
     failures = []
-    for n in names:
+    for n in names if not args.fake_world else ():
         got = ordered[n]
         if variants[n].sharded and abs(got["final_loss"] - ref_value) > rtol * abs(ref_value) + 1e-8:
             failures.append(f"variant {n!r}: final loss {got['final_loss']:.8g} differs from the global-batch "

@@ -60,3 +60,51 @@ def test_step_benchmark_variant_subset(tmp_path):
     assert list(result["variants"]) == ["functional", "local"]
     assert "step_vs_torch" not in result["variants"]["functional"]  # no torch run: no ratio to it
     assert result["variants"]["functional"]["step_vs_floor"] > 0
+
+
+def test_fake_world_runs_every_variant_in_one_process_with_traces(tmp_path):
+    # --fake-world: rank 0 of a fake 4-rank world in one process (what a one-GPU machine does for world 8)
+    proc, result = _run(tmp_path, "--fake-world", "4", "--variants", "torch,functional,compat", "--trace", str(tmp_path / "tr"))
+    assert result["world"] == 4 and result["fake_world"] is True
+    assert "check" in result and result["check"]["failures"] == []  # no reference to compare with
+    for name in ("torch", "functional", "compat"):
+        r = result["variants"][name]
+        assert MEASURED_KEYS <= r.keys() and r["peak_mib"] > 0
+        trace = r["trace"]
+        assert pathlib.Path(trace["path"]).is_file() and trace["path"].endswith(".json.gz")
+        assert trace["compute_stream"] is None and trace["side"] == {}  # CPU: no GPU streams in the trace
+    shards = result["variants"]["functional"]["peak_mib"]
+    assert shards < result["variants"]["torch"]["peak_mib"] * 1.5  # both sharded over 4 fake ranks
+
+
+def test_fake_world_refuses_check_and_torchrun(tmp_path):
+    cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--fake-world", "4", "--check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "--check needs real collectives" in proc.stderr
+    env = {**os.environ, "WORLD_SIZE": "2"}
+    proc = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert proc.returncode == 2 and "not torchrun" in proc.stderr
+
+
+def test_trace_overlap_measures_side_streams_against_the_busiest_stream():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from trace_overlap import stream_overlap
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def kernel(stream, ts, dur, name="k"):
+        return {"cat": "kernel", "ts": ts, "dur": dur, "name": name, "args": {"stream": stream}}
+
+    events = [
+        kernel(7, 0, 100, "gemm"), kernel(7, 150, 50, "gemm"),       # compute: 150 us busy
+        kernel(20, 90, 20, "copy"), kernel(20, 95, 30, "copy"),     # side: [90, 125) -> 35 busy, 10 with compute
+        kernel(21, 300, 10, "nccl"),                                  # side: after compute, no overlap
+        {"cat": "cpu_op", "ts": 0, "dur": 1000, "name": "aten::mm"},  # CPU events are not GPU work
+    ]
+    s = stream_overlap(events)
+    assert s["compute_stream"] == "7" and s["compute_ms"] == 0.15
+    assert s["side"]["20"]["busy_ms"] == 0.035 and abs(s["side"]["20"]["overlap_ms"] - 0.010) < 1e-12
+    assert s["side"]["20"]["events"] == 2 and s["side"]["20"]["names"] == ["copy"]
+    assert s["side"]["21"]["overlap_ms"] == 0.0 and s["side"]["21"]["overlap_share"] == 0.0
+    assert stream_overlap([{"cat": "cpu_op", "ts": 0, "dur": 5}]) == {"compute_stream": None, "compute_ms": 0.0, "side": {}}
