@@ -108,3 +108,12 @@ def test_trace_overlap_measures_side_streams_against_the_busiest_stream():
     assert s["side"]["20"]["events"] == 2 and s["side"]["20"]["names"] == ["copy"]
     assert s["side"]["21"]["overlap_ms"] == 0.0 and s["side"]["21"]["overlap_share"] == 0.0
     assert stream_overlap([{"cat": "cpu_op", "ts": 0, "dur": 5}]) == {"compute_stream": None, "compute_ms": 0.0, "side": {}}
+
+
+def test_gpu_session_script_parses_and_refuses_an_unknown_stage(tmp_path):
+    script = ROOT / "bench" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
+    proc = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "OUT": str(tmp_path)})
+    assert proc.returncode == 2 and "stage must be 'tests' or 'bench'" in proc.stdout
+    assert (tmp_path / "device.txt").is_file()  # what ran where is recorded first

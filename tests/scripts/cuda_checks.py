@@ -1,0 +1,375 @@
+"""CUDA checks of fsdpfn, each run in a fresh process by tests/test_cuda.py (its own default process group):
+
+    python tests/scripts/cuda_checks.py <check> [<check> ...]     # world-1 checks may share a process
+
+World-1 checks run on NCCL (``fsdpfn.init_mesh(device="cuda")``); ``fake_*`` checks make this process rank 0
+of torch's fake process group (collectives move nothing), where streams, events, the caching allocator and
+the core's buffer lifetimes are still real. The stream checks put a user all-gather / reduce-scatter
+(FSDP2's custom-collective protocol, ``fsdpfn.core.custom``) on the core's side stream and delay one of
+the two streams with a spinning kernel, so a missing ``wait_stream`` / ``wait_event`` or a buffer freed
+before the side stream read it gives wrong numbers instead of a lucky race.
+Exit status 0: the check passed; anything else: it failed (the traceback says how).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fsdpfn
+from fsdpfn.testing import strategies as fst
+
+SPIN = 1 << 29  # cycles of torch.cuda._sleep: a few hundred milliseconds, far longer than any copy here
+EXAMPLES = int(os.environ.get("FSDPFN_EXAMPLES", "25"))
+# The world-1 checks also run on "cpu" (FSDPFN_CHECK_DEVICE=cpu), to try this script's own logic without a GPU.
+DEVICE = os.environ.get("FSDPFN_CHECK_DEVICE", "cuda")
+
+
+def _world1() -> object:
+    return fsdpfn.init_mesh(device=DEVICE)
+
+
+def _fake(world: int) -> object:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    return fsdpfn.init_mesh(device="cuda")
+
+
+def _targets(out: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed + 7)
+    return torch.randn(out.shape, generator=g).to(out.device)
+
+
+# --- correctness at world 1 (NCCL) ------------------------------------------------------------------
+def step_world1() -> None:
+    """Property: fsdpfn's gradients and SGD update on CUDA equal plain autograd + torch.optim.SGD on
+    the same CUDA model (fp32), for random models, unit plans, prefetch and reshard settings."""
+    mesh = _world1()
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+    @given(data=st.data(), seed=st.integers(0, 99), prefetch=st.integers(0, 2), reshard=st.booleans())
+    def prop(data, seed, prefetch, reshard):
+        recipe = data.draw(fst.model_recipes(min_width=4, min_seq=2))
+        units = data.draw(fst.unit_plans(recipe))
+        model = recipe.build(torch.float32).to(DEVICE)
+        ref = copy.deepcopy(model)
+        params = fsdpfn.shard(model, mesh, units=units)
+        assert all(t.device.type == DEVICE for t in params.values())
+        apply = fsdpfn.fsdp(model, reshard_after_forward=reshard, prefetch=prefetch)
+        x = recipe.inputs(4, seed).to(DEVICE)
+        y = _targets(ref(x), seed)
+        loss, grads = fsdpfn.value_and_grad(lambda p: F.mse_loss(apply(p, x), y))(params)
+        want = F.mse_loss(ref(x), y)
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+        # SGD (linear in the gradient: Adam's first step would amplify rounding noise of near-zero gradients)
+        opt = fsdpfn.optim.sgd(lr=0.1, momentum=0.9, weight_decay=0.1)
+        new, _ = opt.update(grads, opt.init(params), params)
+        torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1).step()
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(new[n], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{n} after SGD: {m}")
+
+    prop()
+
+
+def mixed_precision_world1() -> None:
+    """bf16 parameters with fp32 reduction on CUDA give the gradients the same policy gives on CPU (the
+    CPU path is checked against single-process autograd by the CPU suite), within bf16 rounding."""
+    mesh = _world1()
+    cpu_mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1,))
+    policy = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+    @given(data=st.data(), seed=st.integers(0, 99))
+    def prop(data, seed):
+        recipe = data.draw(fst.model_recipes(min_width=4, min_seq=2))
+        units = data.draw(fst.unit_plans(recipe))
+        out: dict = {}
+        for dev, m in ((DEVICE, mesh), ("cpu", cpu_mesh)):
+            model = recipe.build(torch.float32).to(dev)
+            params = fsdpfn.shard(model, m, units=units, mp_policy=policy)
+            apply = fsdpfn.fsdp(model)
+            x = recipe.inputs(4, seed).to(dev)
+            with torch.no_grad():
+                y = _targets(recipe.build(torch.float32)(recipe.inputs(4, seed)), seed).to(dev)
+            loss, grads = fsdpfn.value_and_grad(lambda p: F.mse_loss(apply(p, x).float(), y))(params)
+            assert all(g.dtype == torch.float32 for g in grads.values()), "reduced gradients keep the fp32 shards' dtype"
+            out[dev] = (loss.cpu(), {n: g.cpu() for n, g in grads.items()})
+        torch.testing.assert_close(out[DEVICE][0], out["cpu"][0], rtol=2e-2, atol=2e-3)
+        for n, g in out["cpu"][1].items():
+            torch.testing.assert_close(out[DEVICE][1][n], g, rtol=5e-2, atol=5e-3, msg=lambda m: f"{n}: {m}")
+
+    prop()
+
+
+def checkpoint_world1() -> None:
+    """Activation checkpointing inside units (torch.utils.checkpoint) on CUDA: same gradients as without."""
+    from torch.utils.checkpoint import checkpoint
+
+    mesh = _world1()
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+
+        def forward(self, x):
+            return x + checkpoint(self.inner, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Block() for _ in range(4)]).to(DEVICE)
+    ref = copy.deepcopy(model)
+    for reshard in (True, False):
+        sharded = copy.deepcopy(model)  # shard donates its weights: the copy's go, model's stay
+        params = fsdpfn.shard(sharded, mesh, units=["0", "1", "2", "3"])
+        apply = fsdpfn.fsdp(sharded, reshard_after_forward=reshard)
+        x = torch.randn(8, 32, device=DEVICE)
+        loss, grads = fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())(params)
+        ref.zero_grad()
+        want = ref(x).square().mean()
+        want.backward()
+        torch.testing.assert_close(loss, want.detach())
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"reshard={reshard} {n}: {m}")
+
+
+def compat_world1() -> None:
+    """fsdpfn.compat.fully_shard and torch's fully_shard train the same model to the same losses and
+    weights on CUDA (fp32, then bf16 parameters with fp32 reduction)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdpfn.compat import MixedPrecisionPolicy, fully_shard
+
+    _world1()
+    for bf16 in (False, True):
+        torch.manual_seed(0)
+        base = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)) for _ in range(3)]).to(DEVICE)
+        runs = {}
+        for name, shard_fn, mp in (("fsdpfn", fully_shard, MixedPrecisionPolicy), ("torch", torch_fully_shard, TorchMP)):
+            model = copy.deepcopy(base)
+            kw = {"mp_policy": mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+            for block in model:
+                shard_fn(block, **kw)
+            shard_fn(model, **kw)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            for step in range(4):
+                x = torch.randn(8, 32, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
+                loss = model(x).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            runs[name] = (torch.stack(losses), {n: p.full_tensor() for n, p in model.named_parameters()})
+        tol = dict(rtol=2e-2, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(runs["fsdpfn"][0], runs["torch"][0], **tol)
+        for n, p in runs["torch"][1].items():
+            torch.testing.assert_close(runs["fsdpfn"][1][n], p, **tol, msg=lambda m: f"bf16={bf16} {n}: {m}")
+
+
+def _gloo_step_worker(recipe, units, seed, reshard, prefetch):
+    """One rank of ``gloo_world2_step``: the functional step on CUDA tensors over a gloo group."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if DEVICE == "cuda":
+        torch.cuda.set_device(0)
+    try:  # what the core needs from gloo on CUDA tensors
+        probe = torch.ones(2 * world, device=DEVICE)
+        dist.all_gather_into_tensor(torch.empty(2 * world, device=DEVICE), probe[:2])
+        dist.reduce_scatter_tensor(torch.empty(2, device=DEVICE), probe)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        return ("unsupported", f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    mesh = torch.distributed.device_mesh.init_device_mesh(DEVICE, (world,))
+    model = recipe.build(torch.float32).to(DEVICE)
+    params = fsdpfn.shard(model, mesh, units=units)
+    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard, prefetch=prefetch)
+    x = recipe.inputs(2 * world, seed).to(DEVICE)
+    with torch.no_grad():
+        y = _targets(recipe.build(torch.float32)(recipe.inputs(2 * world, seed)), seed).to(DEVICE)
+    mine = slice(2 * rank, 2 * rank + 2)
+    loss, grads = fsdpfn.value_and_grad(lambda p: F.mse_loss(apply(p, x[mine]), y[mine]))(params)
+    return ("ran", float(loss), {n: g.cpu() for n, g in grads.items()})
+
+
+def gloo_world2_step() -> None:
+    """Property, real data on two ranks sharing the GPU: gloo on CUDA tensors (NCCL refuses two ranks on
+    one device) carries the functional step; each rank's shard gradients equal single-process autograd's
+    on the whole batch. Prints ``unsupported`` and exits 3 when this torch's gloo lacks a collective the
+    core needs on CUDA tensors (bench/gpu_probe.py lists them)."""
+    import cuda_checks  # the workers import the worker by module name, not as __main__
+
+    from fsdpfn.testing import spmd
+
+    @settings(max_examples=max(1, EXAMPLES // 2), deadline=None, derandomize=True)
+    @given(data=st.data(), seed=st.integers(0, 99), prefetch=st.integers(0, 2), reshard=st.booleans())
+    def prop(data, seed, prefetch, reshard):
+        recipe = data.draw(fst.model_recipes(min_width=4, min_seq=2))
+        units = data.draw(fst.unit_plans(recipe))
+        out = spmd(2, cuda_checks._gloo_step_worker, recipe, units, seed, reshard, prefetch)
+        if out[0][0] == "unsupported":
+            print(f"gloo_world2_step: unsupported ({out[0][1]})", flush=True)
+            sys.exit(3)
+        ref = recipe.build(torch.float32)
+        x = recipe.inputs(4, seed)
+        with torch.no_grad():
+            y = _targets(recipe.build(torch.float32)(x), seed)
+        F.mse_loss(ref(x), y).backward()
+        for rank, (_, _, grads) in enumerate(out):
+            for n, p in ref.named_parameters():
+                want = fsdpfn.shard_tensor(p.grad, fsdpfn.ShardSpec(tuple(p.shape), 2), rank)
+                torch.testing.assert_close(grads[n], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {n}: {m}")
+
+    prop()
+
+
+# --- stream ordering and buffer lifetimes (fake world: the side streams are real) ---------------------
+class _SlowGather:
+    """FSDP2's all-gather protocol: every rank's rows become this rank's input (the fake group moves
+    nothing), after ``spin`` cycles on the stream it runs on (the core's side stream)."""
+
+    def __init__(self, world: int, spin: int):
+        self.world, self.spin = world, spin
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, async_op=False):
+        if self.spin:
+            torch.cuda._sleep(self.spin)
+        output_tensor.view(self.world, -1).copy_(input_tensor.view(1, -1).expand(self.world, -1))
+
+
+class _SlowReduce:
+    """FSDP2's reduce-scatter protocol: this rank's output is the sum of every rank's chunk of the input
+    (the whole input is here), after ``spin`` cycles on the side stream."""
+
+    def __init__(self, world: int, spin: int):
+        self.world, self.spin = world, spin
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op=False):
+        torch.cuda._sleep(self.spin)
+        total = input_tensor.view(self.world, -1).sum(0)
+        if op == dist.ReduceOp.AVG:
+            total /= self.world
+        elif op not in (None, dist.ReduceOp.SUM):
+            raise NotImplementedError(f"_SlowReduce: reduce op {op}")
+        output_tensor.copy_(total)
+
+
+def fake_gather_waits_for_inputs() -> None:
+    """The side stream starts the all-gather only after the current stream's pending writes to its input."""
+    from fsdpfn.core.comm import Comm
+    from fsdpfn.core.custom import CustomComms
+
+    world = 4
+    comm = Comm(_fake(world))
+    x = torch.zeros(1 << 16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN)  # the current stream is busy ...
+    x.fill_(3.0)  # ... so this write is still pending when the gather launches
+    out = comm.all_gather(x, custom=CustomComms(all_gather=_SlowGather(world, 0))).wait()
+    torch.cuda.synchronize()
+    assert torch.all(out == 3.0), f"the gather read its input before the write ordered before it: {out.unique()[:8]}"
+
+
+def fake_result_waits_for_gather() -> None:
+    """``Handle.wait()`` orders the current stream after the side stream's collective: a read right after
+    it sees the gathered values although the side stream is still spinning when the read is queued."""
+    from fsdpfn.core.comm import Comm
+    from fsdpfn.core.custom import CustomComms
+
+    world = 4
+    comm = Comm(_fake(world))
+    x = torch.full((1 << 16,), 5.0, device="cuda")
+    torch.cuda.synchronize()
+    handle = comm.all_gather(x, custom=CustomComms(all_gather=_SlowGather(world, SPIN)))
+    seen = handle.wait().clone()  # queued on the current stream
+    torch.cuda.synchronize()
+    assert torch.all(seen == 5.0), f"the current stream read the result before the gather wrote it: {seen.unique()[:8]}"
+
+
+def fake_reduce_keeps_its_input() -> None:
+    """The reduction's input lives until the side stream has read it: freeing it at launch would let the
+    caching allocator hand its block to the current stream, which overwrites it while the side stream
+    still spins (no ``record_stream`` is used; the handle keeps the buffer until ``wait``)."""
+    from fsdpfn.core.comm import Comm
+    from fsdpfn.core.custom import CustomComms
+
+    world, n = 4, 1 << 16
+    comm = Comm(_fake(world))
+    full = torch.ones(world, n, device="cuda")
+    torch.cuda.synchronize()
+    handle = comm.reduce_scatter(full, custom=CustomComms(reduce_scatter=_SlowReduce(world, SPIN)), scale=1.0)
+    del full
+    junk = [torch.full((world * n,), 1e6, device="cuda") for _ in range(4)]  # would take a freed block
+    out = handle.wait().clone()
+    torch.cuda.synchronize()
+    del junk
+    assert torch.all(out == float(world)), f"the reduction read a buffer reused before it was done: {out.unique()[:8]}"
+
+
+def fake_step_memory() -> None:
+    """A fake world of 8 on one GPU: after ``shard`` a rank holds an eighth of the parameters; steps with
+    prefetch 1 and 2 leave no growing residue (every gathered buffer and reduction input is released)."""
+    world = 8
+    mesh = _fake(world)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+    full = sum(p.numel() * 4 for p in model.parameters())
+    before = torch.cuda.memory_allocated()
+    params = fsdpfn.shard(model, mesh, units=[str(i) for i in range(8)])
+    held = torch.cuda.memory_allocated() - before
+    assert held <= full / world * 1.05 + (1 << 20), f"{held} bytes resident after shard; an eighth of the model is {full // world}"
+    x = torch.randn(16, 1024, device="cuda")
+    for prefetch in (1, 2):
+        apply = fsdpfn.fsdp(model, prefetch=prefetch)
+        g = fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())
+        opt = fsdpfn.optim.adamw(lr=1e-3)
+        state = opt.init(params)
+        resident = []
+        for _ in range(4):
+            _, grads = g(params, x)
+            params, state = opt.update(grads, state, params)
+            del grads
+            torch.cuda.synchronize()
+            resident.append(torch.cuda.memory_allocated())
+        assert resident[-1] == resident[1], f"prefetch={prefetch}: resident bytes grow step to step: {resident}"
+
+
+CHECKS = {f.__name__: f for f in (
+    step_world1, mixed_precision_world1, checkpoint_world1, compat_world1, gloo_world2_step,
+    fake_gather_waits_for_inputs, fake_result_waits_for_gather, fake_reduce_keeps_its_input, fake_step_memory,
+)}  # fmt: skip
+
+
+if __name__ == "__main__":
+    names = sys.argv[1:]
+    if not names or any(n not in CHECKS for n in names):
+        sys.exit(f"usage: cuda_checks.py <check> [<check> ...]; checks: {', '.join(CHECKS)}")
+    fake = [n for n in names if n.startswith("fake_")]
+    if fake and len(names) > 1:
+        sys.exit(f"cuda_checks.py: {fake[0]} starts a fake process group of its own: run it alone")
+    if not torch.cuda.is_available() and (DEVICE == "cuda" or fake):
+        sys.exit("cuda_checks.py: no GPU is visible")
+    try:
+        for name in names:
+            CHECKS[name]()
+            print(f"{name}: ok", flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
