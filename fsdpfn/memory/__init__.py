@@ -2,7 +2,9 @@
 
 ``estimate(model, world, batch, ...)`` builds the plan ``shard`` would build, counts the activations of
 one forward on fake tensors and walks the step's phases (forward, backward, optimizer step) to predict
-each rank's peak with a breakdown, without allocating the model or communicating. See docs/memory.md.
+each rank's peak with a breakdown, without allocating the model or communicating; ``keep_gathered``
+uses it to choose the units ``fsdp`` may keep gathered after their forward without raising that peak.
+See docs/memory.md.
 
 Example:
     >>> import torch, fsdpfn
@@ -14,7 +16,11 @@ Example:
 
 from fsdpfn.memory.activations import ForwardCost, forward_cost
 from fsdpfn.memory.estimate import OPTIMIZERS, estimate
+from fsdpfn.memory.keep import ReshardRule, keep_gathered
 from fsdpfn.memory.phases import GroupBytes, phase_peaks
 from fsdpfn.memory.result import PHASES, Breakdown, MemoryEstimate
 
-__all__ = ["OPTIMIZERS", "PHASES", "Breakdown", "ForwardCost", "GroupBytes", "MemoryEstimate", "estimate", "forward_cost", "phase_peaks"]
+__all__ = [
+    "OPTIMIZERS", "PHASES", "Breakdown", "ForwardCost", "GroupBytes", "MemoryEstimate", "ReshardRule", "estimate",
+    "forward_cost", "keep_gathered", "phase_peaks",
+]

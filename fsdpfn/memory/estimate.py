@@ -47,7 +47,7 @@ def estimate(
     mp_policy: MixedPrecisionPolicy | None = None,
     optimizer: Optimizer = "adamw",
     prefetch: int = 1,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | Callable[[str], bool] = True,
     min_bucket_bytes: int | Literal["auto"] | None = "auto",
     link: LinkCost | None = None,
     replicate: int = 1,
@@ -89,10 +89,10 @@ def estimate(
         )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"fsdpfn.memory.estimate: prefetch must be an int >= 0 (groups gathered ahead), got {prefetch!r}")
-    if not isinstance(reshard_after_forward, bool):
+    if not isinstance(reshard_after_forward, bool) and not callable(reshard_after_forward):
         raise TypeError(
-            f"fsdpfn.memory.estimate: reshard_after_forward must be a bool, got {reshard_after_forward!r}; the planner "
-            "does not model fsdp's per-unit predicate: estimate with True (the smaller peak) and False (the larger)"
+            f"fsdpfn.memory.estimate: reshard_after_forward must be a bool or a predicate on unit names (as fsdp "
+            f"takes), got {reshard_after_forward!r}"
         )
     if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
         raise ValueError(f"fsdpfn.memory.estimate: replicate must be an int >= 1 (HSDP replicas), got {replicate!r}")
@@ -136,7 +136,7 @@ def _estimate_one(
     slots: int,
     scratch: bool,
     prefetch: int,
-    reshard: bool,
+    reshard: bool | Callable[[str], bool],
     min_bucket_bytes: Any,
     link: LinkCost | None,
     buffer_bytes: int,
@@ -188,7 +188,7 @@ def _estimate_one(
 
 
 def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainable: set[str], world: int, slots: int,
-                 device_type: str, scratch: bool, prefetch: int, reshard: bool, buffer_bytes: int, batch_bytes: int, activations: int,
+                 device_type: str, scratch: bool, prefetch: int, reshard: bool | Callable[[str], bool], buffer_bytes: int, batch_bytes: int, activations: int,
                  last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int]) -> Any:
     shard_bytes = {f: numel[f] * item[f] for f in plan.params}
     grad_sizes = [shard_bytes[f] for f in plan.params if f in trainable]
@@ -248,7 +248,7 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
         root=group_bytes(root) if root is not None else GroupBytes(0, 0, 0, 0),
         groups=[group_bytes(g) for g in plan.groups if g.name],
         prefetch=prefetch,
-        reshard=reshard,
+        reshard=[_reshards(plan, g.name, reshard) for g in others],
         temporary=_largest_foreach_group(grad_sizes) if scratch else 0,
         root_early=root_early,
         enclosing=enclosing,
@@ -256,6 +256,21 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
     )
     # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
 
+
+
+def _reshards(plan: Any, group: str, rule: bool | Callable[[str], bool]) -> bool:
+    """Whether ``fsdp(reshard_after_forward=rule)`` drops group ``group`` after its forward: the flag, or
+    the predicate said yes for one of its units (a fused group is gathered, and dropped, as one)."""
+    if isinstance(rule, bool):
+        return rule
+    wants = [rule(u) for u in plan.members(group)]
+    for unit, got in zip(plan.members(group), wants):
+        if not isinstance(got, bool):
+            raise TypeError(
+                f"fsdpfn.memory.estimate: the reshard_after_forward predicate returned {got!r} for unit {unit!r}; "
+                "it must return a bool"
+            )
+    return any(wants)
 
 
 def _encloses(outer: str, inner: str) -> bool:

@@ -5,11 +5,11 @@ then the optimizer. What is alive at each moment is
 
 * always: the shards (and buffers), the optimizer state and the batch;
 * forward: the root group gathered for the whole call, the gathered window (the running group and the
-  ``prefetch`` groups after it, or every group so far without ``reshard_after_forward``) and the
-  activations saved so far;
+  ``prefetch`` groups after it), every group so far that is kept gathered (not resharded after its
+  forward) and the activations saved so far;
 * backward of group ``k``: the reduced shard gradients of the groups already done, the root group, the
-  re-gathered window (``k`` and the ``prefetch`` groups before it; every group not yet reduced without
-  resharding), ``k``'s full-size gradients, and the activations;
+  kept groups not yet reduced, the re-gathered window (``k`` and the ``prefetch`` groups before it),
+  ``k``'s full-size gradients, and the activations;
 * optimizer step: every reduced gradient and one foreach group's temporary.
 """
 
@@ -58,7 +58,7 @@ def phase_peaks(
     root: GroupBytes,
     groups: Sequence[GroupBytes],
     prefetch: int,
-    reshard: bool,
+    reshard: bool | Sequence[bool],
     temporary: int,
     root_early: Sequence[int] = (),
     saved_until: Sequence[int] = (),
@@ -76,6 +76,8 @@ def phase_peaks(
     (what the forward saved up to the end of ``k``; ``saved_until[-1]``, one more entry, the root's);
     without it every activation is assumed alive throughout backward. ``enclosing[k]``: the groups whose
     units contain group ``k``'s (nested units): they stay gathered while ``k`` runs, in both directions.
+    ``reshard``: one flag for every group, or one per group (``fsdp``'s per-unit predicate): a group kept
+    gathered holds its parameters from its forward to its backward and is not gathered again.
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -85,11 +87,15 @@ def phase_peaks(
         33
     """
     n = len(groups)
+    rs = [reshard] * n if isinstance(reshard, bool) else [bool(r) for r in reshard]
+    if len(rs) != n:
+        raise ValueError(f"phase_peaks: reshard has {len(rs)} entries for {n} groups")
     gathered_fwd = 0
     for k in range(n):
-        outer = [groups[j] for j in (enclosing[k] if k < len(enclosing) else ())]
-        window = groups[: k + 1] if not reshard else [*groups[k : k + 1 + prefetch], *outer]
-        gathered_fwd = max(gathered_fwd, sum(g.gathered for g in window))
+        # groups kept from their forward to their backward, the running window, the enclosing groups
+        live = {j for j in range(k) if not rs[j]} | set(range(k, min(n, k + 1 + prefetch)))
+        live |= set(enclosing[k]) if k < len(enclosing) else set()
+        gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in live))
     forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, activations + batch, 0)
 
     moments = []
@@ -98,20 +104,24 @@ def phase_peaks(
     order = [(k, groups[k]) for k in reversed(range(n))] + [(-1, root)]
     for k, g in order:
         if k >= 0:
-            before = groups[:k] if not reshard else [b for b in groups[:k] if b.regathered][-prefetch:] if prefetch else []
-            outer = [groups[j] for j in (enclosing[k] if k < len(enclosing) else ()) if groups[j] not in before]
-            held = root.gathered + sum(b.gathered + (b.gather_input if reshard else 0) for b in before)
-            held += sum(b.gathered for b in outer) if reshard else 0
+            kept = {j for j in range(k) if not rs[j]}  # still gathered since their forward
+            ahead = [j for j in range(k) if rs[j] and groups[j].regathered][-prefetch:] if prefetch else []
+            outer = [j for j in (enclosing[k] if k < len(enclosing) else ()) if j not in kept and j not in ahead]
+            held = root.gathered + sum(groups[j].gathered for j in kept)
+            held += sum(groups[j].gathered + groups[j].gather_input for j in ahead) + sum(groups[j].gathered for j in outer)
+            mine = g.gathered if g.regathered or not rs[k] else 0
+            # a re-gather finishes the reduction in flight before this group's gradients exist (CPU);
+            # a kept group, one that saved nothing, and the root start their backward without one
+            finishes = rs[k] and g.regathered
         else:
-            held = 0
-        mine = g.gathered if g.regathered or not reshard or k < 0 else 0
+            held, mine, finishes = 0, g.gathered, False
         early = root_early[k] if 0 <= k < len(root_early) else 0
         saved = (saved_until[k] if k >= 0 else saved_until[-1]) + batch if saved_until else activations + batch
         pending = early
-        if in_flight is not None and not reshard:
+        if in_flight is not None and not finishes:
             pending += in_flight.packed + in_flight.reduce_scratch
         moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + mine, saved, 0))
-        if in_flight is not None and not reshard:
+        if in_flight is not None and not finishes:
             moments.append(Breakdown(shards, state, done + g.full_grads + pending + in_flight.finish_scratch, held, saved, 0))
         launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early
         moments.append(Breakdown(shards, state, done + launched, held, saved, 0))

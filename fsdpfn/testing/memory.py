@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 __all__ = ["StepPeak", "measured_step_peak", "memory_tracker", "saved_bytes"]
@@ -72,7 +73,7 @@ def measured_step_peak(
     units: Any = None,
     min_bucket_bytes: Any = None,
     prefetch: int = 1,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | Callable[[str], bool] = True,
     lr: float = 1e-3,
     repeats: int = 2,
     mp_policy: Any = None,
