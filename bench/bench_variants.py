@@ -29,11 +29,12 @@ import fsdpfn
 import fsdpfn.optim
 from bench_models import ModelSpec, loss_fn
 
-__all__ = ["Coll", "Variant", "build_variant", "compat_available", "COMPILED", "SHARDED", "ALL_VARIANTS"]
+__all__ = ["Coll", "Variant", "build_variant", "compat_available", "COMPILED", "EXTRA", "SHARDED", "ALL_VARIANTS"]
 
 COMPILED = ("torch_compiled", "compat_compiled", "functional_compiled", "functional_traced", "functional_traced_a2a")
-ALL_VARIANTS = ("torch", "functional", "local", "compat", *COMPILED)
-SHARDED = ("torch", "functional", "compat", *COMPILED)
+EXTRA = ("functional_kept",)  # measured when named in --variants
+ALL_VARIANTS = ("torch", "functional", "local", "compat", *COMPILED, *EXTRA)
+SHARDED = ("torch", "functional", "compat", *COMPILED, *EXTRA)
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 WINDOW = 2  # collectives in flight at once during a replay (a step overlaps about as many)
 
@@ -276,6 +277,27 @@ class CompatCompiled(Compat):
     compiled = True
 
 
+class FunctionalKept(Functional):
+    """``functional`` with ``fsdp(reshard_after_forward=fsdpfn.memory.keep_gathered(...))``: the last blocks
+    that fit under the planner's resharding peak stay gathered from forward to backward (chosen on the
+    first step, from its batch and loss)."""
+
+    name = "functional_kept"
+    rule: Any = None
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.rule is None:
+            spec, plan = self.spec, self.params.plan
+            self.rule = fsdpfn.memory.keep_gathered(
+                self.model, plan.comm.world, x, units=[f"blocks.{i}" for i in range(len(self.model.blocks))],  # type: ignore[arg-type]
+                mp_policy=plan.mp_policy,
+                min_bucket_bytes=plan.bucket_bytes, loss_fn=lambda out: loss_fn(spec, out, y),
+            )
+            apply = fsdpfn.fsdp(self.model, reshard_after_forward=self.rule)
+            self.value_and_grad = fsdpfn.value_and_grad(lambda p, x, y: loss_fn(spec, apply(p, x), y))
+        return super().step(x, y)
+
+
 class FunctionalCompiled(Functional):
     """``functional``, every block compiled (graphs break at the units, the machinery runs eagerly)."""
 
@@ -432,7 +454,7 @@ def _replay_dist(log: list[Coll], device: torch.device) -> None:
 def build_variant(name: str, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype) -> Variant:
     """Instantiate the variant called ``name`` on a deep copy of ``base``."""
     cls = {
-        "torch": TorchFSDP, "functional": Functional, "local": Local, "compat": Compat, "reference": Reference,
+        "torch": TorchFSDP, "functional": Functional, "functional_kept": FunctionalKept, "local": Local, "compat": Compat, "reference": Reference,
         "torch_compiled": TorchCompiled, "compat_compiled": CompatCompiled,
         "functional_compiled": FunctionalCompiled, "functional_traced": FunctionalTraced,
         "functional_traced_a2a": FunctionalTracedAllToAll,

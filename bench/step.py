@@ -10,6 +10,8 @@ machine noise hits all alike:
 * ``functional``: ``fsdpfn.shard(units=blocks) + fsdpfn.fsdp + fsdpfn.value_and_grad + fsdpfn.optim.adamw``.
 * ``local``: no sharding, no communication, each rank on its own batch: the compute floor.
 * ``compat``: ``fsdpfn.compat.fully_shard`` wrapped like ``torch``; skipped while ``fsdpfn.compat`` is missing.
+* ``functional_kept`` (only when named): ``functional`` keeping the last blocks gathered that
+  ``fsdpfn.memory.keep_gathered`` fits under the resharding peak.
 
 ``--compile`` measures the compiled variants instead (``torch.compile``, backend ``--compile-backend``), each
 compared with ``torch_compiled``:
@@ -46,7 +48,7 @@ import torch.distributed as dist
 import fsdpfn
 from bench_measure import add_ratios, format_table, peak_step, reduce_max, reduce_mean, summarize, sync, timed_replay, timed_step
 from bench_models import MODELS, count_params, make_batches, build_model, spec_for
-from bench_variants import ALL_VARIANTS, COMPILED, SHARDED, Functional, Variant, build_variant, compat_available
+from bench_variants import ALL_VARIANTS, COMPILED, EXTRA, SHARDED, Functional, Variant, build_variant, compat_available
 
 COMPAT_MISSING = "fsdpfn.compat not available"
 REPLAYS = 5  # collective replays per sharded variant (median)
@@ -115,7 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tiny models, for the smoke test
     args = p.parse_args(argv)
     if args.variants is None:
-        args.variants = ",".join((*COMPILED, "local") if args.compile else (v for v in ALL_VARIANTS if v not in COMPILED))
+        args.variants = ",".join((*COMPILED, "local") if args.compile else (v for v in ALL_VARIANTS if v not in COMPILED + EXTRA))
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in ALL_VARIANTS]
     if unknown or not args.variants:
