@@ -4,7 +4,7 @@
 # tool brings back at most 8 files, 16 MiB each, so each stage writes few).
 #
 #   bash bench/gpu_session.sh tests   # CUDA tests, gloo-on-CUDA probe, both example trainings   (~5 min)
-#   bash bench/gpu_session.sh bench   # gpt1b at world 1 and in a fake world of 8, with traces     (~7 min)
+#   bash bench/gpu_session.sh bench   # gpt1b at world 1 and in a fake world of 8 (traces), overhead (~8 min)
 #
 # Prepare once, here (the GPU machine has no optree and no internet):
 #   echo /.whl/ >> .git/info/exclude
@@ -48,6 +48,8 @@ bench)
         --json "$OUT/gpt1b_w1.json" --check 2>&1 | tail -8
     timeout 270 python3 bench/step.py --model gpt1b --fake-world 8 --steps 8 --warmup 3 \
         --json "$OUT/gpt1b_fake8.json" --trace /tmp/traces 2>&1 | tail -8
+    # 5. per-unit CPU overhead where the GPU is fast: 48 small blocks, fake world of 8
+    timeout 120 python3 bench/step.py --model overhead --fake-world 8 --steps 20 --json "$OUT/overhead_fake8.json" 2>&1 | tail -7
     cp /tmp/traces/trace_functional_rank0.json.gz "$OUT/" 2>/dev/null || true
     cp /tmp/traces/trace_torch_rank0.json.gz "$OUT/" 2>/dev/null || true
     ;;

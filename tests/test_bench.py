@@ -9,6 +9,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOP_KEYS = {"device", "world", "torch_version", "model", "date", "host", "steps", "warmup", "variants", "check"}
 MEASURED_KEYS = {"step_s", "step_s_min", "step_s_max", "peak_mib", "final_loss"}
@@ -77,13 +79,17 @@ def test_fake_world_runs_every_variant_in_one_process_with_traces(tmp_path):
     assert shards < result["variants"]["torch"]["peak_mib"] * 1.5  # both sharded over 4 fake ranks
 
 
-def test_fake_world_refuses_check_and_torchrun(tmp_path):
-    cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--fake-world", "4", "--check"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 2 and "--check needs real collectives" in proc.stderr
-    env = {**os.environ, "WORLD_SIZE": "2"}
-    proc = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
-    assert proc.returncode == 2 and "not torchrun" in proc.stderr
+def test_fake_world_refuses_check_and_torchrun(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import step
+
+    with pytest.raises(SystemExit) as exc:
+        step.parse_args(["--fake-world", "4", "--check"])
+    assert exc.value.code == 2 and "--check needs real collectives" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exc:
+        step.parse_args(["--fake-world", "4"])
+    assert exc.value.code == 2 and "not torchrun" in capsys.readouterr().err
 
 
 def test_trace_overlap_measures_side_streams_against_the_busiest_stream():

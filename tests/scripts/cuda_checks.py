@@ -357,8 +357,8 @@ CHECKS = {f.__name__: f for f in (
 )}  # fmt: skip
 
 
-if __name__ == "__main__":
-    names = sys.argv[1:]
+def main(names: list[str]) -> None:
+    """Run the checks called ``names`` in order (``SystemExit`` with the usage for a bad list)."""
     if not names or any(n not in CHECKS for n in names):
         sys.exit(f"usage: cuda_checks.py <check> [<check> ...]; checks: {', '.join(CHECKS)}")
     fake = [n for n in names if n.startswith("fake_")]
@@ -373,3 +373,7 @@ if __name__ == "__main__":
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
