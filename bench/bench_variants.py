@@ -27,12 +27,12 @@ from torch.utils._pytree import tree_leaves
 
 import fsdpfn
 import fsdpfn.optim
-from bench_models import ModelSpec, loss_fn
+from bench_models import ModelSpec, loss_fn, make_batches
 
 __all__ = ["Coll", "Variant", "build_variant", "compat_available", "COMPILED", "EXTRA", "SHARDED", "ALL_VARIANTS"]
 
 COMPILED = ("torch_compiled", "compat_compiled", "functional_compiled", "functional_traced", "functional_traced_a2a")
-EXTRA = ("functional_kept",)  # measured when named in --variants
+EXTRA = ("functional_kept", "compat_kept")  # measured when named in --variants
 ALL_VARIANTS = ("torch", "functional", "local", "compat", *COMPILED, *EXTRA)
 SHARDED = ("torch", "functional", "compat", *COMPILED, *EXTRA)
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
@@ -167,10 +167,14 @@ class TorchFSDP(_ModuleVariant):
                 block.compile(backend=self.backend)
         fully_shard, mp_cls = self._api()
         mp = mp_cls(param_dtype=self.dtype, reduce_dtype=torch.float32) if self.dtype != torch.float32 else mp_cls()
-        for block in self.model.blocks:  # type: ignore[union-attr]
-            fully_shard(block, mesh=self.mesh, mp_policy=mp)
+        for i, block in enumerate(self.model.blocks):  # type: ignore[union-attr,arg-type]
+            fully_shard(block, mesh=self.mesh, mp_policy=mp, **self._block_options(i))
         fully_shard(self.model, mesh=self.mesh, mp_policy=mp)
         self._init_opt()
+
+    def _block_options(self, index: int) -> dict[str, Any]:
+        """Extra ``fully_shard`` arguments of block ``index``."""
+        return {}
 
     def _api(self) -> tuple[Callable[..., Any], type]:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -275,6 +279,24 @@ class CompatCompiled(Compat):
 
     name = "compat_compiled"
     compiled = True
+
+
+class CompatKept(Compat):
+    """``compat`` with ``fully_shard(block, reshard_after_forward=rule(name))`` for the rule
+    ``fsdpfn.memory.keep_gathered`` chooses (planned for the functional layer, from rank 0's first batch)."""
+
+    name = "compat_kept"
+
+    def _block_options(self, index: int) -> dict[str, Any]:
+        if index == 0:
+            spec = self.spec
+            x, y = make_batches(spec, 0, 1, [0], self.device)[0][0]
+            mp = fsdpfn.MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) if self.dtype != torch.float32 else None
+            self.rule = fsdpfn.memory.keep_gathered(
+                self.model, self.mesh.size(), x, units=[f"blocks.{i}" for i in range(len(self.model.blocks))],  # type: ignore[arg-type]
+                mp_policy=mp, min_bucket_bytes=None, loss_fn=lambda out: loss_fn(spec, out, y),
+            )
+        return {"reshard_after_forward": self.rule(f"blocks.{index}")}
 
 
 class FunctionalKept(Functional):
@@ -454,7 +476,7 @@ def _replay_dist(log: list[Coll], device: torch.device) -> None:
 def build_variant(name: str, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype) -> Variant:
     """Instantiate the variant called ``name`` on a deep copy of ``base``."""
     cls = {
-        "torch": TorchFSDP, "functional": Functional, "functional_kept": FunctionalKept, "local": Local, "compat": Compat, "reference": Reference,
+        "torch": TorchFSDP, "functional": Functional, "functional_kept": FunctionalKept, "compat_kept": CompatKept, "local": Local, "compat": Compat, "reference": Reference,
         "torch_compiled": TorchCompiled, "compat_compiled": CompatCompiled,
         "functional_compiled": FunctionalCompiled, "functional_traced": FunctionalTraced,
         "functional_traced_a2a": FunctionalTracedAllToAll,

@@ -10,8 +10,8 @@ machine noise hits all alike:
 * ``functional``: ``fsdpfn.shard(units=blocks) + fsdpfn.fsdp + fsdpfn.value_and_grad + fsdpfn.optim.adamw``.
 * ``local``: no sharding, no communication, each rank on its own batch: the compute floor.
 * ``compat``: ``fsdpfn.compat.fully_shard`` wrapped like ``torch``; skipped while ``fsdpfn.compat`` is missing.
-* ``functional_kept`` (only when named): ``functional`` keeping the last blocks gathered that
-  ``fsdpfn.memory.keep_gathered`` fits under the resharding peak.
+* ``functional_kept``, ``compat_kept`` (only when named): ``functional`` / ``compat`` keeping the last blocks
+  gathered that ``fsdpfn.memory.keep_gathered`` fits under the resharding peak.
 
 ``--compile`` measures the compiled variants instead (``torch.compile``, backend ``--compile-backend``), each
 compared with ``torch_compiled``:
