@@ -281,6 +281,15 @@ class CompatCompiled(Compat):
     compiled = True
 
 
+def _kept_rule(v: Variant, x: torch.Tensor, y: torch.Tensor, mp_policy: Any, min_bucket_bytes: Any) -> Any:
+    """``fsdpfn.memory.keep_gathered``'s rule for ``v``'s blocks on the batch ``(x, y)``."""
+    spec = v.spec
+    return fsdpfn.memory.keep_gathered(
+        v.model, v.mesh.size(), x, units=[f"blocks.{i}" for i in range(len(v.model.blocks))],  # type: ignore[arg-type]
+        mp_policy=mp_policy, min_bucket_bytes=min_bucket_bytes, loss_fn=lambda out: loss_fn(spec, out, y),
+    )
+
+
 class CompatKept(Compat):
     """``compat`` with ``fully_shard(block, reshard_after_forward=rule(name))`` for the rule
     ``fsdpfn.memory.keep_gathered`` chooses (planned for the functional layer, from rank 0's first batch)."""
@@ -288,14 +297,10 @@ class CompatKept(Compat):
     name = "compat_kept"
 
     def _block_options(self, index: int) -> dict[str, Any]:
-        if index == 0:
-            spec = self.spec
-            x, y = make_batches(spec, 0, 1, [0], self.device)[0][0]
+        if index == 0:  # before any block is sharded: the planner reads the plain module
+            x, y = make_batches(self.spec, 0, 1, [0], self.device)[0][0]
             mp = fsdpfn.MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32) if self.dtype != torch.float32 else None
-            self.rule = fsdpfn.memory.keep_gathered(
-                self.model, self.mesh.size(), x, units=[f"blocks.{i}" for i in range(len(self.model.blocks))],  # type: ignore[arg-type]
-                mp_policy=mp, min_bucket_bytes=None, loss_fn=lambda out: loss_fn(spec, out, y),
-            )
+            self.rule = _kept_rule(self, x, y, mp, None)
         return {"reshard_after_forward": self.rule(f"blocks.{index}")}
 
 
@@ -310,11 +315,7 @@ class FunctionalKept(Functional):
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.rule is None:
             spec, plan = self.spec, self.params.plan
-            self.rule = fsdpfn.memory.keep_gathered(
-                self.model, plan.comm.world, x, units=[f"blocks.{i}" for i in range(len(self.model.blocks))],  # type: ignore[arg-type]
-                mp_policy=plan.mp_policy,
-                min_bucket_bytes=plan.bucket_bytes, loss_fn=lambda out: loss_fn(spec, out, y),
-            )
+            self.rule = _kept_rule(self, x, y, plan.mp_policy, plan.bucket_bytes)
             apply = fsdpfn.fsdp(self.model, reshard_after_forward=self.rule)
             self.value_and_grad = fsdpfn.value_and_grad(lambda p, x, y: loss_fn(spec, apply(p, x), y))
         return super().step(x, y)
@@ -476,7 +477,8 @@ def _replay_dist(log: list[Coll], device: torch.device) -> None:
 def build_variant(name: str, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype) -> Variant:
     """Instantiate the variant called ``name`` on a deep copy of ``base``."""
     cls = {
-        "torch": TorchFSDP, "functional": Functional, "functional_kept": FunctionalKept, "compat_kept": CompatKept, "local": Local, "compat": Compat, "reference": Reference,
+        "torch": TorchFSDP, "functional": Functional, "local": Local, "compat": Compat, "reference": Reference,
+        "functional_kept": FunctionalKept, "compat_kept": CompatKept,
         "torch_compiled": TorchCompiled, "compat_compiled": CompatCompiled,
         "functional_compiled": FunctionalCompiled, "functional_traced": FunctionalTraced,
         "functional_traced_a2a": FunctionalTracedAllToAll,

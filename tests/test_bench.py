@@ -58,8 +58,10 @@ def test_step_benchmark_smoke(tmp_path):
 
 
 def test_step_benchmark_variant_subset(tmp_path):
-    _, result = _run(tmp_path, "--variants", "functional,local")
-    assert list(result["variants"]) == ["functional", "local"]
+    _, result = _run(tmp_path, "--variants", "functional,local,functional_kept,compat_kept", "--check")
+    assert list(result["variants"]) == ["functional", "local", "functional_kept", "compat_kept"]
+    losses = [v["final_loss"] for v in result["variants"].values()]  # keeping blocks gathered changes no number
+    assert max(losses) - min(losses) <= 1e-4 * abs(losses[0])
     assert "step_vs_torch" not in result["variants"]["functional"]  # no torch run: no ratio to it
     assert result["variants"]["functional"]["step_vs_floor"] > 0
 

@@ -263,13 +263,15 @@ def _reshards(plan: Any, group: str, rule: bool | Callable[[str], bool]) -> bool
     the predicate said yes for one of its units (a fused group is gathered, and dropped, as one)."""
     if isinstance(rule, bool):
         return rule
-    wants = [rule(u) for u in plan.members(group)]
-    for unit, got in zip(plan.members(group), wants):
+    wants = []
+    for unit in plan.members(group):
+        got = rule(unit)
         if not isinstance(got, bool):
             raise TypeError(
                 f"fsdpfn.memory.estimate: the reshard_after_forward predicate returned {got!r} for unit {unit!r}; "
                 "it must return a bool"
             )
+        wants.append(got)
     return any(wants)
 
 

@@ -61,11 +61,12 @@ def keep_gathered(
     The estimate is conservative by about one unit on mixed plans (docs/memory.md).
 
     Example:
+        >>> import torch
         >>> with torch.device("meta"):
         ...     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
         >>> rule = keep_gathered(model, 2, torch.zeros(64, 256), units=[str(i) for i in range(6)], min_bucket_bytes=None)
-        >>> rule.kept, rule.peak <= rule.budget                                 # doctest: +SKIP
-        (('4', '5'), True)
+        >>> rule.kept, rule.peak <= rule.budget, rule("0"), rule("5")
+        (('5',), True, True, False)
     """
     if "reshard_after_forward" in options:
         raise TypeError("fsdpfn.memory.keep_gathered: reshard_after_forward is what it chooses; do not pass it")
