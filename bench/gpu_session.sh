@@ -42,9 +42,11 @@ tests)
     ;;
 bench)
     # 4. speed and memory against FSDP2 in the same run: world 1 (NCCL; each variant holds the whole
-    #    model and AdamW state, so `local` stays out to fit), then rank 0 of a fake world of 8 (collectives
-    #    are no-ops: streams, memory and per-unit overhead are real), with profiler traces of 2 steps
-    timeout 270 python3 bench/step.py --model gpt1b --variants torch,functional,compat --steps 8 --warmup 3 \
+    #    model, gradients and AdamW state, ~16 GiB in fp32: three variants, `local` doubling as the loss
+    #    reference, fit on one GPU where a fourth plus a separate reference might not), then rank 0 of a
+    #    fake world of 8 (collectives are no-ops: streams, memory and per-unit overhead are real, compat
+    #    included), with profiler traces of 2 steps
+    timeout 270 python3 bench/step.py --model gpt1b --variants torch,functional,local --steps 8 --warmup 3 \
         --json "$OUT/gpt1b_w1.json" --check 2>&1 | tail -8
     timeout 270 python3 bench/step.py --model gpt1b --fake-world 8 --steps 8 --warmup 3 \
         --json "$OUT/gpt1b_fake8.json" --trace /tmp/traces 2>&1 | tail -8
