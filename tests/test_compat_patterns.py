@@ -27,8 +27,11 @@ from fsdpfn.testing import strategies as fst
 
 WIDTH, BLOCKS, LOCAL_BATCH, CHUNK = 6, 3, 4, 2
 FP32 = dict(rtol=1e-5, atol=1e-6)
-# bf16 parameters and activations: a gradient off by a wrong reduction is off by >= 33%
-BF16 = dict(rtol=5e-2, atol=5e-3)
+# bf16 parameters and activations: a gradient off by a wrong reduction is off by >= 33%. Against the fp32
+# reference an element's bf16 error scales with the tensor's largest entries, not its own (an entry that
+# is a difference of larger terms: seed 7878, world 3, dpo, 0.019 off in a tensor of max 0.73, torch's
+# fully_shard alike), so atol grows with the tensor: 2.5% of its largest entry, 5e-3 at least.
+BF16 = dict(rtol=5e-2, atol=5e-3, atol_of_max=2.5e-2)
 
 
 class Block(nn.Module):
@@ -152,7 +155,12 @@ def _functional(ckpt: str, pattern: str, reshard: bool, mp: bool, seed: int) -> 
 def _check(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: dict, what: str) -> None:
     assert set(got) == set(want), (what, sorted(got), sorted(want))
     for name in want:
-        torch.testing.assert_close(got[name].float(), want[name].float(), **tol, msg=lambda m: f"{what} {name}: {m}")
+        g, w = got[name].float(), want[name].float()
+        scaled = dict(tol)
+        share = scaled.pop("atol_of_max", 0.0)
+        if share and w.numel():
+            scaled["atol"] = max(scaled["atol"], share * w.abs().max().item())
+        torch.testing.assert_close(g, w, **scaled, msg=lambda m: f"{what} {name}: {m}")
 
 
 PATTERNS = dict(ckpt=st.sampled_from(["around", "inside", "composable"]), pattern=st.sampled_from(["dpo", "chunk"]))
