@@ -25,13 +25,16 @@ class ForwardCost(NamedTuple):
     the last unit whose forward had started when it was first used (``None``: before any), which says
     when backward makes its gradient; ``saved_params``: the parameters autograd saves
     (a unit none of whose parameters are saved is not re-gathered in backward); ``saved_before[u]``: the
-    bytes saved when unit ``u``'s forward started (backward frees them in reverse)."""
+    bytes saved when unit ``u``'s forward started (backward frees them in reverse); ``output_grad``: the
+    most bytes alive at once while backward makes the gradient of the output (the loss's backward and its
+    temporaries, measured on the fake tensors when a ``loss_fn`` is given, else one output-sized tensor)."""
 
     saved: int
     output: int
     last_unit_before: dict[str, str | None]
     saved_params: frozenset[str] = frozenset()
     saved_before: dict[str, int] = {}
+    output_grad: int = 0
 
 
 def forward_cost(
@@ -49,7 +52,7 @@ def forward_cost(
     ``batch`` is a tensor, a tuple of positional arguments, or a dict of keyword arguments (real, fake or
     meta tensors: only shapes and dtypes are read). ``param_dtype`` maps a parameter's dtype to the dtype it
     computes in (mixed precision); ``cast_inputs`` casts floating inputs. ``loss_fn(output)`` runs too, so
-    what the loss saves is counted.
+    what the loss saves is counted, and so does its backward down to the output (``output_grad``).
 
     Example:
         >>> forward_cost(nn.Linear(4, 8), torch.zeros(2, 4), device=torch.device("cpu"),
@@ -105,13 +108,37 @@ def forward_cost(
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Uses():
                 out = functional_call(module, values, tuple(args), kwargs, tie_weights=False)
-                if loss_fn is not None:
-                    loss_fn(out)
         finally:
             for h in hooks:
                 h.remove()
-        output = sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
-    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params), saved_before)
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        output = sum(t.untyped_storage().nbytes() for t in outs)
+        output_grad = output
+        if loss_fn is not None:
+            model_saved = sum(seen.values())
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss_peak = _loss_peak(loss_fn, out, [t for t in outs if t.requires_grad])
+            # what the loss's forward and backward hold at most, beyond what the loss saves (counted
+            # with the activations): the gradient of the output and the backward's temporaries
+            output_grad = output if loss_peak is None else max(0, loss_peak - (sum(seen.values()) - model_saved))
+    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params), saved_before, output_grad)
+
+
+def _loss_peak(loss_fn: Callable[[Any], Any], out: Any, outs: list[torch.Tensor]) -> int | None:
+    """The most bytes alive at once (fake tensors) while ``loss_fn(out)`` runs and autograd takes the loss
+    back to ``outs``: what the loss saves, freed as its backward goes, the output's gradient and the
+    backward's temporaries (a cross-entropy's softmax gradient, ...). ``None`` when nothing is
+    differentiable."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        loss = loss_fn(out)
+        if not isinstance(loss, torch.Tensor) or not loss.requires_grad or not outs:
+            return None
+        torch.autograd.grad(loss.sum() if loss.dim() else loss, outs, allow_unused=True)
+    peaks = tracker.get_tracker_snapshot("peak")
+    return max((d.get("Total", 0) for d in peaks.values()), default=0)
 
 
 def _split(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

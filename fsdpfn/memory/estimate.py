@@ -127,7 +127,7 @@ def estimate(
     scratch = scratch and dev.type not in FUSED_DEVICES
     out = [
         _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
-                      min_bucket_bytes, link, buffer_bytes, batch_bytes, fwd.saved, dev.type, fwd.last_unit_before, fwd.saved_params, fwd.saved_before)
+                      min_bucket_bytes, link, buffer_bytes, batch_bytes, fwd.saved, fwd.output_grad, dev.type, fwd.last_unit_before, fwd.saved_params, fwd.saved_before)
         for w in worlds
     ]
     return out if not isinstance(world, int) else out[0]
@@ -148,6 +148,7 @@ def _estimate_one(
     buffer_bytes: int,
     batch_bytes: int,
     activations: int,
+    output_grad: int,
     device_type: str,
     last_unit_before: dict[str, str | None],
     saved_params: frozenset[str],
@@ -174,7 +175,7 @@ def _estimate_one(
         layout = tuple(numel[f] for f in plan.params)
         if layout not in by_layout:
             by_layout[layout] = _rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
-                                             buffer_bytes, batch_bytes, activations, last_unit_before, saved_params, saved_before)
+                                             buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before)
         per_rank.append(max(b.total for b in by_layout[layout].values()))
     rank = max(range(world), key=per_rank.__getitem__)
     numel = {f: math.prod(plan.specs[f].local_shape(rank)) for f in plan.params}
@@ -195,7 +196,7 @@ def _estimate_one(
 
 def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainable: set[str], world: int, slots: int,
                  device_type: str, scratch: bool, prefetch: int, reshard: bool | Callable[[str], bool], buffer_bytes: int, batch_bytes: int, activations: int,
-                 last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int]) -> Any:
+                 output_grad: int, last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int]) -> Any:
     shard_bytes = {f: numel[f] * item[f] for f in plan.params}
     grad_sizes = [shard_bytes[f] for f in plan.params if f in trainable]
 
@@ -206,8 +207,11 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
         if world == 1:  # the collectives are the identity: only a dtype cast allocates
             cast = [(f, lay.dtype) for lay in g.gather for f in lay.fqns if lay.dtype != plan.dtypes[f]]
             full_grads = sum(numel[f] * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns)
-            if all(own.values()):  # the gradients autograd makes are the reduced ones
-                return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), 0, 0, shard_grads, regathered=regathered)
+            if all(own.values()) and not cast:  # the gradients autograd makes are the reduced ones
+                return GroupBytes(0, 0, 0, shard_grads, regathered=regathered)
+            if all(own.values()):  # autograd's gradients in the compute dtype, cast to the parameters'
+                computed = sum(numel[f] * d.itemsize for f, d in cast)
+                return GroupBytes(computed, computed, 0, shard_grads, regathered=regathered)
             return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), full_grads, 0, shard_grads, regathered=regathered)
         padded = sum(lay.nbytes for lay in g.reduce)
         full = padded * world
@@ -251,6 +255,7 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
         state=slots * sum(grad_sizes),
         batch=batch_bytes,
         activations=activations,
+        output_grad=output_grad,
         root=group_bytes(root) if root is not None else GroupBytes(0, 0, 0, 0),
         groups=[group_bytes(g) for g in plan.groups if g.name],
         prefetch=prefetch,

@@ -7,6 +7,9 @@ then the optimizer. What is alive at each moment is
 * forward: the root group gathered for the whole call, the gathered window (the running group and the
   ``prefetch`` groups after it), every group so far that is kept gathered (not resharded after its
   forward) and the activations saved so far;
+* backward's start: the loss's backward down to the model's output (its gradient and temporaries) and the
+  gradients of root parameters used last (an LM head's), before any group is gathered again: only the root
+  group and the kept groups are gathered (a language model's peak is often here);
 * backward of group ``k``: the reduced shard gradients of the groups already done, the root group, the
   kept groups not yet reduced, the re-gathered window (``k`` and the ``prefetch`` groups before it),
   ``k``'s full-size gradients, and the activations;
@@ -56,6 +59,7 @@ def phase_peaks(
     batch: int,
     activations: int,
     root: GroupBytes,
+    output_grad: int = 0,
     groups: Sequence[GroupBytes],
     prefetch: int,
     reshard: bool | Sequence[bool],
@@ -76,6 +80,9 @@ def phase_peaks(
     (what the forward saved up to the end of ``k``; ``saved_until[-1]``, one more entry, the root's);
     without it every activation is assumed alive throughout backward. ``enclosing[k]``: the groups whose
     units contain group ``k``'s (nested units): they stay gathered while ``k`` runs, in both directions.
+    ``output_grad``: the most bytes the loss's backward holds while it makes the gradient of the model's
+    output, at backward's first moment, before any group is gathered again (counted with the activations;
+    the root's gradients made then, ``root_early`` of the last group, with the gradients).
     ``reshard``: one flag for every group, or one per group (``fsdp``'s per-unit predicate): a group kept
     gathered holds its parameters from its forward to its backward and is not gathered again.
 
@@ -98,7 +105,10 @@ def phase_peaks(
         gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in live))
     forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, activations + batch, 0)
 
-    moments = []
+    # backward's start: the output's gradient is made, no group has been gathered again yet
+    held0 = root.gathered + sum(g.gathered for g, r in zip(groups, rs) if not r)
+    early0 = root_early[n - 1] if 0 < n <= len(root_early) else 0
+    moments = [Breakdown(shards, state, early0, held0, activations + batch + output_grad, 0)]
     done = 0  # reduced gradients of the groups finished so far
     in_flight: GroupBytes | None = None  # the reduction still running when the next group's gradients exist
     order = [(k, groups[k]) for k in reversed(range(n))] + [(-1, root)]
