@@ -20,7 +20,9 @@ def _run_example(name, argv):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_training_example_loss_falls(world):
-    for result in spmd(world, _run_example, "train", SHORT):
+    # 90 steps: at 60 this chaotic regime (lr 1e-2, see COMPARE below) plateaus at 0.75x its first loss, and
+    # an ulp-level change of the optimizer kernel moved it to either side of that line
+    for result in spmd(world, _run_example, "train", SHORT + ["--steps", "90"]):
         losses = [loss for _, loss in result["losses"]]
         assert losses[0] > 3.0  # about log(vocab) at the start
         assert losses[-1] < 0.75 * losses[0], losses

@@ -426,3 +426,4 @@ def test_an_update_holds_at_most_one_group_of_temporaries(widths, kind):
     for high, total, largest in spmd(2, _step_high_water, widths, kind):
         bound = 0 if kind == "adamw" else max(total / optim._common.FOREACH_PARTS, largest)
         assert high <= bound + 4096, (high, total, largest)  # + the step counters and list overheads
+

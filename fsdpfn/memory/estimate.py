@@ -16,12 +16,11 @@ from torch import nn
 
 from fsdpfn.layout import ParamInfo, build_plan
 from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
-from fsdpfn.layout.autobucket import FOREACH_PARTS, LinkCost
+from fsdpfn.layout.autobucket import FOREACH_PARTS, FUSED_DEVICES, LinkCost
 from fsdpfn.memory.activations import forward_cost
 from fsdpfn.memory.phases import GroupBytes, phase_peaks
 from fsdpfn.memory.result import PHASES, MemoryEstimate
 from fsdpfn.ops.shard import Units, resolve_units
-from fsdpfn.optim.adamw import FUSED_DEVICES
 from fsdpfn.policy import MixedPrecisionPolicy
 
 __all__ = ["OPTIMIZERS", "estimate"]

@@ -16,6 +16,7 @@ import torch
 from torch.optim.adam import adam as _torch_adam
 
 from fsdpfn.layout import Sharded
+from fsdpfn.layout.autobucket import FUSED_DEVICES
 from fsdpfn.optim._common import (
     GradientTransformation,
     LearningRate,
@@ -38,12 +39,13 @@ from fsdpfn.optim._common import (
 
 __all__ = ["AdamWState", "FUSED_DEVICES", "adamw"]
 
-# Device types on which the update runs torch's fused AdamW kernel: one pass over each shard, no
-# temporaries. On CPU it takes 3.2 ms against foreach's 10.2 ms for bench ln_mlp's shards (world 2, one
-# thread) and needs no scratch tensor, so the optimizer step's peak is parameters, gradients and moments
-# only. CUDA keeps foreach: fused there wants its step counters on the GPU, and it has not run on one.
-FUSED_DEVICES = frozenset({"cpu"})
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _fusable(tensors: list[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether torch's fused kernel can take these: on a ``FUSED_DEVICES`` device, of ``dtype`` (one the
+    kernel has) and contiguous (it walks memory linearly: on a strided view it updates wrong elements)."""
+    return all(t.device.type in FUSED_DEVICES and t.dtype == dtype and t.is_contiguous() for t in tensors)
 
 
 def _pick_kernel() -> Callable[..., None]:
@@ -99,7 +101,8 @@ def adamw(
     and returned in new containers, so a step allocates no second copy (the inputs are donated); with
     ``inplace=False`` they are cloned first and the inputs stay untouched. Gradients are never modified.
     Runs ``torch.optim``'s functional Adam kernel on this rank's shards: fused (``fused=True``, one pass and
-    no temporaries) when every shard is on a device of ``FUSED_DEVICES`` (CPU), else ``foreach=True`` in
+    no temporaries) when every shard, gradient and moment is contiguous and on a device of
+    ``FUSED_DEVICES`` (CPU), else ``foreach=True`` in
     groups of at most an eighth of the shard bytes (or the largest shard), so its temporaries never add a
     whole copy of the shards to the step's peak as one call over every shard would. Complex parameters
     are viewed as real pairs, exactly as ``torch.optim.AdamW`` does; the fused and foreach kernels agree
@@ -158,7 +161,12 @@ def adamw(
             state = AdamWState(state.count.clone(), *(clone_tree(t) for t in state[1:]))
         lr_now = resolve_lr(where, lr, int(state.count.item()) + 1)
         tensors = [real(new_params[f]) for f in fqns]
-        fused = all(t.device.type in FUSED_DEVICES and t.dtype in _FUSED_DTYPES for t in tensors)
+        fused = all(
+            t.dtype in _FUSED_DTYPES
+            and _fusable([t, real(grads[f]), real(state.exp_avg[f]), real(state.exp_avg_sq[f])], t.dtype)
+            and (not amsgrad or _fusable([real(state.max_exp_avg_sq[f])], t.dtype))
+            for f, t in zip(fqns, tensors)
+        )
         # fused: one call, nothing temporary; foreach: groups that bound its temporaries
         groups = [list(fqns)] if fused else foreach_groups(fqns, tensors)
         with torch.no_grad():
