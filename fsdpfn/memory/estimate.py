@@ -206,12 +206,10 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
         if world == 1:  # the collectives are the identity: only a dtype cast allocates
             cast = [(f, lay.dtype) for lay in g.gather for f in lay.fqns if lay.dtype != plan.dtypes[f]]
             full_grads = sum(numel[f] * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns)
-            if all(own.values()) and not cast:  # the gradients autograd makes are the reduced ones
-                return GroupBytes(0, 0, 0, shard_grads, regathered=regathered)
-            if all(own.values()):  # autograd's gradients in the compute dtype, cast to the parameters'
-                computed = sum(numel[f] * d.itemsize for f, d in cast)
-                return GroupBytes(computed, computed, 0, shard_grads, regathered=regathered)
-            return GroupBytes(sum(numel[f] * d.itemsize for f, d in cast), full_grads, 0, shard_grads, regathered=regathered)
+            cast_bytes = sum(numel[f] * d.itemsize for f, d in cast)
+            if all(own.values()):  # autograd's gradients are the reduced ones (cast members': compute dtype first)
+                return GroupBytes(cast_bytes, cast_bytes, 0, shard_grads, regathered=regathered)
+            return GroupBytes(cast_bytes, full_grads, 0, shard_grads, regathered=regathered)
         padded = sum(lay.nbytes for lay in g.reduce)
         full = padded * world
         computed = {f: lay.dtype for lay in g.gather for f in lay.fqns}  # autograd's gradients: compute dtype

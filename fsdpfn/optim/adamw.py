@@ -102,9 +102,9 @@ def adamw(
     ``inplace=False`` they are cloned first and the inputs stay untouched. Gradients are never modified.
     Runs ``torch.optim``'s functional Adam kernel on this rank's shards: fused (``fused=True``, one pass and
     no temporaries) when every shard, gradient and moment is contiguous and on a device of
-    ``FUSED_DEVICES`` (CPU), else ``foreach=True`` in
-    groups of at most an eighth of the shard bytes (or the largest shard), so its temporaries never add a
-    whole copy of the shards to the step's peak as one call over every shard would. Complex parameters
+    ``FUSED_DEVICES`` (CPU), else ``foreach=True`` in groups of at most an eighth of the shard bytes (or
+    the largest shard), so its temporaries never add a whole copy of the shards to the step's peak as one
+    call over every shard would. Complex parameters
     are viewed as real pairs, exactly as ``torch.optim.AdamW`` does; the fused and foreach kernels agree
     to rounding (a few ulps).
 
@@ -161,10 +161,9 @@ def adamw(
             state = AdamWState(state.count.clone(), *(clone_tree(t) for t in state[1:]))
         lr_now = resolve_lr(where, lr, int(state.count.item()) + 1)
         tensors = [real(new_params[f]) for f in fqns]
+        moments = [state.exp_avg, state.exp_avg_sq, *([state.max_exp_avg_sq] if amsgrad else [])]
         fused = all(
-            t.dtype in _FUSED_DTYPES
-            and _fusable([t, real(grads[f]), real(state.exp_avg[f]), real(state.exp_avg_sq[f])], t.dtype)
-            and (not amsgrad or _fusable([real(state.max_exp_avg_sq[f])], t.dtype))
+            t.dtype in _FUSED_DTYPES and _fusable([t, real(grads[f]), *(real(m[f]) for m in moments)], t.dtype)
             for f, t in zip(fqns, tensors)
         )
         # fused: one call, nothing temporary; foreach: groups that bound its temporaries
