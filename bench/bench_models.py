@@ -65,8 +65,25 @@ TINY: dict[str, ModelSpec] = {
 
 
 def spec_for(name: str, tiny: bool = False) -> ModelSpec:
-    """The ``ModelSpec`` called ``name`` (its tiny version with ``tiny``)."""
-    return (TINY if tiny else MODELS)[name]
+    """The ``ModelSpec`` called ``name`` (its tiny version with ``tiny``), or a shape of one's own written
+    ``kind:field=value,...`` (``mlp:blocks=16,width=300,hidden=1000,batch=40,norm=1``; ``gpt:...`` also
+    takes ``heads``, ``seq`` and ``vocab``): a model the bench has not seen, same block types and data."""
+    if ":" not in name:
+        return (TINY if tiny else MODELS)[name]
+    kind, _, fields = name.partition(":")
+    if kind not in ("mlp", "gpt"):
+        raise ValueError(f"model shape {name!r}: the kind before ':' must be 'mlp' or 'gpt'")
+    known = {f for f in ModelSpec.__dataclass_fields__ if f not in ("name", "kind", "gpu_only")}
+    values: dict[str, int | bool] = {}
+    for item in filter(None, fields.split(",")):
+        key, _, value = item.partition("=")
+        if key not in known or not value.isdigit():
+            raise ValueError(f"model shape {name!r}: {item!r} is not field=integer with a field among {sorted(known)}")
+        values[key] = bool(int(value)) if key == "norm" else int(value)
+    base = {"blocks": 4, "width": 256, "hidden": 1024, "batch": 16}
+    if kind == "gpt":
+        base.update(heads=4, seq=64, vocab=4096, batch=8)
+    return ModelSpec(name, kind, **{**base, **values})  # type: ignore[arg-type]
 
 
 class MLPBlock(nn.Module):

@@ -83,7 +83,9 @@ def fsdpfn_commit() -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(MODELS), default="overhead")
+    p.add_argument("--model", type=_model_name, default="overhead",
+                   help=f"one of {', '.join(sorted(MODELS))}, or a shape of one's own: 'mlp:blocks=16,width=300,"
+                   "hidden=1000,batch=40,norm=1' or 'gpt:blocks=6,width=384,heads=6,seq=64,vocab=4096,batch=8'")
     p.add_argument("--steps", type=int, default=20, help="measured steps per variant (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
     p.add_argument("--variants", default=None, help=f"comma list of {', '.join(ALL_VARIANTS)} (default: the eager ones, "
@@ -173,6 +175,15 @@ def chosen_bucket_bytes(v: Variant) -> int | None:
     params = getattr(v, "params", None)
     plan = params.plan if params is not None else getattr(v, "_root_plan", lambda: None)()
     return getattr(plan, "bucket_bytes", None)
+
+
+def _model_name(text: str) -> str:
+    """``--model``: a named model or a ``kind:field=value,...`` shape (checked here, so a typo fails early)."""
+    try:
+        spec_for(text)
+    except (KeyError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e) if isinstance(e, ValueError) else f"unknown model {text!r}") from None
+    return text
 
 
 def _bucket_bytes(text: str) -> int | str | None:

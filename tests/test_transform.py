@@ -154,6 +154,44 @@ def test_a_reshard_predicate_keeps_the_units_it_excludes_gathered():
         assert counts == (4, 3)
 
 
+class _TwoLayers(nn.Module):
+    """``b(tanh(a(x)))``, noting the gathered bytes alive when backward reaches ``a``'s output: the unit is
+    re-gathered by then (``b``'s backward needed it), its gradients are being made."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.a, self.b, self.seen = nn.Linear(8, 8), nn.Linear(8, 8), seen
+
+    def forward(self, x):
+        h = self.a(x)
+        stats = self.stats
+        h.register_hook(lambda g: self.seen.append(stats.live_gathered_bytes))
+        return self.b(torch.tanh(h))
+
+
+def _window_worker(prefetch):
+    torch.manual_seed(0)
+    seen = []
+    model = nn.Sequential(*[_TwoLayers(seen) for _ in range(4)])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "1", "2", "3"], min_bucket_bytes=None, donate=False)
+    for block in model:
+        block.stats = params.plan.comm.stats
+    apply = fsdpfn.fsdp(model, prefetch=prefetch)
+    x = torch.randn(3, 8, requires_grad=True)  # so that backward re-gathers every unit
+    fsdpfn.value_and_grad(lambda p: apply(p, x).square().sum())(params)
+    return seen, 2 * (8 * 8 + 8) * 4  # one unit's gathered bytes
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_on_cpu_a_units_gradients_are_made_with_no_other_unit_gathered(prefetch):
+    # CPU: backward's prefetch of the units before k starts when k's reduction does, not when k is
+    # re-gathered, so while k's gradients are made only k and the prefetch - 1 nearest units before it
+    # are gathered (one unit of the window less); the first unit in backward has nothing prefetched yet
+    for seen, unit in spmd(2, _window_worker, prefetch):
+        in_flight = [0] + [min(prefetch - 1, k) for k in (2, 1, 0)]  # backward runs units 3, 2, 1, 0
+        assert seen == [unit * (1 + n) for n in in_flight], seen
+
+
 def _fused_worker(prefetch, min_bucket_bytes, reshard):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(6)], nn.Linear(6, 2))  # units 0..5 alike; root: "6"

@@ -261,6 +261,7 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
         root_early=root_early,
         enclosing=enclosing,
         saved_until=_saved_until(others, saved_before, activations),
+        prefetch_at_release=cpu,
     )
     # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
 

@@ -11,8 +11,8 @@ then the optimizer. What is alive at each moment is
   gradients of root parameters used last (an LM head's), before any group is gathered again: only the root
   group and the kept groups are gathered (a language model's peak is often here);
 * backward of group ``k``: the reduced shard gradients of the groups already done, the root group, the
-  kept groups not yet reduced, the re-gathered window (``k`` and the ``prefetch`` groups before it),
-  ``k``'s full-size gradients, and the activations;
+  kept groups not yet reduced, the re-gathered window (``k`` and the ``prefetch`` groups before it, which
+  on CPU start only when ``k``'s reduction does), ``k``'s full-size gradients, and the activations;
 * optimizer step: every reduced gradient and one foreach group's temporary.
 """
 
@@ -67,6 +67,7 @@ def phase_peaks(
     root_early: Sequence[int] = (),
     saved_until: Sequence[int] = (),
     enclosing: Sequence[Sequence[int]] = (),
+    prefetch_at_release: bool = False,
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
@@ -85,6 +86,9 @@ def phase_peaks(
     the root's gradients made then, ``root_early`` of the last group, with the gradients).
     ``reshard``: one flag for every group, or one per group (``fsdp``'s per-unit predicate): a group kept
     gathered holds its parameters from its forward to its backward and is not gathered again.
+    ``prefetch_at_release``: backward's prefetch of the groups before ``k`` starts when ``k``'s reduction
+    does (CPU) rather than when ``k`` is re-gathered (CUDA): while ``k``'s gradients are made only the
+    ``prefetch - 1`` nearest are in flight (launched at the release before), all of them from ``k``'s.
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -117,27 +121,30 @@ def phase_peaks(
             kept = {j for j in range(k) if not rs[j]}  # still gathered since their forward
             ahead = [j for j in range(k) if rs[j] and groups[j].regathered][-prefetch:] if prefetch else []
             outer = [j for j in (enclosing[k] if k < len(enclosing) else ()) if j not in kept and j not in ahead]
-            held = root.gathered + sum(groups[j].gathered for j in kept)
-            held += sum(groups[j].gathered + groups[j].gather_input for j in ahead) + sum(groups[j].gathered for j in outer)
+            held = root.gathered + sum(groups[j].gathered for j in kept) + sum(groups[j].gathered for j in outer)
+            prefetched = sum(groups[j].gathered + groups[j].gather_input for j in ahead)
+            # launched at the previous group's release: the nearest prefetch - 1 (none before the first)
+            early_ahead = ahead[len(ahead) - (prefetch - 1) :] if prefetch > 1 and k < n - 1 else []
+            during = prefetched if not prefetch_at_release else sum(groups[j].gathered + groups[j].gather_input for j in early_ahead)
             mine = g.gathered if g.regathered or not rs[k] else 0
             # a re-gather finishes the reduction in flight before this group's gradients exist (CPU);
             # a kept group, one that saved nothing, and the root start their backward without one
             finishes = rs[k] and g.regathered
         else:
-            held, mine, finishes = 0, g.gathered, False
+            held, prefetched, during, mine, finishes = 0, 0, 0, g.gathered, False
         early = root_early[k] if 0 <= k < len(root_early) else 0
         saved = (saved_until[k] if k >= 0 else saved_until[-1]) + batch if saved_until else activations + batch
         pending = early
         if in_flight is not None and not finishes:
             pending += in_flight.packed + in_flight.reduce_scratch
-        moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + mine, saved, 0))
+        moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + during + mine, saved, 0))
         if in_flight is not None and not finishes:
-            moments.append(Breakdown(shards, state, done + g.full_grads + pending + in_flight.finish_scratch, held, saved, 0))
+            moments.append(Breakdown(shards, state, done + g.full_grads + pending + in_flight.finish_scratch, held + during, saved, 0))
         launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early
-        moments.append(Breakdown(shards, state, done + launched, held, saved, 0))
+        moments.append(Breakdown(shards, state, done + launched, held + prefetched, saved, 0))
         if g.reduce_cast:
             cast = g.packed + g.reduce_cast + g.reduce_out + g.finish_scratch + early
-            moments.append(Breakdown(shards, state, done + cast, held, saved, 0))
+            moments.append(Breakdown(shards, state, done + cast, held + prefetched, saved, 0))
         done += g.reduce_out
         in_flight = None if g.reduce_cast else g
     backward = max(moments, key=lambda b: b.total)
