@@ -32,7 +32,7 @@ from bench_models import ModelSpec, loss_fn, make_batches
 __all__ = ["Coll", "Variant", "build_variant", "compat_available", "COMPILED", "EXTRA", "SHARDED", "ALL_VARIANTS"]
 
 COMPILED = ("torch_compiled", "compat_compiled", "functional_compiled", "functional_traced", "functional_traced_a2a")
-EXTRA = ("functional_kept", "compat_kept")  # measured when named in --variants
+EXTRA = ("functional_kept", "compat_kept", "functional_fused", "compat_fused")  # measured when named in --variants
 ALL_VARIANTS = ("torch", "functional", "local", "compat", *COMPILED, *EXTRA)
 SHARDED = ("torch", "functional", "compat", *COMPILED, *EXTRA)
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
@@ -321,6 +321,40 @@ class FunctionalKept(Functional):
         return super().step(x, y)
 
 
+def _fusion(base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """``fsdpfn.memory.fuse_within``'s choice for the blocks of ``base`` on rank 0's first batch (a meta
+    copy of the model: the planner reads shapes only)."""
+    x, y = make_batches(spec, 0, 1, [0], device)[0][0]
+    mp = fsdpfn.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
+    return fsdpfn.memory.fuse_within(
+        copy.deepcopy(base).to("meta"), mesh.size(), x, units=[f"blocks.{i}" for i in range(len(base.blocks))],  # type: ignore[arg-type]
+        mp_policy=mp, loss_fn=lambda out: loss_fn(spec, out, y.to(out.device)), device=device,
+    )
+
+
+class FunctionalFused(Functional):
+    """``functional`` with ``shard(min_bucket_bytes=fsdpfn.memory.fuse_within(...).min_bucket_bytes)``: the
+    most blocks per collective that the planner keeps within torch's peak for this batch and AdamW."""
+
+    name = "functional_fused"
+
+    def __init__(self, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype):
+        self.choice = _fusion(base, spec, mesh, device, dtype)
+        self.min_bucket_bytes = self.choice.min_bucket_bytes
+        super().__init__(base, spec, mesh, device, dtype)
+
+
+class CompatFused(Compat):
+    """``compat`` with the root's ``set_min_bucket_bytes`` given ``fuse_within``'s choice (as ``functional_fused``)."""
+
+    name = "compat_fused"
+
+    def __init__(self, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype):
+        self.choice = _fusion(base, spec, mesh, device, dtype)
+        super().__init__(base, spec, mesh, device, dtype)
+        self.model.set_min_bucket_bytes(self.choice.min_bucket_bytes)  # type: ignore[operator]
+
+
 class FunctionalCompiled(Functional):
     """``functional``, every block compiled (graphs break at the units, the machinery runs eagerly)."""
 
@@ -478,7 +512,7 @@ def build_variant(name: str, base: nn.Module, spec: ModelSpec, mesh: Any, device
     """Instantiate the variant called ``name`` on a deep copy of ``base``."""
     cls = {
         "torch": TorchFSDP, "functional": Functional, "local": Local, "compat": Compat, "reference": Reference,
-        "functional_kept": FunctionalKept, "compat_kept": CompatKept,
+        "functional_kept": FunctionalKept, "compat_kept": CompatKept, "functional_fused": FunctionalFused, "compat_fused": CompatFused,
         "torch_compiled": TorchCompiled, "compat_compiled": CompatCompiled,
         "functional_compiled": FunctionalCompiled, "functional_traced": FunctionalTraced,
         "functional_traced_a2a": FunctionalTracedAllToAll,

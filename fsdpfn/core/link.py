@@ -1,6 +1,6 @@
 """Measuring a mesh's all-gather cost once, for ``min_bucket_bytes="auto"``.
 
-Two all-gathers sizes, a few repetitions each, give the latency and the bandwidth of the path the core
+Two all-gather sizes, the fastest of a few repetitions each, give the latency and the bandwidth of the path the core
 really takes for small buckets (``Comm.all_gather``: launch, gloo's thread or the side stream, wait). Every
 rank must build the same plan, so the timings are averaged over the whole mesh before they are used: a
 rank that measured differently never ends up with different fused groups (a hang).
@@ -8,7 +8,6 @@ rank that measured differently never ends up with different fused groups (a hang
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -21,7 +20,9 @@ from fsdpfn.layout.autobucket import LinkCost
 __all__ = ["measure_link"]
 
 SMALL_BYTES = 1 << 10  # gathered bytes of the latency probe
-LARGE_BYTES = 1 << 20  # gathered bytes of the bandwidth probe (below the CPU exchange threshold)
+# gathered bytes of the bandwidth probe: at 1 MiB its time differed from the small probe's by less than the
+# scheduler's noise on a loaded 2-core machine, and two of three measurements gave ~1e15 bytes/s
+LARGE_BYTES = 4 << 20
 
 
 def measure_link(comm: Comm, *, repeats: int = 5) -> LinkCost:
@@ -49,7 +50,7 @@ def measure_link(comm: Comm, *, repeats: int = 5) -> LinkCost:
 def _measure(comm: Comm, repeats: int) -> LinkCost:
     device = comm.groups.device
     cuda = device.type == "cuda"
-    medians = []
+    fastest = []
     for nbytes in (SMALL_BYTES, LARGE_BYTES):
         x = torch.zeros(nbytes // comm.world, dtype=torch.uint8, device=device)
         comm.all_gather(x, label="link").wait()  # warm-up: first use of the group and the buffers
@@ -62,8 +63,8 @@ def _measure(comm: Comm, repeats: int) -> LinkCost:
             if cuda:
                 torch.cuda.synchronize(device)
             samples.append(time.perf_counter() - start)
-        medians.append(statistics.median(samples))
-    agreed = torch.tensor(medians, dtype=torch.float64, device=device)
+        fastest.append(min(samples))  # the least disturbed repetition: noise only ever adds time
+    agreed = torch.tensor(fastest, dtype=torch.float64, device=device)
     comm.all_reduce_sum(agreed, label="link").wait()
     small, large = (agreed / comm.dp_world).tolist()
     bytes_per_s = (LARGE_BYTES - SMALL_BYTES) / max(large - small, 1e-9)
