@@ -221,7 +221,8 @@ LAYER_RANK = {
     "layout": 0, "policy": 0,
     "core": 1,
     "ops": 2, "debug": 2,
-    "transform": 3, "optim": 3, "checkpoint": 3, "memory": 3,
+    "memory": 2.5,  # the planner: below transform, whose first call fuses units with it
+    "transform": 3, "optim": 3, "checkpoint": 3,
     "compat": 4,
     "__init__": 5,
     "testing": 6,
@@ -260,3 +261,21 @@ def test_cuda_gather_and_reduce_world_one():
     got = comm.reduce_scatter(x.reshape(1, 6), scale=0.5).wait()
     torch.cuda.synchronize()
     assert torch.equal(got, x * 0.5)
+
+
+def _agree_worker(values):
+    import torch.distributed as dist
+
+    from fsdpfn.core import agree
+
+    comm = Comm(fsdpfn.init_mesh())
+    comm.stats.reset()
+    got = agree(comm, values[dist.get_rank()])
+    return got, comm.stats.all_reduces
+
+
+@pytest.mark.parametrize("values", [[5, 5, 5], [0, 0, 0], [1, 2, 3], [3, 2, 1], [4, 4, 7], [7, 4, 4]])
+def test_agree_is_true_on_every_rank_exactly_when_all_values_are_equal(values):
+    # [1, 2, 3]: the middle rank's value times three is the total, yet the others differ: all must say False
+    want = len(set(values)) == 1
+    assert spmd(3, _agree_worker, values) == [(want, 0)] * 3  # and it leaves no trace in the stats

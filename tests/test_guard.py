@@ -60,11 +60,11 @@ def test_divergent_control_flow_is_reported_naming_each_ranks_unit(world):
     assert not fsdpfn.debug.checking()  # the context manager restored the switch
 
 
-def _stalls(timeout):
+def _stalls(timeout, min_bucket_bytes=None):
     import torch.distributed as dist
 
     model = Skippy(set())
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[f"blocks.{i}" for i in range(4)])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[f"blocks.{i}" for i in range(4)], min_bucket_bytes=min_bucket_bytes)
     params.plan.comm.guard.timeout = timeout
     apply = fsdpfn.fsdp(model)
     if dist.get_rank() == 1:
@@ -83,6 +83,17 @@ def test_a_wait_times_out_with_the_unit_and_the_last_completed_collective():
     assert set(errors) == {0}  # rank 1 returned normally; rank 0 did not wait forever
     assert "did not complete within 2 s" in errors[0] and "all_gather of unit 'blocks.0'" in errors[0]
     assert "last completed collective: none yet" in errors[0]
+
+
+def test_a_peer_missing_from_the_first_calls_fusion_agreement_times_out():
+    # min_bucket_bytes="auto": the first call agrees on its fusion over all ranks before any gather
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as info:
+        spmd(2, _stalls, 2.0, "auto", timeout=30)
+    assert time.monotonic() - start < 20
+    errors = info.value.rank_errors
+    assert set(errors) == {0}
+    assert "did not complete within 2 s" in errors[0] and "all_reduce of unit 'agree'" in errors[0]
 
 
 def _free_port():

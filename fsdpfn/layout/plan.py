@@ -86,6 +86,7 @@ class ShardPlan:
     groups: tuple[UnitPlan, ...] = ()  # what travels in one collective: units, or runs of fused units
     group_of: Mapping[str, str] = field(default_factory=dict)  # unit name -> its group's name
     bucket_bytes: int | None = None  # the fusion threshold in force (what min_bucket_bytes="auto" chose)
+    auto_fusion: bool = False  # min_bucket_bytes="auto": the first call may fuse further (see regroup)
     tp: Mapping[str, Any] = field(default_factory=dict)  # tensor-parallel parameters: fqn -> fsdpfn.ops.tp.TPLayout
     transforms: Mapping[str, Any] = field(default_factory=dict)  # fqn -> its all-gather transform (ops.extension)
     _by_name: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
@@ -134,6 +135,29 @@ class ShardPlan:
             known = ", ".join(repr(g.name) for g in self.groups)
             raise KeyError(f"no collective group {name!r} in this plan; groups are {known}") from None
 
+    def regroup(self, min_bucket_bytes: int) -> None:
+        """Fuse the units again, into runs of at least ``min_bucket_bytes`` gathered bytes, in place (every
+        tree holding this plan sees it) and forget what was derived from the old groups. Shards, specs and
+        buckets do not change: only what travels in one collective. Every rank must regroup alike, before a
+        call starts (``fsdp`` does it on its first call, when ``min_bucket_bytes="auto"``).
+
+        Example:
+            >>> infos = [ParamInfo(f"b{i}.w", (4, 4), torch.float32, True, f"b{i}") for i in range(4)]
+            >>> plan = build_plan(infos, [], [f"b{i}" for i in range(4)], rank=0, world=2)
+            >>> plan.regroup(65); [g.name for g in plan.groups]   # 64 bytes each: two per group
+            ['b0+b1', 'b2+b3']
+        """
+        if not is_byte_count(min_bucket_bytes) or not min_bucket_bytes:
+            raise ValueError(f"regroup: min_bucket_bytes must be an int > 0 (bytes), got {min_bucket_bytes!r}")
+        groups = fuse_units(self.units, self.specs, self.world, min_bucket_bytes)
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "group_of", {u: g.name for g in groups for u in g.name.split(FUSED)})
+        object.__setattr__(self, "bucket_bytes", min_bucket_bytes)
+        self._by_group.clear()
+        self._by_group.update({g.name: g for g in groups})
+        for key in [k for k in self.memo if k[0] not in _PLAN_STATE]:
+            del self.memo[key]  # derived from the old groups (collectives, schedules, members, orders)
+
     def members(self, group: str) -> tuple[str, ...]:
         """The unit names fused into group ``group`` (just ``(group,)`` for an unfused unit)."""
         got = self.memo.get(("members", group))
@@ -151,6 +175,10 @@ class ShardPlan:
             f"{len(self.params)} params, {len(self.buffers)} buffers in {len(self.units)} units, "
             f"rank {self.rank} of {self.world}" + (f" x {self.replicas} replicas" if self.replicas > 1 else "")
         )
+
+
+# memo entries that are state, not derived from the groups: kept by ``ShardPlan.regroup``
+_PLAN_STATE = frozenset({"applies", "checkpoint.world_comm", "optimizer", "fusion_planned"})
 
 
 def build_plan(
@@ -199,7 +227,8 @@ def build_plan(
     if min_bucket_bytes not in (None, "auto") and not is_byte_count(min_bucket_bytes):
         raise ValueError(f"min_bucket_bytes must be an int >= 0 (bytes), 'auto' or None, got {min_bucket_bytes!r}")
     at_most = None
-    if min_bucket_bytes == "auto":
+    auto = min_bucket_bytes == "auto"
+    if auto:
         if link is None:
             raise ValueError("build_plan: min_bucket_bytes='auto' needs the mesh's measured all-gather cost (link=)")
         min_bucket_bytes = at_most = auto_bucket_bytes(units, world, link)
@@ -209,6 +238,8 @@ def build_plan(
         groups=groups,
         group_of={u: g.name for g in groups for u in g.name.split(FUSED)} if fused else {},
         bucket_bytes=min_bucket_bytes or None,
+        # fusion keyed per unit (compat's per-module settings and state) is not one regroup can redo
+        auto_fusion=auto and fuse_key is None,
         params=tuple(i.fqn for i in infos),
         buffers=tuple(buffers),
         specs=specs,

@@ -131,6 +131,7 @@ def adamw(
             >>> state = fsdpfn.optim.adamw().init(params)   # doctest: +SKIP
         """
         check_params(params, f"{what}.init")
+        params.plan.memo[("optimizer",)] = "adamw"  # what fsdp's first call plans the step's memory for
         zeros = functools.partial(torch.zeros_like, memory_format=torch.preserve_format)
         return AdamWState(
             count=new_count(),

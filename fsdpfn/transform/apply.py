@@ -24,6 +24,7 @@ from fsdpfn.ops.api import reduce_scale
 from fsdpfn.transform.call import Call, OpenCall
 from fsdpfn.transform.casting import cast_inputs, cast_output
 from fsdpfn.transform.eager import caller_frame, eager, on_stack, stable_graph_choice, under_compile
+from fsdpfn.transform.fusion import plan_fusion
 from fsdpfn.transform.recompute import BackwardSwaps
 from fsdpfn.transform.remat import override_forwards
 from fsdpfn.transform.traced import enter_unit, exit_unit, run_traced
@@ -202,6 +203,8 @@ class Apply:
             )
         plan.memo.setdefault(("applies",), weakref.WeakSet()).add(self)  # what compile_step warms up
         functorch = _functorch_active()
+        eligible = not (functorch or traced or under_compile() or self._forward or _in_backward())
+        plan_fusion(self.module, plan, args, kwargs, prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward, eligible=eligible)
         if functorch and (traced or under_compile()):
             raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
         call = self.new_call(params, functorch)

@@ -1,0 +1,40 @@
+"""``agree``: whether every rank of a mesh reached the same integer (a decision taken rank by rank).
+
+A plan chosen on each rank from its own inputs (``fsdp``'s first call fuses units from the batch it sees)
+must be the same on every rank, or their collectives stop matching: a hang. Two sums settle it without a
+MIN/MAX reduction, which not every backend has: the values (every rank checks that the total is ``W``
+times its own) and then the checks themselves. Like ``measure_link``, it leaves no trace in
+``comm.stats`` or in the collective numbering of ``comm.guard``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdpfn.core.comm import Comm
+from fsdpfn.core.guard import Guard
+from fsdpfn.core.stats import CommStats
+
+__all__ = ["agree"]
+
+
+def agree(comm: Comm, value: int) -> bool:
+    """Whether every rank of ``comm``'s mesh passed the same ``value`` (a collective: all ranks call it).
+
+    Example:
+        >>> agree(Comm(fsdpfn.init_mesh()), 3)      # doctest: +SKIP
+        True
+    """
+    ranks = comm.dp_world
+    if ranks == 1:
+        return True
+    saved = comm.stats, comm.guard
+    comm.stats, comm.guard = CommStats(), Guard(comm.groups.rank, timeout=saved[1].timeout)
+    try:
+        total = torch.tensor([value], dtype=torch.int64, device=comm.groups.device)
+        comm.all_reduce_sum(total, label="agree").wait()
+        same = torch.tensor([int(int(total.item()) == ranks * value)], dtype=torch.int64, device=comm.groups.device)
+        comm.all_reduce_sum(same, label="agree").wait()
+        return int(same.item()) == ranks
+    finally:
+        comm.stats, comm.guard = saved

@@ -1,0 +1,110 @@
+"""fsdp's first call on an ``"auto"`` plan fuses units as ``fsdpfn.memory.fuse_within`` chooses for the
+batch and the optimizer noted on the plan: the same numbers as unfused, every rank alike, never when the
+user fixed ``min_bucket_bytes``, and no hang when ranks see different batches."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fsdpfn
+import fsdpfn.optim
+from fsdpfn.testing import spmd
+
+
+def _stack(widths):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+
+
+def _steps(widths, batch, min_bucket_bytes, optimizer, steps=2):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _stack(widths)
+    units = [str(i) for i in range(len(widths) - 1)]
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=min_bucket_bytes)
+    opt = fsdpfn.optim.adamw(lr=1e-2) if optimizer == "adamw" else fsdpfn.optim.sgd(1e-2)
+    state = opt.init(params) if optimizer else None
+    apply = fsdpfn.fsdp(model)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(batch * world, widths[0], generator=g)[rank * batch : (rank + 1) * batch] for _ in range(steps)]
+    before = [u.name for u in params.plan.groups]
+    bucket = params.plan.bucket_bytes
+    losses = []
+    for x in xs:
+        loss, grads = fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())(params)
+        losses.append(loss.item())
+        if state is not None:
+            params, state = opt.update(grads, state, params)
+    after = [u.name for u in params.plan.groups]
+    return before, after, losses, {k: v.clone() for k, v in params.items()}, (bucket, params.plan.bucket_bytes)
+
+
+def _expected(widths, world, batch, optimizer):
+    choice = fsdpfn.memory.fuse_within(_stack(widths), world, torch.zeros(batch, widths[0]), units=[str(i) for i in range(len(widths) - 1)],
+                                       optimizer=optimizer or "none")
+    return choice
+
+
+@settings(max_examples=min(settings().max_examples, 6), deadline=None)
+@given(widths=st.lists(st.integers(8, 40), min_size=5, max_size=21), batch=st.integers(1, 8), world=st.integers(2, 4),
+       optimizer=st.sampled_from(["adamw", "sgd"]))
+def test_the_first_call_fuses_as_the_planner_chooses_and_computes_the_same(widths, batch, world, optimizer):
+    auto = spmd(world, _steps, widths, batch, "auto", optimizer)
+    plain = spmd(world, _steps, widths, batch, None, optimizer)
+    choice = _expected(widths, world, batch, optimizer)
+    for (before, after, losses, params, (b0, b1)), (_, unfused, ref_losses, ref_params, _) in zip(auto, plain):
+        assert len(unfused) == len(widths) - 1
+        if choice.min_bucket_bytes and choice.min_bucket_bytes > (b0 or 0):  # the planner fuses more than shard
+            assert b1 == choice.min_bucket_bytes and len(after) <= len(before)
+        else:
+            assert after == before and b1 == b0
+        assert after == auto[0][1]  # every rank alike
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        for k in params:
+            torch.testing.assert_close(params[k], ref_params[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_deep_stack_is_fused_in_pairs_with_adamw_noted_and_not_without_an_optimizer():
+    # 16 equal 64x64 layers: shard's "auto" cap (1/8 of the shard bytes) fuses nothing; with AdamW noted
+    # the first call may spend what torch's foreach AdamW temporary costs (pairs); with none noted it may
+    # not spend anything, and pairs would raise fsdpfn's own peak
+    widths = [64] * 17
+    choice, none = _expected(widths, 2, 4, "adamw"), _expected(widths, 2, 4, None)
+    assert (choice.units_per_group, none.units_per_group) == (2, 1)
+    for before, after, *_ in spmd(2, _steps, widths, 4, "auto", "adamw", 1):
+        assert before == [str(i) for i in range(16)]
+        assert after == [f"{2 * i}+{2 * i + 1}" for i in range(8)]
+    for before, after, *_ in spmd(2, _steps, widths, 4, "auto", None, 1):
+        assert after == before == [str(i) for i in range(16)]
+
+
+@pytest.mark.parametrize("min_bucket_bytes", [None, 0, 1])
+def test_a_fusion_the_user_chose_is_kept(min_bucket_bytes):
+    for before, after, *_ in spmd(2, _steps, [64] * 17, 4, min_bucket_bytes, "adamw", 1):
+        assert before == after
+
+
+def _uneven(widths):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = _stack(widths)
+    units = [str(i) for i in range(len(widths) - 1)]
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units)
+    fsdpfn.optim.adamw().init(params)
+    apply = fsdpfn.fsdp(model)
+    x = torch.randn(2 if rank == 0 else 4096, widths[0])  # rank 1's activations leave no room to fuse
+    loss, _ = fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())(params)
+    return [u.name for u in params.plan.groups], torch.isfinite(loss).item()
+
+
+def test_ranks_that_would_fuse_differently_keep_shards_plan_and_do_not_hang():
+    widths = [64] * 17
+    alone = [_expected(widths, 2, b, "adamw").units_per_group for b in (2, 4096)]
+    assert alone[0] != alone[1]  # the two batches alone would be fused differently
+    for groups, finite in spmd(2, _uneven, widths):
+        assert groups == [str(i) for i in range(16)] and finite
