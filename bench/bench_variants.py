@@ -72,6 +72,7 @@ class Variant:
     compiled = False  # torch.compile'd (blocks, or the whole step)
     backend = "inductor"  # torch.compile backend of the compiled variants (bench/step.py --compile-backend)
     profile_peak = False  # measure the peak by the allocator's events even when eager (bench/step.py --peak)
+    torch_foreach: bool | None = None  # torch.optim.AdamW's foreach= (bench/step.py --torch-foreach; None: torch's default)
     compile_options: dict[str, Any] | None = None  # inductor options of the traced step (bench/step.py --compile-options)
 
     def __init__(self, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype):
@@ -92,10 +93,11 @@ class Variant:
 
 
 class _ModuleVariant(Variant):
-    """A plain ``nn.Module`` + ``torch.optim.AdamW(foreach=True)`` step (``local``, ``torch``, ``compat``)."""
+    """A plain ``nn.Module`` + ``torch.optim.AdamW`` step (``local``, ``torch``, ``compat``): torch's default
+    kernel (the for-loop on CPU, foreach on CUDA), or foreach with ``bench/step.py --torch-foreach true``."""
 
     def _init_opt(self) -> None:
-        self.opt = torch.optim.AdamW(self.model.parameters(), foreach=True, **ADAMW)  # type: ignore[arg-type]
+        self.opt = torch.optim.AdamW(self.model.parameters(), foreach=self.torch_foreach, **ADAMW)  # type: ignore[arg-type]
 
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return loss_fn(self.spec, self.model(x), y)
@@ -326,15 +328,18 @@ def _fusion(base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, d
     copy of the model: the planner reads shapes only)."""
     x, y = make_batches(spec, 0, 1, [0], device)[0][0]
     mp = fsdpfn.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
-    return fsdpfn.memory.fuse_within(
-        copy.deepcopy(base).to("meta"), mesh.size(), x, units=[f"blocks.{i}" for i in range(len(base.blocks))],  # type: ignore[arg-type]
-        mp_policy=mp, loss_fn=lambda out: loss_fn(spec, out, y.to(out.device)), device=device,
-    )
+    meta, units = copy.deepcopy(base).to("meta"), [f"blocks.{i}" for i in range(len(base.blocks))]  # type: ignore[arg-type]
+    opts = dict(units=units, mp_policy=mp, loss_fn=lambda out: loss_fn(spec, out, y.to(out.device)), device=device)
+    # memory traded for speed: up to torch's peak with foreach AdamW (sqrt(v) of every trainable shard)
+    step = fsdpfn.memory.estimate(meta, mesh.size(), x, min_bucket_bytes=None, **opts)  # type: ignore[union-attr]
+    opt = step.phases["optimizer step"]
+    budget = max(step.peak, opt.total - opt.temporaries + opt.gradients)
+    return fsdpfn.memory.fuse_within(meta, mesh.size(), x, budget=budget, **opts)
 
 
 class FunctionalFused(Functional):
-    """``functional`` with ``shard(min_bucket_bytes=fsdpfn.memory.fuse_within(...).min_bucket_bytes)``: the
-    most blocks per collective that the planner keeps within torch's peak for this batch and AdamW."""
+    """``functional`` with ``shard(min_bucket_bytes=fsdpfn.memory.fuse_within(..., budget=B).min_bucket_bytes)``,
+    ``B`` torch's peak with foreach AdamW: the speed of fusion where that much memory may be spent."""
 
     name = "functional_fused"
 

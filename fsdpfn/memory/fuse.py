@@ -6,11 +6,14 @@ per collective took the step from 181 to 154 ms, CPU time from 150 to 128 ms). F
 group is gathered and its gradients made as a whole. ``min_bucket_bytes="auto"`` in ``shard`` cannot
 see the batch or the optimizer, so it fuses only up to 1/8 of the shard bytes; with them the planner can
 price each fusion. ``fuse_within`` walks groups of 2, 3, ... units and keeps the largest whose estimated
-peak stays within the budget: by default the peak torch's ``fully_shard`` needs for the same step, i.e.
-fsdpfn's unfused peak or, when higher, its optimizer step with the temporary torch's foreach AdamW
-allocates (``sqrt(v)``, the size of the trainable shards; SGD has none), which ``fsdpfn.optim.adamw``'s
-fused CPU kernel does not. Groups stop at half the units, so one group's gather still overlaps another's
-compute.
+peak stays within the budget: by default the peak torch's ``fully_shard`` with ``torch.optim.AdamW`` as
+constructed by default needs for the same step, i.e. fsdpfn's unfused peak (torch's backward holds more)
+or, when higher, the optimizer step with torch's temporaries: on CPU its default is the for-loop kernel
+(``sqrt(v)`` and the quotient of one parameter at a time), elsewhere the foreach kernels (``sqrt(v)`` of
+every trainable shard at once, which ``fsdpfn.optim.adamw``'s fused CPU kernel never allocates); SGD
+has none. On CPU the budget is then mostly fsdpfn's own unfused peak: fusion there comes free or not at
+all, unless a ``budget`` is given. Groups stop at half the units, so one group's gather still overlaps
+another's compute.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
-from fsdpfn.memory.estimate import OPTIMIZERS, estimate
+from fsdpfn.memory.estimate import OPTIMIZERS, _device_of, estimate
 from fsdpfn.ops.shard import Units, resolve_units
 
 __all__ = ["FusionChoice", "fuse_within"]
@@ -82,7 +86,14 @@ def fuse_within(
         step = base.phases["optimizer step"]
         optimizer = options.get("optimizer", "adamw")
         _, scratch = OPTIMIZERS["none" if optimizer is None else optimizer]  # estimate has checked the name
-        budget = max(base.peak, step.total - step.temporaries + (step.gradients if scratch else 0))
+        device = torch.device(options["device"]) if options.get("device") is not None else _device_of(model)
+        if not scratch:
+            torch_scratch = 0
+        elif device.type == "cpu":  # torch's default there is the for-loop kernel: sqrt(v) and its quotient
+            torch_scratch = 2 * max((-(-p.numel() // world) * p.element_size() for p in model.parameters() if p.requires_grad), default=0)
+        else:  # foreach (FSDP2's DTensors included): sqrt(v) of every trainable shard at once
+            torch_scratch = step.gradients
+        budget = max(base.peak, step.total - step.temporaries + torch_scratch)
     choice = FusionChoice(None, 1, base.peak, budget)
     positive = [s for s in sizes if s > 0]
     if world == 1 or len(positive) < 4:
