@@ -49,10 +49,16 @@ class LinkCost(NamedTuple):
         return self.latency_s + nbytes / self.bytes_per_s
 
 
-def auto_bucket_bytes(units: Sequence["UnitPlan"], world: int, link: LinkCost | Callable[[], LinkCost]) -> int | None:
+def auto_bucket_bytes(
+    units: Sequence["UnitPlan"], world: int, link: LinkCost | Callable[[], LinkCost], device_type: str | None = None
+) -> int | None:
     """The most bytes one fused group may gather under ``min_bucket_bytes="auto"`` on these (unfused)
     units (groups are filled up to it, never past it), or ``None`` when no group could hold two units.
     ``link`` may be a function that measures it: it is called only when the memory cap leaves room to fuse.
+    On ``FUSED_DEVICES`` (``device_type``) the cap is the largest unit: neither ``fsdpfn.optim.adamw``'s
+    fused kernel nor torch's default AdamW there (the for-loop kernel) allocates a temporary that a
+    larger gathered window could hide behind, so without the batch nothing is fused (``fsdp``'s first
+    call can still fuse what the planner finds free).
 
     Example:
         >>> import torch
@@ -66,7 +72,7 @@ def auto_bucket_bytes(units: Sequence["UnitPlan"], world: int, link: LinkCost | 
     if len(sizes) < 2:
         return None
     shard_bytes = sum(lay.nbytes for u in units for lay in u.gather)  # this rank's share, padded
-    cap = max(max(sizes), shard_bytes // CAP_PARTS)
+    cap = max(sizes) if device_type in FUSED_DEVICES else max(max(sizes), shard_bytes // CAP_PARTS)
     smallest_pair = 2 * min(sizes)
     if cap < smallest_pair:
         return None

@@ -135,11 +135,12 @@ class ShardPlan:
             known = ", ".join(repr(g.name) for g in self.groups)
             raise KeyError(f"no collective group {name!r} in this plan; groups are {known}") from None
 
-    def regroup(self, min_bucket_bytes: int) -> None:
-        """Fuse the units again, into runs of at least ``min_bucket_bytes`` gathered bytes, in place (every
-        tree holding this plan sees it) and forget what was derived from the old groups. Shards, specs and
-        buckets do not change: only what travels in one collective. Every rank must regroup alike, before a
-        call starts (``fsdp`` does it on its first call, when ``min_bucket_bytes="auto"``).
+    def regroup(self, min_bucket_bytes: int | None) -> None:
+        """Fuse the units again, into runs of at least ``min_bucket_bytes`` gathered bytes (``None``: one
+        group per unit), in place (every tree holding this plan sees it) and forget what was derived from
+        the old groups. Shards, specs and buckets do not change: only what travels in one collective. Every
+        rank must regroup alike, before a call starts (``fsdp`` does it on its first call, when
+        ``min_bucket_bytes="auto"``).
 
         Example:
             >>> infos = [ParamInfo(f"b{i}.w", (4, 4), torch.float32, True, f"b{i}") for i in range(4)]
@@ -147,12 +148,12 @@ class ShardPlan:
             >>> plan.regroup(65); [g.name for g in plan.groups]   # 64 bytes each: two per group
             ['b0+b1', 'b2+b3']
         """
-        if not is_byte_count(min_bucket_bytes) or not min_bucket_bytes:
-            raise ValueError(f"regroup: min_bucket_bytes must be an int > 0 (bytes), got {min_bucket_bytes!r}")
-        groups = fuse_units(self.units, self.specs, self.world, min_bucket_bytes)
+        if min_bucket_bytes is not None and not is_byte_count(min_bucket_bytes):
+            raise ValueError(f"regroup: min_bucket_bytes must be an int >= 0 (bytes) or None, got {min_bucket_bytes!r}")
+        groups = fuse_units(self.units, self.specs, self.world, min_bucket_bytes) if min_bucket_bytes else self.units
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "group_of", {u: g.name for g in groups for u in g.name.split(FUSED)})
-        object.__setattr__(self, "bucket_bytes", min_bucket_bytes)
+        object.__setattr__(self, "bucket_bytes", min_bucket_bytes or None)
         self._by_group.clear()
         self._by_group.update({g.name: g for g in groups})
         for key in [k for k in self.memo if k[0] not in _PLAN_STATE]:
@@ -195,6 +196,7 @@ def build_plan(
     min_bucket_bytes: int | str | None = None,
     fuse_key: Callable[[str], Any] | None = None,
     link: LinkCost | Callable[[], LinkCost] | None = None,
+    device_type: str | None = None,
     **extra: Any,
 ) -> ShardPlan:
     """Build a plan: shard every parameter on its ``ParamInfo.dim`` (0 by default) and bucket each
@@ -206,7 +208,8 @@ def build_plan(
     units are fused into collective groups of at least that many gathered (full-size) bytes each (the
     last group of a run may be smaller); see ``fuse_units`` (``fuse_key`` too). ``min_bucket_bytes="auto"``
     fills groups up to the size ``auto_bucket_bytes`` picks from ``link`` (the mesh's measured all-gather
-    cost, or a function measuring it, called only when fusing could pay), never past it.
+    cost, or a function measuring it, called only when fusing could pay), never past it; ``device_type``
+    (default: ``comm``'s) is where the step runs, which sets the cap (see ``auto_bucket_bytes``).
 
     Example:
         >>> infos = [ParamInfo("w", (4, 3), torch.float32, True, "")]
@@ -231,7 +234,9 @@ def build_plan(
     if auto:
         if link is None:
             raise ValueError("build_plan: min_bucket_bytes='auto' needs the mesh's measured all-gather cost (link=)")
-        min_bucket_bytes = at_most = auto_bucket_bytes(units, world, link)
+        comm = extra.get("comm")
+        device_type = device_type or (comm.groups.device_type if comm is not None else None)
+        min_bucket_bytes = at_most = auto_bucket_bytes(units, world, link, device_type)
     fused = bool(min_bucket_bytes)
     groups = fuse_units(units, specs, world, min_bucket_bytes, key=fuse_key, at_most=at_most) if fused else tuple(units)
     return ShardPlan(

@@ -124,9 +124,20 @@ def estimate(
     batch_bytes = _tensor_bytes(batch)
     slots, scratch = OPTIMIZERS[key]
     scratch = scratch and dev.type not in FUSED_DEVICES
+    def fusion(w: int) -> int | Literal["auto"] | None:
+        # "auto": what fsdp's first call regroups the plan to (transform/fusion.py) where it plans at all
+        named = [n for n in unit_names if n and any(i.unit == n for i in infos)]
+        if min_bucket_bytes != "auto" or w == 1 or replicate != 1 or len(named) < 4:
+            return min_bucket_bytes
+        from fsdpfn.memory.fuse import fuse_within  # it plans with this function
+
+        # as the first call does: the units that own parameters, the module's forward alone (no loss_fn)
+        return fuse_within(model, w, batch, units=named, optimizer=optimizer, mp_policy=mp_policy, prefetch=prefetch,
+                           reshard_after_forward=reshard_after_forward, device=dev).min_bucket_bytes
+
     out = [
         _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
-                      min_bucket_bytes, link, buffer_bytes, batch_bytes, fwd.saved, fwd.output_grad, dev.type, fwd.last_unit_before, fwd.saved_params, fwd.saved_before)
+                      fusion(w), link, buffer_bytes, batch_bytes, fwd.saved, fwd.output_grad, dev.type, fwd.last_unit_before, fwd.saved_params, fwd.saved_before)
         for w in worlds
     ]
     return out if not isinstance(world, int) else out[0]
@@ -163,6 +174,7 @@ def _estimate_one(
         reduce_dtype=policy.grad_reduce_dtype,
         min_bucket_bytes=min_bucket_bytes,
         link=link if link is not None else LinkCost(0.0, math.inf),  # no link: the cap decides (worst case)
+        device_type=device_type,
     )
     item = {i.fqn: i.dtype.itemsize for i in infos}
     trainable = {i.fqn for i in infos if i.requires_grad}

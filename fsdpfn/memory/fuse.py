@@ -18,14 +18,17 @@ another's compute.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from fsdpfn.layout import ShardSpec
 from fsdpfn.memory.estimate import OPTIMIZERS, _device_of, estimate
 from fsdpfn.ops.shard import Units, resolve_units
+from fsdpfn.policy import MixedPrecisionPolicy
 
 __all__ = ["FusionChoice", "fuse_within"]
 
@@ -76,7 +79,8 @@ def fuse_within(
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
         raise ValueError(f"fsdpfn.memory.fuse_within: budget must be an int >= 0 (bytes per rank) or None, got {budget!r}")
     names = resolve_units(model, units)
-    sizes = _unit_bytes(model, names)
+    policy = options.get("mp_policy") or MixedPrecisionPolicy()
+    sizes = _unit_bytes(model, names, world, policy.gather_dtype)
 
     def planned(min_bucket_bytes: int | None) -> Any:
         return estimate(model, world, batch, units=units, min_bucket_bytes=min_bucket_bytes, **options)
@@ -108,11 +112,13 @@ def fuse_within(
     return choice
 
 
-def _unit_bytes(model: nn.Module, names: list[str]) -> list[int]:
-    """Bytes of each unit's own parameters (not those of units nested in it), in ``names`` order."""
+def _unit_bytes(model: nn.Module, names: list[str], world: int, gather_dtype: Any) -> list[int]:
+    """Bytes each unit's own parameters (not those of units nested in it) gather, in ``names`` order,
+    counted as ``min_bucket_bytes`` counts them: padded shards times ``world``, in the gather dtype."""
     sizes = [0] * len(names)
     for fqn, p in model.named_parameters():
         mine = [i for i, name in enumerate(names) if fqn.startswith(name + ".")]
         if mine:  # the innermost unit holding it (the longest name)
-            sizes[max(mine, key=lambda i: len(names[i]))] += p.numel() * p.element_size()
+            padded = math.prod(ShardSpec(tuple(p.shape), world).padded_local_shape) * world
+            sizes[max(mine, key=lambda i: len(names[i]))] += padded * gather_dtype(p.dtype).itemsize
     return sizes

@@ -4,7 +4,8 @@
 bytes. The first call of ``apply`` sees the batch, and ``fsdpfn.optim``'s ``init`` noted the optimizer on
 the plan: the planner (``fsdpfn.memory.fuse_within``) then prices larger groups against the peak torch's
 ``fully_shard`` needs for the same step with that optimizer (with no optimizer noted: against fsdpfn's
-own unfused peak, so fusing spends no memory) and the plan is regrouped in place when it fuses more.
+own unfused peak, so fusing spends no memory) and the plan is regrouped in place to that choice, more
+fused or less than ``shard``'s (whose cap, without the batch, may not fit).
 Every collective costs a CPU step more than its bytes (a synchronisation of the ranks, thread wake-ups on
 cores that compute), so fusing is worth what memory allows: on CPU, where torch's default AdamW needs
 no large temporary, that is fusion that costs nothing (models whose peak is elsewhere, e.g. an LM head's
@@ -22,6 +23,7 @@ from torch import nn
 
 from fsdpfn.core import agree
 from fsdpfn.layout import ShardPlan
+from fsdpfn.layout.plan import fuse_units
 from fsdpfn.memory import fuse_within
 
 __all__ = ["plan_fusion"]
@@ -38,8 +40,7 @@ def plan_fusion(
     eligible: bool = True,
 ) -> None:
     """On the first call on ``plan`` (an ``"auto"`` plan of more than one rank), regroup its units as
-    ``fuse_within`` chooses for this batch (``args``/``kwargs``, what ``module``'s forward takes) when
-    that fuses more than ``shard`` did. A collective on every rank; ``eligible=False`` (a call under
+    ``fuse_within`` chooses for this batch (``args``/``kwargs``, what ``module``'s forward takes). A collective on every rank; ``eligible=False`` (a call under
     ``torch.func`` or ``torch.compile``, where no fake forward can run) keeps the plan as it is."""
     if not plan.auto_fusion or plan.memo.get(("fusion_planned",)):
         return
@@ -48,7 +49,7 @@ def plan_fusion(
     if not eligible or plan.world == 1 or plan.replicas != 1 or plan.tp or plan.transforms or plan.comm is None or len(units) < 4:
         return  # the same on every rank: no agreement needed
     batch = args if not kwargs else kwargs if not args else None
-    threshold = 0
+    threshold, failed = 0, False
     if batch is not None:
         try:
             choice = fuse_within(
@@ -58,6 +59,13 @@ def plan_fusion(
             )  # fmt: skip
             threshold = choice.min_bucket_bytes or 0
         except Exception:  # a forward fake tensors cannot run: keep shard's groups (every rank learns it below)
-            threshold = 0
-    if agree(plan.comm, threshold) and threshold > (plan.bucket_bytes or 0):
-        plan.regroup(threshold)
+            failed = True
+    if batch is None or failed:
+        threshold = -1  # nothing planned: keep shard's groups (on every rank, if any rank could not plan)
+    if agree(plan.comm, threshold) and threshold >= 0 and [g.name for g in plan.groups] != _grouped(plan, threshold):
+        plan.regroup(threshold or None)
+
+
+def _grouped(plan: ShardPlan, threshold: int) -> list[str]:
+    groups = fuse_units(plan.units, plan.specs, plan.world, threshold) if threshold else plan.units
+    return [g.name for g in groups]
