@@ -8,7 +8,9 @@ Fusing costs memory: a group is gathered (and re-gathered in backward) as a whol
 of a step grows from a few units to a few groups. The cap bounds that growth: a group gathers at most
 ``max(largest unit, shard bytes / CAP_PARTS)``, the size of one optimizer temporary where ``fsdpfn.optim``
 runs foreach kernels (over groups of at most 1/8 of the shard bytes; torch's own AdamW takes a copy of all
-of them), so a model whose units are already large is never fused.
+of them), so a model whose units are already large is never fused. On CPU (``FUSED_DEVICES``) neither
+fsdpfn's fused AdamW nor torch's default for-loop AdamW has such a temporary: the cap is the largest unit,
+and ``fsdp``'s first call fuses what the planner, seeing the batch, finds free (transform/fusion.py).
 """
 
 from __future__ import annotations

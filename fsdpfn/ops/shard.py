@@ -147,9 +147,10 @@ def shard(
     Results are the same; ``params.plan.groups`` shows the runs. ``None``: one collective per unit.
     ``"auto"`` (default) measures the mesh's all-gather latency and bandwidth once (a few small
     all-gathers, agreed over all ranks) and fills groups up to the size at which latency stops
-    mattering, capped at ``max(largest unit, 1/8 of this rank's shard bytes)`` so the gathered window
-    stays within what the optimizer step holds anyway; units that are already large stay alone
-    (``params.plan.bucket_bytes`` is what it chose). See ``fsdpfn.layout.autobucket``. With ``"auto"``,
+    mattering, capped at ``max(largest unit, 1/8 of this rank's shard bytes)`` on CUDA so the gathered
+    window stays within what the optimizer step holds anyway (at the largest unit on CPU, where no
+    optimizer temporary leaves that room: nothing is fused there); units that are already large stay
+    alone (``params.plan.bucket_bytes`` is what it chose). See ``fsdpfn.layout.autobucket``. With ``"auto"``,
     ``fsdp``'s first call may fuse further: it sees the batch, and ``fsdpfn.optim``'s ``init`` notes the
     optimizer, so the planner prices larger groups against torch's ``fully_shard`` peak for the step
     (``fsdpfn.memory.fuse_within``; docs/memory.md). Pass an int or ``None`` to fix the groups.
