@@ -169,7 +169,8 @@ def test_fuse_within_fuses_the_most_units_per_group_under_the_budget(data, world
     elif budget is None and optimizer == "sgd":
         assert choice.peak <= base.peak  # nothing to spend: fused only where it is free
     elif k < len(units) // 2:  # one unit more per group would pass the budget
-        smallest = min(sum(p.numel() * 4 for p in layer.parameters()) for layer in recipe.build())
+        # sizes as min_bucket_bytes counts them: padded shards (output rows rounded up to world) times world
+        smallest = min(-(-b // world) * world * (a + 1) * 4 for a, b in zip(widths, widths[1:]))
         assert planned(k * smallest + 1).peak > limit
 
 
