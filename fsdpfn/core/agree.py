@@ -3,8 +3,7 @@
 A plan chosen on each rank from its own inputs (``fsdp``'s first call fuses units from the batch it sees)
 must be the same on every rank, or their collectives stop matching: a hang. Two sums settle it without a
 MIN/MAX reduction, which not every backend has: the values (every rank checks that the total is ``W``
-times its own) and then the checks themselves. Like ``measure_link``, it leaves no trace in
-``comm.stats`` or in the collective numbering of ``comm.guard``.
+times its own) and then the checks themselves. Like ``measure_link``, it runs ``comm.untracked()``.
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ from __future__ import annotations
 import torch
 
 from fsdpfn.core.comm import Comm
-from fsdpfn.core.guard import Guard
-from fsdpfn.core.stats import CommStats
 
 __all__ = ["agree"]
 
@@ -28,13 +25,9 @@ def agree(comm: Comm, value: int) -> bool:
     ranks = comm.dp_world
     if ranks == 1:
         return True
-    saved = comm.stats, comm.guard
-    comm.stats, comm.guard = CommStats(), Guard(comm.groups.rank, timeout=saved[1].timeout)
-    try:
+    with comm.untracked():
         total = torch.tensor([value], dtype=torch.int64, device=comm.groups.device)
         comm.all_reduce_sum(total, label="agree").wait()
         same = torch.tensor([int(int(total.item()) == ranks * value)], dtype=torch.int64, device=comm.groups.device)
         comm.all_reduce_sum(same, label="agree").wait()
         return int(same.item()) == ranks
-    finally:
-        comm.stats, comm.guard = saved

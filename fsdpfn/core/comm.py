@@ -17,8 +17,9 @@ one the group implements (``all_gather_single``, ``reduce_scatter_single``, ``al
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -102,6 +103,23 @@ class Comm:
     def dp_world(self) -> int:
         """Data-parallel ranks: shard group size times replicas."""
         return self.groups.world * self.groups.replicas
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Collectives issued inside leave no trace in ``stats`` or in the guard's collective numbering
+        (``measure_link``'s probes, ``agree``'s sums: what a step issues stays what the user counts); the
+        guard's timeout still applies, and with ``FSDPFN_DEBUG=1`` they are checked like any other.
+
+        Example:
+            >>> with comm.untracked():                         # doctest: +SKIP
+            ...     comm.all_reduce_sum(t).wait()
+        """
+        saved = self.stats, self.guard
+        self.stats, self.guard = CommStats(), Guard(self.groups.rank, timeout=saved[1].timeout)
+        try:
+            yield
+        finally:
+            self.stats, self.guard = saved
 
     def _stream(self, name: str) -> Any:
         stream = self._streams.get(name)

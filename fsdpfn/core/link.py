@@ -13,8 +13,6 @@ import time
 import torch
 
 from fsdpfn.core.comm import Comm
-from fsdpfn.core.guard import Guard
-from fsdpfn.core.stats import CommStats
 from fsdpfn.layout.autobucket import LinkCost
 
 __all__ = ["measure_link"]
@@ -39,12 +37,8 @@ def measure_link(comm: Comm, *, repeats: int = 5) -> LinkCost:
     """
     if comm.world == 1:
         return LinkCost(0.0, float("inf"))
-    saved = comm.stats, comm.guard
-    comm.stats, comm.guard = CommStats(), Guard(comm.groups.rank, timeout=saved[1].timeout)
-    try:
+    with comm.untracked():
         return _measure(comm, repeats)
-    finally:
-        comm.stats, comm.guard = saved
 
 
 def _measure(comm: Comm, repeats: int) -> LinkCost:
