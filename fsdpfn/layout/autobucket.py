@@ -70,7 +70,7 @@ def auto_bucket_bytes(
         >>> auto_bucket_bytes(plan.units, 2, LinkCost(1e-4, 2e9))   # 1/8 of this rank's 384 KiB: 3 blocks
         49152
     """
-    sizes = [sum(lay.nbytes for lay in u.gather) * world for u in units if u.name]
+    sizes = [u.gathered_bytes(world) for u in units if u.name]
     if len(sizes) < 2:
         return None
     shard_bytes = sum(lay.nbytes for u in units for lay in u.gather)  # this rank's share, padded

@@ -54,6 +54,11 @@ class UnitPlan:
         """The unit's name for messages (``<root>`` for the root unit)."""
         return self.name or "<root>"
 
+    def gathered_bytes(self, world: int) -> int:
+        """Bytes its all-gather produces over ``world`` ranks: the padded shards, in the gather dtype, times
+        ``world`` (what ``min_bucket_bytes`` counts)."""
+        return sum(lay.nbytes for lay in self.gather) * world
+
 
 @dataclass(frozen=True, eq=False)
 class ShardPlan:
@@ -304,7 +309,7 @@ def fuse_units(
         if not u.name:
             out.append(u)
             continue
-        nbytes = sum(lay.nbytes for lay in u.gather) * world
+        nbytes = u.gathered_bytes(world)
         if run and ((key is not None and key(u.name) != key(run[0].name)) or (at_most is not None and size + nbytes > at_most)):
             out.append(_merge(run, specs))
             run, size = [], 0

@@ -124,12 +124,14 @@ def estimate(
     batch_bytes = _tensor_bytes(batch)
     slots, scratch = OPTIMIZERS[key]
     scratch = scratch and dev.type not in FUSED_DEVICES
+    named = [n for n in unit_names if n and any(i.unit == n for i in infos)]  # units that own parameters
+
     def fusion(w: int) -> int | Literal["auto"] | None:
         # "auto": what fsdp's first call regroups the plan to (transform/fusion.py) where it plans at all
-        named = [n for n in unit_names if n and any(i.unit == n for i in infos)]
-        if min_bucket_bytes != "auto" or w == 1 or replicate != 1 or len(named) < 4:
+        from fsdpfn.memory.fuse import first_call_fuses, fuse_within  # they plan with this function
+
+        if min_bucket_bytes != "auto" or not first_call_fuses(w, replicate, len(named)):
             return min_bucket_bytes
-        from fsdpfn.memory.fuse import fuse_within  # it plans with this function
 
         # as the first call does: the units that own parameters, the module's forward alone (no loss_fn)
         return fuse_within(model, w, batch, units=named, optimizer=optimizer, mp_policy=mp_policy, prefetch=prefetch,
@@ -228,7 +230,7 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
         same = all(computed[f] == lay.dtype for lay in g.reduce for f in lay.fqns)
         direct = cpu and full >= EXCHANGE_MIN_BYTES and all(own.values()) and same  # sent from the gradients themselves
         return GroupBytes(
-            gathered=sum(lay.nbytes for lay in g.gather) * world,
+            gathered=g.gathered_bytes(world),
             full_grads=sum(math.prod(plan.specs[f].shape) * computed[f].itemsize for lay in g.reduce for f in lay.fqns),
             packed=0 if direct else full,
             reduce_out=padded if all(own.values()) else shard_grads,

@@ -18,19 +18,26 @@ another's compute.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from fsdpfn.layout import ShardSpec
-from fsdpfn.memory.estimate import OPTIMIZERS, _device_of, estimate
+from fsdpfn.layout import build_plan
+from fsdpfn.memory.estimate import OPTIMIZERS, _device_of, _infos, estimate
+from fsdpfn.memory.keep import check_world_and_budget
 from fsdpfn.ops.shard import Units, resolve_units
 from fsdpfn.policy import MixedPrecisionPolicy
 
-__all__ = ["FusionChoice", "fuse_within"]
+__all__ = ["FusionChoice", "first_call_fuses", "fuse_within"]
+
+
+def first_call_fuses(world: int, replicas: int, units: int) -> bool:
+    """Whether ``fsdp``'s first call on an ``"auto"`` plan asks ``fuse_within`` for its groups: more than
+    one shard rank, no replicas (HSDP) and at least four units that own parameters; otherwise ``shard``'s
+    groups stay. The runtime (transform/fusion.py) and ``estimate("auto")`` both follow this rule."""
+    return world > 1 and replicas == 1 and units >= 4
 
 
 @dataclass(frozen=True)
@@ -68,24 +75,27 @@ def fuse_within(
         >>> import torch
         >>> with torch.device("meta"):
         ...     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
-        >>> choice = fuse_within(model, 2, torch.zeros(16, 256), units=[str(i) for i in range(8)])
-        >>> choice.units_per_group > 1, choice.peak <= choice.budget
-        (True, True)
+        >>> units = [str(i) for i in range(8)]
+        >>> fuse_within(model, 2, torch.zeros(16, 256), units=units).units_per_group   # CPU: nothing is free
+        1
+        >>> choice = fuse_within(model, 2, torch.zeros(16, 256), units=units, budget=8 << 20)   # 8 MiB to spend
+        >>> choice.units_per_group, choice.peak <= choice.budget
+        (4, True)
     """
     if "min_bucket_bytes" in options:
         raise TypeError("fsdpfn.memory.fuse_within: min_bucket_bytes is what it chooses; do not pass it")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"fsdpfn.memory.fuse_within: world must be one int >= 1 (the ranks a parameter is sharded over), got {world!r}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-        raise ValueError(f"fsdpfn.memory.fuse_within: budget must be an int >= 0 (bytes per rank) or None, got {budget!r}")
+    check_world_and_budget("fsdpfn.memory.fuse_within", world, budget)
     names = resolve_units(model, units)
-    policy = options.get("mp_policy") or MixedPrecisionPolicy()
-    sizes = _unit_bytes(model, names, world, policy.gather_dtype)
 
     def planned(min_bucket_bytes: int | None) -> Any:
         return estimate(model, world, batch, units=units, min_bucket_bytes=min_bucket_bytes, **options)
 
     base = planned(None)
+    # the units' sizes as min_bucket_bytes counts them: from the plan shard would build
+    policy = options.get("mp_policy") or MixedPrecisionPolicy()
+    infos, _ = _infos(model, [""] + names)
+    plan = build_plan(infos, [], [""] + names, rank=0, world=world, gather_dtype=policy.gather_dtype)
+    sizes = [u.gathered_bytes(world) for u in plan.units if u.name]
     if budget is None:
         step = base.phases["optimizer step"]
         optimizer = options.get("optimizer", "adamw")
@@ -111,14 +121,3 @@ def fuse_within(
         choice = FusionChoice(threshold, k, got.peak, budget)
     return choice
 
-
-def _unit_bytes(model: nn.Module, names: list[str], world: int, gather_dtype: Any) -> list[int]:
-    """Bytes each unit's own parameters (not those of units nested in it) gather, in ``names`` order,
-    counted as ``min_bucket_bytes`` counts them: padded shards times ``world``, in the gather dtype."""
-    sizes = [0] * len(names)
-    for fqn, p in model.named_parameters():
-        mine = [i for i, name in enumerate(names) if fqn.startswith(name + ".")]
-        if mine:  # the innermost unit holding it (the longest name)
-            padded = math.prod(ShardSpec(tuple(p.shape), world).padded_local_shape) * world
-            sizes[max(mine, key=lambda i: len(names[i]))] += padded * gather_dtype(p.dtype).itemsize
-    return sizes

@@ -42,6 +42,14 @@ class ReshardRule:
         return unit not in self.kept
 
 
+def check_world_and_budget(what: str, world: Any, budget: Any) -> None:
+    """The planner's choosers take one world size and a byte budget (or ``None``): raise naming ``what``."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{what}: world must be one int >= 1 (the ranks a parameter is sharded over), got {world!r}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ValueError(f"{what}: budget must be an int >= 0 (bytes per rank) or None, got {budget!r}")
+
+
 def keep_gathered(
     model: nn.Module,
     world: int,
@@ -70,10 +78,7 @@ def keep_gathered(
     """
     if "reshard_after_forward" in options:
         raise TypeError("fsdpfn.memory.keep_gathered: reshard_after_forward is what it chooses; do not pass it")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"fsdpfn.memory.keep_gathered: world must be one int >= 1 (the ranks a parameter is sharded over), got {world!r}")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-        raise ValueError(f"fsdpfn.memory.keep_gathered: budget must be an int >= 0 (bytes per rank) or None, got {budget!r}")
+    check_world_and_budget("fsdpfn.memory.keep_gathered", world, budget)
     names = resolve_units(model, units)
 
     def peak(kept: tuple[str, ...]) -> int:

@@ -24,7 +24,7 @@ from torch import nn
 from fsdpfn.core import agree
 from fsdpfn.layout import ShardPlan
 from fsdpfn.layout.plan import fuse_units
-from fsdpfn.memory import fuse_within
+from fsdpfn.memory.fuse import first_call_fuses, fuse_within
 
 __all__ = ["plan_fusion"]
 
@@ -39,17 +39,18 @@ def plan_fusion(
     reshard_after_forward: bool | Callable[[str], bool],
     eligible: bool = True,
 ) -> None:
-    """On the first call on ``plan`` (an ``"auto"`` plan of more than one rank), regroup its units as
-    ``fuse_within`` chooses for this batch (``args``/``kwargs``, what ``module``'s forward takes). A collective on every rank; ``eligible=False`` (a call under
-    ``torch.func`` or ``torch.compile``, where no fake forward can run) keeps the plan as it is."""
+    """On the first call on ``plan`` (an ``"auto"`` plan that ``first_call_fuses``), regroup its units as
+    ``fuse_within`` chooses for this batch (``args``/``kwargs``, what ``module``'s forward takes). A
+    collective on every rank; ``eligible=False`` (a call under ``torch.func`` or ``torch.compile``, where no
+    fake forward can run) keeps the plan as it is."""
     if not plan.auto_fusion or plan.memo.get(("fusion_planned",)):
         return
     plan.memo[("fusion_planned",)] = True
     units = [u.name for u in plan.units if u.name]
-    if not eligible or plan.world == 1 or plan.replicas != 1 or plan.tp or plan.transforms or plan.comm is None or len(units) < 4:
+    if not eligible or plan.tp or plan.transforms or plan.comm is None or not first_call_fuses(plan.world, plan.replicas, len(units)):
         return  # the same on every rank: no agreement needed
     batch = args if not kwargs else kwargs if not args else None
-    threshold, failed = 0, False
+    threshold = -1  # nothing planned: shard's groups stay (on every rank, if any rank could not plan)
     if batch is not None:
         try:
             choice = fuse_within(
@@ -58,10 +59,8 @@ def plan_fusion(
                 device=plan.comm.groups.device,
             )  # fmt: skip
             threshold = choice.min_bucket_bytes or 0
-        except Exception:  # a forward fake tensors cannot run: keep shard's groups (every rank learns it below)
-            failed = True
-    if batch is None or failed:
-        threshold = -1  # nothing planned: keep shard's groups (on every rank, if any rank could not plan)
+        except Exception:  # a forward fake tensors cannot run: every rank learns it below
+            pass
     if agree(plan.comm, threshold) and threshold >= 0 and [g.name for g in plan.groups] != _grouped(plan, threshold):
         plan.regroup(threshold or None)
 
