@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdpfn.testing import spmd
+from fsdpfn.testing import fsdp2_lacks, spmd
 
 TORCH, COMPAT = "torch.distributed.fsdp", "fsdpfn.compat"
 TIMEOUT = 120
@@ -267,6 +267,7 @@ def _w_spmd() -> None:
     _compare(_train_spmd(TORCH), _train_spmd(COMPAT), dict(rtol=1e-5, atol=1e-6))
 
 
+@pytest.mark.skipif(bool(fsdp2_lacks("DataParallelMeshDims")), reason=fsdp2_lacks("DataParallelMeshDims"))
 @pytest.mark.parametrize("world", [4, 8], ids=["dp_x_tp", "replicate_x_dp_x_tp"])
 def test_dp_mesh_dims_on_a_whole_spmd_mesh_matches_fsdp2(world):
     spmd(world, _w_spmd, timeout=TIMEOUT)
@@ -303,3 +304,23 @@ def _w_dcp_load_at_dp1(path: str) -> None:
 def test_dcp_checkpoint_of_dp2_x_tp2_reloads_at_dp1_x_tp2(tmp_path, saver):
     spmd(4, _w_dcp_save, str(tmp_path), saver, timeout=TIMEOUT)
     spmd(2, _w_dcp_load_at_dp1, str(tmp_path), timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("dims", [dict(shard="dp"), dict(replicate="r"), dict(shard=("a", "b"), replicate="r"), dict()])
+def test_our_data_parallel_mesh_dims_reads_as_torchs(dims):
+    # fsdpfn.compat re-exports torch's DataParallelMeshDims where torch has one (2.12+) and its own where not
+    from fsdpfn.compat.dp_mesh_dims import DataParallelMeshDims as Ours
+
+    if not dims:
+        with pytest.raises(ValueError, match="At least one of shard or replicate must be set in DataParallelMeshDims"):
+            Ours(**dims)
+        return
+    ours = Ours(**dims)
+    want = {"shard": (dims["shard"],) if isinstance(dims.get("shard"), str) else tuple(dims.get("shard") or ()),
+            "replicate": (dims["replicate"],) if isinstance(dims.get("replicate"), str) else tuple(dims.get("replicate") or ())}
+    assert (ours.shard_names, ours.replicate_names) == (want["shard"], want["replicate"])
+    if not fsdp2_lacks("DataParallelMeshDims"):
+        from torch.distributed.fsdp import DataParallelMeshDims as Torchs
+
+        theirs = Torchs(**dims)
+        assert (ours.shard_names, ours.replicate_names) == (theirs.shard_names, theirs.replicate_names)

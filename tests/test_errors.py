@@ -3,6 +3,7 @@ call, each error caught inside the worker, so the pool is not restarted); the ot
 
 import pathlib
 import re
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -174,8 +175,19 @@ def _compat_pg_alloc_custom():
     model.set_allocate_memory_from_process_group_for_comm(True)
 
 
+class _ShardPlacementResult(NamedTuple):  # torch 2.11 has none; fsdpfn refuses the type by its name
+    placement: object
+    mesh_info: object
+
+
+_ShardPlacementResult.__name__ = "ShardPlacementResult"
+
+
 def _compat_placement_result():
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    except ImportError:
+        ShardPlacementResult = _ShardPlacementResult  # noqa: N806
     from torch.distributed.tensor import Shard
 
     from fsdpfn.compat import fully_shard
@@ -228,9 +240,8 @@ def _compat_tp_shared_dims():
 
 def _compat_spmd_plain():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import DataParallelMeshDims
 
-    from fsdpfn.compat import fully_shard
+    from fsdpfn.compat import DataParallelMeshDims, fully_shard
 
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
     fully_shard(_TwoLayer(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))

@@ -13,7 +13,10 @@ Example:
     >>> fully_shard(model)                                             # doctest: +SKIP
 """
 
-from torch.distributed.fsdp import DataParallelMeshDims
+try:
+    from torch.distributed.fsdp import DataParallelMeshDims
+except ImportError:  # torch 2.11 has none: the same dataclass of our own, so dp_mesh_dims reads alike
+    from fsdpfn.compat.dp_mesh_dims import DataParallelMeshDims  # type: ignore[assignment]
 
 from fsdpfn.compat.fully_shard import fully_shard
 from fsdpfn.compat.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
