@@ -258,7 +258,7 @@ def test_cuda_gather_and_reduce_world_one():
     comm = Comm(mesh)
     x = torch.arange(6, device="cuda", dtype=torch.float32)
     assert torch.equal(comm.all_gather(x).wait()[0], x)
-    got = comm.reduce_scatter(x.reshape(1, 6), scale=0.5).wait()
+    got = comm.reduce_scatter(x.clone().reshape(1, 6), scale=0.5).wait()  # the input is consumed (see the docstring)
     torch.cuda.synchronize()
     assert torch.equal(got, x * 0.5)
 

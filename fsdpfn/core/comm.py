@@ -190,7 +190,8 @@ class Comm:
     ) -> Handle:
         """Sum ``full`` (``(world, *batch, n)``) over the shard group, keep this rank's ``(*batch, n)``,
         all-reduce it over the replicate group (HSDP), then multiply by ``scale``. With ``custom``, the
-        user's reduce-scatter and all-reduce hook take part as in FSDP2 (see ``fsdpfn.core.custom``)."""
+        user's reduce-scatter and all-reduce hook take part as in FSDP2 (see ``fsdpfn.core.custom``).
+        ``full`` is consumed: at world 1 the result is ``full[0]`` itself, scaled in place (no copy)."""
         groups = self.groups
         if full.shape[0] != groups.world:
             raise ValueError(f"reduce_scatter: leading dim {full.shape[0]} != shard world {groups.world}")

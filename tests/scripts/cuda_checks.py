@@ -152,7 +152,10 @@ def compat_world1() -> None:
 
     from fsdpfn.compat import MixedPrecisionPolicy, fully_shard
 
+    from torch.distributed.device_mesh import init_device_mesh
+
     _world1()
+    mesh = init_device_mesh(DEVICE, (1,))
     for bf16 in (False, True):
         torch.manual_seed(0)
         base = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)) for _ in range(3)]).to(DEVICE)
@@ -160,6 +163,7 @@ def compat_world1() -> None:
         for name, shard_fn, mp in (("fsdpfn", fully_shard, MixedPrecisionPolicy), ("torch", torch_fully_shard, TorchMP)):
             model = copy.deepcopy(base)
             kw = {"mp_policy": mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+            kw["mesh"] = mesh  # on DEVICE: the default mesh is CUDA's wherever a GPU is visible
             for block in model:
                 shard_fn(block, **kw)
             shard_fn(model, **kw)
@@ -338,7 +342,7 @@ def fake_step_memory() -> None:
     x = torch.randn(16, 1024, device="cuda")
     for prefetch in (1, 2):
         apply = fsdpfn.fsdp(model, prefetch=prefetch)
-        g = fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())
+        g = fsdpfn.value_and_grad(lambda p, x: apply(p, x).square().mean())
         opt = fsdpfn.optim.adamw(lr=1e-3)
         state = opt.init(params)
         resident = []
