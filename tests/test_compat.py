@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fsdpfn.testing import spmd
+from fsdpfn.testing import fsdp2_lacks, spmd, torch_version
 
 TORCH = "torch.distributed.fsdp"
 COMPAT = "fsdpfn.compat"
@@ -439,8 +439,9 @@ def _w_layout(root_shapes, kid_shapes, kid_units, xs):
         model(x).backward()
         check_grads(model, new, tag, "after load_state_dict(assign=True)")
 
-        # plain full tensors: an error that names the parameter
-        if full0:
+        # plain full tensors: an error that names the parameter (torch 2.11's DTensor took a plain tensor
+        # as replicated in copy_, so loading one there worked, for both libraries alike)
+        if full0 and torch_version() >= (2, 13):
             first = next(iter(full0))
             full_sd = {k: v.full_tensor() for k, v in model.state_dict().items()}
             _raises((RuntimeError, ValueError), lambda: model.load_state_dict(full_sd), first)
@@ -674,6 +675,7 @@ def _w_unused():
     torch.testing.assert_close(got["blocks.1.spare.weight"], want, msg="used on rank 0 only")
 
 
+@pytest.mark.skipif(bool(fsdp2_lacks("set_reduce_scatter_unused_params")), reason=fsdp2_lacks("set_reduce_scatter_unused_params"))
 def test_unused_params_get_none_or_zeros_with_reduce_scatter_unused_params():
     spmd(2, _w_unused, timeout=TIMEOUT)
 
@@ -1181,6 +1183,7 @@ def _w_reset_iter():
     torch.testing.assert_close(res[COMPAT], res[TORCH])
 
 
+@pytest.mark.skipif(bool(fsdp2_lacks("reset_iter_state")), reason=fsdp2_lacks("reset_iter_state"))
 def test_reset_iter_state_after_an_exception_in_forward():
     spmd(2, _w_reset_iter, timeout=TIMEOUT)
 

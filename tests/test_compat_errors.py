@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from fsdpfn.testing import spmd
+from fsdpfn.testing import spmd, torch_version
 
 WORLD = 2
 IMPLS = {
@@ -172,6 +172,8 @@ def raised() -> dict:
 def test_fsdpfn_raises_torchs_error(raised, case):
     want_type, want = raised[(case, "torch")]
     got_type, got = raised[(case, "fsdpfn")]
+    if want_type is AttributeError and torch_version() < (2, 13):  # torch 2.11: no such method, or no check
+        pytest.skip(f"{case}: torch {torch.__version__} has no error of its own to match ({want})")
     assert want_type is not None, f"{case}: torch raised nothing; the case is not a misuse for FSDP2"
     # a subclass catches the same: fsdpfn's derive from ValueError too where it raised ValueError before
     assert got_type is not None and issubclass(got_type, want_type), f"{case}: fsdpfn raised {got_type} ({got!r}), torch {want_type} ({want!r})"

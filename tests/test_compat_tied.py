@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import torch.distributed as dist
 from torch import nn
 
-from fsdpfn.testing import spmd
+from fsdpfn.testing import spmd, torch_version
 
 V, D, BATCH, STEPS, WORLD = 6, 4, 3, 3, 2
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -136,6 +136,7 @@ def test_the_tie_survives_module_to():
         torch.testing.assert_close(got[n], w, **TOL, msg=lambda m: f"{n}: {m}")
 
 
+@pytest.mark.skipif(torch_version() < (2, 13), reason="torch 2.11's fully_shard trained this plan too (it refuses since 2.13 at the latest)")
 def test_torch_refuses_what_fsdpfn_keeps():
     """The difference is on purpose: torch's fully_shard raises where fsdpfn trains correctly."""
     status, msg = spmd(WORLD, _train, "torch.distributed.fsdp", PLANS["embedding-and-head-units"], True)[0]

@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 import fsdpfn
-from fsdpfn.testing import spmd
+from fsdpfn.testing import spmd, torch_version
 from fsdpfn.testing import strategies as fst
 from fsdpfn.testing.models import ModelRecipe, TinyBlock, TinyTransformer
 
@@ -152,7 +152,10 @@ def _assert_rel(got, want, rel, what):
 
 
 # ---- compat layer --------------------------------------------------------------------------------------
-COMPAT_MODES = ("before", "after", "child", "root", "root+before", "root+child")
+# torch 2.11's dynamo takes bool() of a compiled child called from a compiled parent, which raises ("TinyBlock
+# does not support len()") before fsdpfn is reached: "root+child" needs torch 2.12 or newer
+NESTED_COMPILE = torch_version() >= (2, 12)
+COMPAT_MODES = ("before", "after", "child", "root", "root+before") + (("root+child",) if NESTED_COMPILE else ())
 
 
 @dataclass(frozen=True)
@@ -349,7 +352,7 @@ def compat_configs(draw):
 @settings(max_examples=2)  # compiling is slow: few random draws, plus these examples every run
 @given(cfg=compat_configs())
 @example(cfg=CompatCfg(world=2, mode="after", ckpt="unit", accum=True, reshard=True))
-@example(cfg=CompatCfg(world=2, widths=(3, 5, 2, 6, 6), mode="root+child", ckpt="inside", mp=True, fuse=10**6, seed=1))
+@example(cfg=CompatCfg(world=2, widths=(3, 5, 2, 6, 6), mode="root+child" if NESTED_COMPILE else "root+before", ckpt="inside", mp=True, fuse=10**6, seed=1))
 def test_compat_compiled_training_matches_eager_and_torch(cfg):
     _check_compat(cfg)
 
@@ -559,7 +562,7 @@ def _deep_compat_worker(modes):
 
 
 def test_compat_identical_blocks_compile_once():
-    modes = ("before", "root+child")
+    modes = ("before", "root+child" if NESTED_COMPILE else "root+before")
     cfg = CompatCfg(widths=DEEP_WIDTHS)
     for rank, out in enumerate(spmd(2, _deep_compat_worker, modes, timeout=TIMEOUT)):
         for mode in modes:

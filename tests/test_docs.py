@@ -2,6 +2,8 @@
 
 import pathlib
 import re
+import sys
+import types
 
 import pytest
 
@@ -17,7 +19,13 @@ SNIPPETS = [
 
 
 def _run(code):
-    exec(compile(code, "<doc snippet>", "exec"), {"__name__": "doc_snippet"})
+    # a real module, as a user's script is one: torch 2.11's dynamo imports the module of what it traces
+    module = types.ModuleType("doc_snippet")
+    sys.modules["doc_snippet"] = module
+    try:
+        exec(compile(code, "<doc snippet>", "exec"), module.__dict__)
+    finally:
+        sys.modules.pop("doc_snippet", None)
     return True
 
 

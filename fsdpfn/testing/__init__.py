@@ -4,9 +4,12 @@
 - ``strategies``: hypothesis strategies for shapes, dtypes, ``ShardSpec``s, world sizes and small models
   (needs the ``test`` extra: ``pip install fsdpfn[test]``).
 - ``models``: picklable, seedable model recipes (``ModelRecipe``, ``ParamTree``).
+- ``fsdp2_has(name)``/``fsdp2_lacks(name)``/``torch_version()``: what this torch's FSDP2 offers, for tests
+  that compare with it on every supported torch (2.11 lacks some of FSDP2's newer API).
 """
 
 from fsdpfn.testing import models, strategies
 from fsdpfn.testing.pool import SpmdError, SpmdTimeout, shutdown_pools, spmd
+from fsdpfn.testing.torch_api import fsdp2_has, fsdp2_lacks, torch_version
 
-__all__ = ["SpmdError", "SpmdTimeout", "models", "shutdown_pools", "spmd", "strategies"]
+__all__ = ["SpmdError", "SpmdTimeout", "fsdp2_has", "fsdp2_lacks", "models", "shutdown_pools", "spmd", "strategies", "torch_version"]
