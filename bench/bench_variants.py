@@ -117,7 +117,9 @@ class _ModuleVariant(Variant):
 class Local(_ModuleVariant):
     """No sharding and no communication: each rank trains its own replica on its own batch.
 
-    With ``bf16`` the forward runs under ``torch.autocast`` (fp32 weights, bf16 matmuls)."""
+    With ``bf16`` the forward runs on bf16 copies of the fp32 weights (and floating inputs), as
+    ``MixedPrecisionPolicy(param_dtype=bf16)`` does, so the sharded variants' losses can agree with it
+    (autocast, which keeps norms and softmax in fp32, drifts apart from them within a few steps)."""
 
     name = "local"
 
@@ -126,9 +128,12 @@ class Local(_ModuleVariant):
         self._init_opt()
 
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        ctx = torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32 else contextlib.nullcontext()
-        with ctx:
+        if self.dtype == torch.float32:
             out = self.model(x)
+        else:
+            cast = {k: p.to(self.dtype) for k, p in self.model.named_parameters()}
+            x = x.to(self.dtype) if x.is_floating_point() else x
+            out = torch.func.functional_call(self.model, cast, (x,))
         return loss_fn(self.spec, out, y)
 
 

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 WORLD = 2
 
 
-def _probes(rank: int) -> dict[str, Any]:
+def _probes(rank: int, queue: Any) -> None:
     dev = torch.device("cuda", 0)
     mine = torch.full((4,), float(rank + 1), device=dev)
 
@@ -65,24 +65,23 @@ def _probes(rank: int) -> dict[str, Any]:
         dist.broadcast(t, 0)
         return torch.equal(t.cpu(), torch.full((4,), 1.0))
 
-    out: dict[str, Any] = {}
+    # each verdict is sent as soon as it is known: a collective that breaks the gloo pair (torch 2.11 on an
+    # H200: a 'Bad address' writev) leaves the verdicts before it, and later ones name the broken pair
     for fn in (all_gather_into_tensor, reduce_scatter_tensor, all_reduce, all_gather_list, all_to_all_single, send_recv, broadcast):
         try:
-            out[fn.__name__] = "ok" if fn() else "wrong"
+            verdict = "ok" if fn() else "wrong"
         except Exception as e:  # the point of the probe: which ones the backend refuses, and how
-            out[fn.__name__] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        dist.barrier()
-    return out
+            verdict = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        queue.put((rank, fn.__name__, verdict))
 
 
 def _worker(rank: int, init: str, queue: Any) -> None:
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
-        result = _probes(rank)
+        _probes(rank, queue)
     finally:
         dist.destroy_process_group()
-    queue.put((rank, result))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,11 +98,21 @@ def main(argv: list[str] | None = None) -> int:
         procs = [ctx.Process(target=_worker, args=(r, init, queue)) for r in range(WORLD)]
         for proc in procs:
             proc.start()
-        results = dict(queue.get(timeout=300) for _ in procs)
+        results: dict[int, dict[str, str]] = {0: {}, 1: {}}
+        try:
+            for _ in range(WORLD * 7):
+                rank, name, verdict = queue.get(timeout=60)
+                results[rank][name] = verdict
+        except Exception:  # queue.Empty: a rank died or hung; report what came
+            pass
         for proc in procs:
-            proc.join(timeout=60)
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    names = list(dict.fromkeys([*results[0], *results[1]]))
+    verdicts = {k: (results[0].get(k, "no answer"), results[1].get(k, "no answer")) for k in names}
     summary = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "backend": "gloo", "world": WORLD,
-               "collectives": {k: results[0][k] if results[0][k] == results[1][k] else f"rank0 {results[0][k]} / rank1 {results[1][k]}" for k in results[0]}}
+               "collectives": {k: a if a == b else f"rank0 {a} / rank1 {b}" for k, (a, b) in verdicts.items()}}
     for name, verdict in summary["collectives"].items():
         print(f"{name:24s} {verdict}")
     if args.json:
