@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # What a session with a lent GPU runs for issue #16. The lease is 15 minutes of device time, the machine's
-# start (1-2 min) included, so everything runs in ONE device call of about 8 minutes (stage `all`); the
-# stages `tests` and `bench` are its two halves, for a rerun of one. Logs and JSON land in $OUT (the device
+# start (1-2 min) included, so everything runs in ONE device call of about 6 minutes (stage `all`); the
+# stages `tests`, `bench` and `compiled` are its parts, for a rerun of one. Logs and JSON land in $OUT (the device
 # tool brings back at most 8 files, 16 MiB each, so each stage writes few).
 #
-#   bash bench/gpu_session.sh all     # both halves: tests (beside the example trainings), then the bench alone
-#   bash bench/gpu_session.sh tests   # CUDA tests || (gloo-on-CUDA probe, both example trainings)   (~3 min)
-#   bash bench/gpu_session.sh bench   # gpt1b at world 1 and in a fake world of 8 (traces), overhead  (~5 min)
+#   bash bench/gpu_session.sh all       # tests, bench, compiled, one after the other                  (~6 min)
+#   bash bench/gpu_session.sh tests     # CUDA tests (mutants too) || (gloo probe, both example trainings) (~2 min)
+#   bash bench/gpu_session.sh bench     # gpt1b at world 1 and in a fake world of 8 (traces), overhead  (~1.5 min)
+#   bash bench/gpu_session.sh compiled  # gpt1b's compiled blocks against torch's, world 1            (~3 min)
+#   bash bench/gpu_session.sh suite     # the CPU suite under the machine's torch (2.11), GPU hidden   (~4 min)
 #
 # Prepare once, here (the GPU machine has no optree and no internet):
 #   echo /.whl/ >> .git/info/exclude
@@ -39,11 +41,6 @@ tests_half() {
     FSDPFN_EXAMPLES=${FSDPFN_EXAMPLES:-12} timeout 200 python3 -m pytest -v -rs -p no:cacheprovider \
         tests/test_cuda.py "tests/test_core.py::test_cuda_gather_and_reduce_world_one" > "$OUT/tests.log" 2>&1 &
     local tests_pid=$!
-    # 1b. the CPU suite under this machine's torch (2.11, the oldest supported; CI has 2.13), on its many
-    #     cores (pytest-xdist is installed there), with the GPU hidden
-    CUDA_VISIBLE_DEVICES= timeout 250 python3 -m pytest -q -n 6 -p no:cacheprovider --timeout 170 --tb=short \
-        tests > "$OUT/cpu_suite.log" 2>&1 &
-    local suite_pid=$!
     # 2. which real collectives two ranks can run on one GPU (gloo on CUDA tensors)
     timeout 60 python3 bench/gpu_probe.py --json /tmp/probe.json 2>&1 | grep -v Warning | tail -12
     # 3. the example GPT trains on CUDA through both layers (the loss must fall as on CPU)
@@ -51,8 +48,6 @@ tests_half() {
     timeout 90 python3 examples/train_compat.py --device cuda --steps 150 --mp --compare 2>&1 | tail -8
     wait "$tests_pid"; echo "tests exit $?"
     grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/tests.log" | tail -16
-    wait "$suite_pid"; echo "CPU suite (torch $(python3 -c 'import torch; print(torch.__version__)')) exit $?"
-    tail -25 "$OUT/cpu_suite.log"
 }
 bench_half() {
     # 4. speed and memory against FSDP2 in the same run: world 1 (NCCL; each variant holds the whole
@@ -67,11 +62,26 @@ bench_half() {
     timeout 60 python3 bench/step.py --model overhead --fake-world 8 --steps 20 --json "$OUT/overhead_fake8.json" 2>&1 | grep -v Warning | tail -7
     cp /tmp/traces/trace_functional*.json.gz "$OUT/" 2>/dev/null || true
 }
+compiled() {
+    # 6. compiled blocks against torch's compiled blocks (torchtitan's recipe), gpt1b at world 1
+    timeout 200 python3 bench/step.py --model gpt1b --compile --variants torch_compiled,functional_compiled,compat_compiled \
+        --steps 8 --warmup 3 --json "$OUT/gpt1b_compiled.json" 2>&1 | grep -v Warning | tail -7
+}
+suite() {
+    # the CPU suite under this machine's torch (2.11, the oldest supported; CI has 2.13) on its many cores
+    # (pytest-xdist is there), GPU hidden: ~4 minutes
+    CUDA_VISIBLE_DEVICES= timeout 280 python3 -m pytest -q -n 6 -p no:cacheprovider --timeout 170 --tb=short \
+        tests > "$OUT/cpu_suite.log" 2>&1
+    echo "CPU suite (torch $(python3 -c 'import torch; print(torch.__version__)')) exit $?"; tail -25 "$OUT/cpu_suite.log"
+}
 case "$stage" in
 tests) tests_half ;;
 bench) bench_half ;;
-all) { cat "$OUT/device.txt"; tests_half; echo "--- tests half took ${SECONDS}s"; bench_half; echo "--- all took ${SECONDS}s"; } 2>&1 \
+compiled) compiled ;;
+suite) suite ;;
+all) { cat "$OUT/device.txt"; tests_half; echo "--- tests half took ${SECONDS}s"; bench_half; echo "--- bench half: ${SECONDS}s";
+       compiled; echo "--- all took ${SECONDS}s"; } 2>&1 \
         | tee "$OUT/all.log"; rm -f "$OUT/device.txt" ;;  # 8 files at most come back: the log holds device.txt
 *)
-    echo "gpu_session.sh: stage must be 'all', 'tests' or 'bench', got '$stage'"; exit 2 ;;
+    echo "gpu_session.sh: stage must be 'all', 'tests', 'bench', 'compiled' or 'suite', got '$stage'"; exit 2 ;;
 esac

@@ -42,6 +42,18 @@ def test_cuda(check):
     _run(check)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
+@pytest.mark.parametrize("check", FAKE[:3])
+def test_cuda_stream_check_catches_its_mutant(check):
+    # the core without the wait (or the kept input) that this check guards: the check must fail, with
+    # its own assertion (wrong numbers), not a crash
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(SCRIPT), check], capture_output=True, text=True, timeout=300,
+                          env={**clean, "FSDPFN_MUTANT": check})
+    assert proc.returncode != 0 and f"{check}: ok" not in proc.stdout, f"{check} passed without its ordering"
+    assert "AssertionError" in proc.stderr, proc.stderr[-4000:]
+
+
 def test_the_cuda_checks_own_logic_on_cpu():
     # the same world-1 checks on CPU tensors (gloo), in one process: what a GPU session runs must not rot
     _run(*WORLD1, FSDPFN_CHECK_DEVICE="cpu", FSDPFN_EXAMPLES="3")
@@ -58,3 +70,4 @@ def test_the_script_names_its_checks_and_refuses_unknown_ones():
         cuda_checks.main(["no_such_check"])
     with pytest.raises(SystemExit, match="run it alone"):
         cuda_checks.main(["step_world1", FAKE[0]])
+    assert list(cuda_checks.MUTANTS) == FAKE[:3]

@@ -361,10 +361,49 @@ CHECKS = {f.__name__: f for f in (
 )}  # fmt: skip
 
 
+# --- mutants: each stream check must fail when the ordering it checks is taken out of the core ---------
+def _no_wait_stream() -> None:
+    """The side stream no longer waits for the current stream before a collective."""
+    torch.cuda.Stream.wait_stream = lambda self, other: None
+
+
+def _no_wait_event() -> None:
+    """``Handle.wait()`` no longer orders the current stream after the collective's event."""
+    torch.cuda.Stream.wait_event = lambda self, event: None
+
+
+def _inputs_dropped_at_launch() -> None:
+    """A handle no longer keeps the collective's input alive until ``wait()``."""
+    from fsdpfn.core import handle
+
+    init = handle.Handle.__init__
+
+    def without_keep(self, result, **kw):
+        kw["keep"] = ()
+        init(self, result, **kw)
+
+    handle.Handle.__init__ = without_keep
+
+
+# check -> the mutation it must catch (run by tests/test_cuda.py with FSDPFN_MUTANT=<check>)
+MUTANTS = {
+    "fake_gather_waits_for_inputs": _no_wait_stream,
+    "fake_result_waits_for_gather": _no_wait_event,
+    "fake_reduce_keeps_its_input": _inputs_dropped_at_launch,
+}
+
+
 def main(names: list[str]) -> None:
-    """Run the checks called ``names`` in order (``SystemExit`` with the usage for a bad list)."""
+    """Run the checks called ``names`` in order (``SystemExit`` with the usage for a bad list). With
+    ``FSDPFN_MUTANT=<check>`` the core first loses the ordering that check guards (``MUTANTS``): the check
+    must then fail, which is what shows it would catch the bug."""
     if not names or any(n not in CHECKS for n in names):
         sys.exit(f"usage: cuda_checks.py <check> [<check> ...]; checks: {', '.join(CHECKS)}")
+    mutant = os.environ.get("FSDPFN_MUTANT")
+    if mutant:
+        if mutant not in MUTANTS or names != [mutant]:
+            sys.exit(f"cuda_checks.py: FSDPFN_MUTANT names one of {', '.join(MUTANTS)} and runs that check alone")
+        MUTANTS[mutant]()
     fake = [n for n in names if n.startswith("fake_")]
     if fake and len(names) > 1:
         sys.exit(f"cuda_checks.py: {fake[0]} starts a fake process group of its own: run it alone")
