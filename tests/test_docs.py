@@ -37,3 +37,21 @@ def test_there_are_runnable_snippets():
 @pytest.mark.parametrize("name, index, code", SNIPPETS, ids=[f"{n}:{i}" for n, i, _ in SNIPPETS])
 def test_doc_snippet_runs(name, index, code, world):
     assert spmd(world, _run, code) == [True] * world
+
+
+def test_every_docstring_example_in_the_package_runs():
+    # the examples in docstrings (``>>>``) of every fsdpfn module, as `pytest --doctest-modules fsdpfn` runs
+    # them; examples that need a process group or a model say `# doctest: +SKIP`
+    import doctest
+    import importlib
+    import pkgutil
+
+    import fsdpfn
+
+    failed = []
+    for info in pkgutil.walk_packages(fsdpfn.__path__, "fsdpfn."):
+        module = importlib.import_module(info.name)
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False, report=False)
+        if result.failed:
+            failed.append(f"{info.name}: {result.failed} of {result.attempted}")
+    assert failed == [], failed

@@ -226,7 +226,7 @@ def load(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -> Any
 
     Example:
         >>> params = fsdpfn.shard(model, mesh, units=units)             # any world size  # doctest: +SKIP
-        >>> like = {"model": params, "opt": opt.init(params), "step": 0, "rng": torch.get_rng_state()}
+        >>> like = {"model": params, "opt": opt.init(params), "step": 0, "rng": torch.get_rng_state()}  # doctest: +SKIP
         >>> ckpt = fsdpfn.checkpoint.load("ckpt/step-100", like)        # doctest: +SKIP
         >>> params, opt_state, step = ckpt["model"], ckpt["opt"], ckpt["step"]   # doctest: +SKIP
     """

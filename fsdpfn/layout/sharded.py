@@ -31,7 +31,7 @@ class Sharded(Generic[T]):
     Example:
         >>> params = fsdpfn.shard(model, mesh)                       # doctest: +SKIP
         >>> params["0.weight"].shape, params.specs["0.weight"]       # doctest: +SKIP
-        >>> zeros = torch.utils._pytree.tree_map(torch.zeros_like, params)  # still a Sharded
+        >>> zeros = torch.utils._pytree.tree_map(torch.zeros_like, params)  # still a Sharded  # doctest: +SKIP
     """
 
     __slots__ = ("_leaves", "_plan", "_mode")
