@@ -183,6 +183,9 @@ class ShardPlan:
         )
 
 
+# fsdpfn.optim's ``init`` notes here which optimizer updates this plan's shards ("adamw", "sgd", ...):
+# the first call's fusion plans the step's memory for it
+OPTIMIZER_MEMO = ("optimizer",)
 # memo entries that are state, not derived from the groups: kept by ``ShardPlan.regroup``
 _PLAN_STATE = frozenset({"applies", "checkpoint.world_comm", "optimizer", "fusion_planned"})
 

@@ -17,6 +17,7 @@ from torch.optim.adam import adam as _torch_adam
 
 from fsdpfn.layout import Sharded
 from fsdpfn.layout.autobucket import FUSED_DEVICES
+from fsdpfn.layout.plan import OPTIMIZER_MEMO
 from fsdpfn.optim._common import (
     GradientTransformation,
     LearningRate,
@@ -131,7 +132,7 @@ def adamw(
             >>> state = fsdpfn.optim.adamw().init(params)   # doctest: +SKIP
         """
         check_params(params, f"{what}.init")
-        params.plan.memo[("optimizer",)] = "adamw"  # what fsdp's first call plans the step's memory for
+        params.plan.memo[OPTIMIZER_MEMO] = "adamw"  # what fsdp's first call plans the step's memory for
         zeros = functools.partial(torch.zeros_like, memory_format=torch.preserve_format)
         return AdamWState(
             count=new_count(),

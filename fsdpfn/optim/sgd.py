@@ -10,6 +10,7 @@ import torch
 from torch.optim.sgd import sgd as _torch_sgd
 
 from fsdpfn.layout import Sharded
+from fsdpfn.layout.plan import OPTIMIZER_MEMO
 from fsdpfn.optim._common import (
     GradientTransformation,
     LearningRate,
@@ -92,7 +93,7 @@ def sgd(
             >>> state = fsdpfn.optim.sgd(0.1, momentum=0.9).init(params)   # doctest: +SKIP
         """
         check_params(params, f"{what}.init")
-        params.plan.memo[("optimizer",)] = "sgd_momentum" if momentum != 0 else "sgd"  # for fsdp's first call
+        params.plan.memo[OPTIMIZER_MEMO] = "sgd_momentum" if momentum != 0 else "sgd"  # for fsdp's first call
         buf = (lambda p: torch.zeros_like(p, memory_format=torch.preserve_format)) if momentum != 0 else None
         return SGDState(new_count(), state_tree(params, lambda p: new_step()), state_tree(params, buf))
 

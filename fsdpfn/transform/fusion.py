@@ -23,7 +23,7 @@ from torch import nn
 
 from fsdpfn.core import agree
 from fsdpfn.layout import ShardPlan
-from fsdpfn.layout.plan import fuse_units
+from fsdpfn.layout.plan import OPTIMIZER_MEMO, fuse_units
 from fsdpfn.memory.fuse import first_call_fuses, fuse_within
 
 __all__ = ["plan_fusion"]
@@ -54,7 +54,7 @@ def plan_fusion(
     if batch is not None:
         try:
             choice = fuse_within(
-                module, plan.world, batch, units=units, optimizer=plan.memo.get(("optimizer",), "none"),
+                module, plan.world, batch, units=units, optimizer=plan.memo.get(OPTIMIZER_MEMO, "none"),
                 mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                 device=plan.comm.groups.device,
             )  # fmt: skip
