@@ -29,7 +29,7 @@ import fsdpfn
 import fsdpfn.optim
 from bench_models import ModelSpec, loss_fn, make_batches
 
-__all__ = ["Coll", "Variant", "build_variant", "compat_available", "COMPILED", "EXTRA", "SHARDED", "ALL_VARIANTS"]
+__all__ = ["Coll", "Variant", "build_variant", "COMPILED", "EXTRA", "SHARDED", "ALL_VARIANTS"]
 
 COMPILED = ("torch_compiled", "compat_compiled", "functional_compiled", "functional_traced", "functional_traced_a2a")
 EXTRA = ("functional_kept", "compat_kept", "functional_fused", "compat_fused")  # measured when named in --variants
@@ -53,15 +53,6 @@ class Coll:
     def nbytes(self) -> int:
         """Bytes of the larger (gathered / unreduced) side."""
         return max(self.in_numel, self.out_numel) * self.dtype.itemsize
-
-
-def compat_available() -> bool:
-    """Whether ``fsdpfn.compat`` (the FSDP2-compatible layer) can be imported."""
-    try:
-        import fsdpfn.compat  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class Variant:

@@ -9,7 +9,7 @@ machine noise hits all alike:
 * ``torch``: ``torch.distributed.fsdp.fully_shard`` on every block and the root, ``torch.optim.AdamW(foreach=True)``.
 * ``functional``: ``fsdpfn.shard(units=blocks) + fsdpfn.fsdp + fsdpfn.value_and_grad + fsdpfn.optim.adamw``.
 * ``local``: no sharding, no communication, each rank on its own batch: the compute floor.
-* ``compat``: ``fsdpfn.compat.fully_shard`` wrapped like ``torch``; skipped while ``fsdpfn.compat`` is missing.
+* ``compat``: ``fsdpfn.compat.fully_shard`` wrapped like ``torch``.
 * ``functional_kept``, ``compat_kept`` (only when named): ``functional`` / ``compat`` keeping the last blocks
   gathered that ``fsdpfn.memory.keep_gathered`` fits under the resharding peak.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -48,9 +49,8 @@ import torch.distributed as dist
 import fsdpfn
 from bench_measure import add_ratios, format_table, peak_step, reduce_max, reduce_mean, summarize, sync, timed_replay, timed_step
 from bench_models import MODELS, count_params, make_batches, build_model, spec_for
-from bench_variants import ALL_VARIANTS, COMPILED, EXTRA, SHARDED, Functional, Variant, build_variant, compat_available
+from bench_variants import ALL_VARIANTS, COMPILED, EXTRA, SHARDED, Functional, Variant, build_variant
 
-COMPAT_MISSING = "fsdpfn.compat not available"
 REPLAYS = 5  # collective replays per sharded variant (median)
 THREAD_KINDS = ("main", "gloo", "other")  # bench_measure.thread_cpu's kinds
 
@@ -220,13 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     say = (lambda *a: print(*a, flush=True)) if lead else (lambda *a: None)
 
     results: dict[str, dict[str, Any]] = {}
-    names = []
-    for name in args.variants:
-        if name.startswith("compat") and not compat_available():
-            say(f"note: skipping variant 'compat': {COMPAT_MISSING} (import fsdpfn.compat failed)")
-            results[name] = {"skipped": COMPAT_MISSING}
-        else:
-            names.append(name)
+    names = list(args.variants)
+    if any(n.startswith("compat") for n in names):
+        importlib.import_module("fsdpfn.compat")  # an import that fails is a bug to see, not a variant to skip
 
     Functional.min_bucket_bytes = args.min_bucket_bytes
     Variant.backend = args.compile_backend

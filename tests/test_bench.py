@@ -48,12 +48,7 @@ def test_step_benchmark_smoke(tmp_path):
     # every variant starts from the same weights and sees the same data
     losses = [variants[n]["final_loss"] for n in ("torch", "functional", "local")]
     assert max(losses) - min(losses) <= 1e-4 * abs(losses[0])
-    compat = variants["compat"]
-    if "skipped" in compat:
-        assert compat["skipped"] == "fsdpfn.compat not available"
-        assert "fsdpfn.compat not available" in proc.stdout
-    else:
-        assert MEASURED_KEYS | SHARDED_KEYS <= compat.keys()
+    assert MEASURED_KEYS | SHARDED_KEYS <= variants["compat"].keys()
     assert "step ms median" in proc.stdout  # the printed table
 
 

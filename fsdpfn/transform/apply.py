@@ -23,16 +23,16 @@ from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import reduce_scale
 from fsdpfn.transform.call import Call, OpenCall
 from fsdpfn.transform.casting import cast_inputs, cast_output
-from fsdpfn.transform.eager import caller_frame, eager, on_stack, stable_graph_choice, under_compile
+from fsdpfn.transform.eager import caller_frame, eager, on_stack, under_compile
 from fsdpfn.transform.fusion import plan_fusion
 from fsdpfn.transform.recompute import BackwardSwaps
 from fsdpfn.transform.remat import override_forwards
-from fsdpfn.transform.traced import enter_unit, exit_unit, run_traced
+from fsdpfn.transform.traced import run_traced
+from fsdpfn.transform.unit_hooks import Swap, UnitHooks, functorch_active, in_backward
 from fsdpfn.transform.validate import check_module
 
 __all__ = ["Apply", "fsdp"]
 
-_Swap = list[tuple[dict[str, Any], str, Any]]
 
 
 FUNCTORCH_UNDER_COMPILE = (
@@ -43,12 +43,6 @@ FUNCTORCH_UNDER_COMPILE = (
 )
 
 
-def _functorch_active() -> bool:
-    return torch._C._functorch.maybe_current_level() is not None
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _only_grad_transforms() -> bool:
@@ -56,7 +50,7 @@ def _only_grad_transforms() -> bool:
     return all(i.key() == torch._C._functorch.TransformType.Grad for i in stack)
 
 
-class Apply:
+class Apply(UnitHooks):
     """The pure ``apply(params, *args, **kwargs)`` returned by ``fsdp``; see ``fsdp`` for the semantics."""
 
     def __init__(
@@ -87,7 +81,7 @@ class Apply:
         self._forward: list[OpenCall] = []
         self._backward: weakref.WeakSet[Call] = weakref.WeakSet()
         self._hooked: set[Any] = set()
-        self._unit_swaps: dict[str, list[_Swap]] = {}
+        self._unit_swaps: dict[str, list[Swap]] = {}
         self._recompute = BackwardSwaps(self)
         self._targets: dict[str, tuple[dict[str, Any], str]] = {}
         self._unit_hooks: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
@@ -194,7 +188,7 @@ class Apply:
         plan = params.plan
         self._validate(plan)
         self.close_stale()
-        if self._recompute.active and not _in_backward():  # a backward that raised left its swaps in
+        if self._recompute.active and not in_backward():  # a backward that raised left its swaps in
             self._recompute.leave_all()
         if any(o.call.plan is plan for o in self._forward):
             raise RuntimeError(
@@ -202,8 +196,8 @@ class Apply:
                 "a module cannot run inside its own sharded forward"
             )
         plan.memo.setdefault(("applies",), weakref.WeakSet()).add(self)  # what compile_step warms up
-        functorch = _functorch_active()
-        eligible = not (functorch or traced or under_compile() or self._forward or _in_backward())
+        functorch = functorch_active()
+        eligible = not (functorch or traced or under_compile() or self._forward or in_backward())
         plan_fusion(self.module, plan, args, kwargs, prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward, eligible=eligible)
         if functorch and (traced or under_compile()):
             raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
@@ -254,7 +248,7 @@ class Apply:
         if not call.remat_units:  # units run through remat gather outside the call: its order lacks them
             plan.memo[("order", id(self))] = list(call.order)
         self._backward.add(call)
-        if torch.is_grad_enabled() and "" in plan.group_of and not _functorch_active():
+        if torch.is_grad_enabled() and "" in plan.group_of and not functorch_active():
             self._recompute.arm_on(call, "", out)
         cast = cast_output(plan, out, "")
         return out if cast is None else cast
@@ -270,144 +264,6 @@ class Apply:
     # --- validation ---------------------------------------------------------------------------------
     def _validate(self, plan: ShardPlan) -> None:
         check_module(self.module, plan)
-
-    # --- swapping --------------------------------------------------------------------------------
-    def _target(self, fqn: str, kind: str) -> tuple[dict[str, Any], str]:
-        key = f"{kind}:{fqn}"
-        hit = self._targets.get(key)
-        if hit is None:
-            path, _, name = fqn.rpartition(".")
-            owner = self.module.get_submodule(path)
-            hit = self._targets[key] = (owner._parameters if kind == "p" else owner._buffers, name)
-        return hit
-
-    def _swap(self, plan: ShardPlan, full: dict[str, torch.Tensor], unit: str) -> _Swap:
-        names = plan.memo.get(("swap", unit))
-        if names is None:
-            owned = plan.unit(unit).fqns
-            names = plan.memo[("swap", unit)] = [(a, o) for o in owned for a in plan.names(o)]
-        if plan.tp:  # tensor-parallel parameters: the module sees DTensors on its TP mesh
-            full = {f: plan.tp[f].tp.wrap(t) if f in plan.tp else t for f, t in full.items()}
-        return self._swap_names(names, full)
-
-    def _swap_names(self, names: list[tuple[str, str]], full: dict[str, torch.Tensor]) -> _Swap:
-        """Register ``full[owner]`` as parameter ``name`` for each ``(name, owner)``; returns the undo list."""
-        out: _Swap = []
-        for name, owner in names:
-            table, attr = self._target(name, "p")
-            out.append((table, attr, table[attr]))
-            table[attr] = full[owner]
-        return out
-
-    def _swap_buffers(self, params: Sharded[torch.Tensor]) -> _Swap:
-        out: _Swap = []
-        for fqn in params.plan.buffers:
-            table, attr = self._target(fqn, "b")
-            out.append((table, attr, table[attr]))
-            table[attr] = params[fqn]
-        return out
-
-    @staticmethod
-    def _restore(swapped: _Swap) -> None:
-        for table, attr, old in reversed(swapped):
-            table[attr] = old
-        swapped.clear()
-
-    # --- unit hooks ------------------------------------------------------------------------------
-    def _install_hooks(self, plan: ShardPlan) -> None:
-        for unit in plan.units:
-            if unit.name and unit.name not in self._hooked:
-                stable_graph_choice()
-                for mod in self.unit_modules(unit.name):
-                    pre, post = self.unit_hooks(unit.name)
-                    mod.register_forward_pre_hook(pre, with_kwargs=True)
-                    mod.register_forward_hook(post, always_call=True)
-                self._hooked.add(unit.name)
-
-    def unit_modules(self, name: str) -> list[nn.Module]:
-        """The modules whose forward runs unit ``name`` (its own submodule)."""
-        return [self.module.get_submodule(name)]
-
-    def release_after_module(self, name: str) -> bool:
-        """Whether a resharding unit is dropped as soon as one of its modules' forward returns (else at
-        the end of the whole forward: a unit of several modules is gathered once for all of them)."""
-        return True
-
-    def unit_hooks(self, name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """Unit ``name``'s ``(pre, post)`` forward hooks (made once; both run eagerly under compile)."""
-        got = self._unit_hooks.get(name)
-        if got is None:
-            got = self._unit_hooks[name] = (self._pre_hook(name), self._post_hook(name))
-        return got
-
-    def _pre_hook(self, name: str) -> Callable[..., Any]:
-        @eager  # the eager executor: compiled code breaks around it
-        def eager_pre(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if self._remat_depth or (self._forward and name in self._forward[-1].call.remat_units):
-                self._unit_swaps.setdefault(name, []).append([])  # remat gathers and swaps itself
-                return None
-            if self._forward:
-                call = self._forward[-1].call
-                if name not in call.plan.memo.setdefault(("unit_names",), {u.name for u in call.plan.units}):
-                    self._unit_swaps.setdefault(name, []).append([])
-                    return None
-                group = call.plan.group_of[name]
-                full = call.gathered.get(group) or call.gather(group)
-                self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, full, name))
-                return cast_inputs(call.plan, args, kwargs, name)
-            if _in_backward():
-                call = self._recompute.current.get(name) or self._recompute_call(name)
-                if call is not None:
-                    values = call.values_for_recompute(call.plan.group_of[name])
-                    self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, values, name))
-                    return cast_inputs(call.plan, args, kwargs, name)
-            self._unit_swaps.setdefault(name, []).append([])
-            return None
-
-        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            if self._forward and self._forward[-1].traced:
-                return enter_unit(self, self._forward[-1].call, name, args, kwargs)
-            return eager_pre(mod, args, kwargs)
-
-        return hook
-
-    def _post_hook(self, name: str) -> Callable[..., Any]:
-        @eager  # the eager executor: compiled code breaks around it
-        def eager_post(_mod: nn.Module, _args: Any, out: Any) -> Any:
-            stack = self._unit_swaps.get(name)
-            if stack:
-                self._restore(stack.pop())
-            if self._forward:
-                call = self._forward[-1].call
-                group = call.plan.group_of.get(name, name)
-                if call.reshards(group) and group in call.gathered and self.release_after_module(name):
-                    if call.unit_done(group, name):
-                        call.release(group)
-                if torch.is_grad_enabled() and not _functorch_active():  # torch.func: remat recomputes
-                    self._recompute.arm_on(call, name, out)
-                if call.plan.unit_policies:
-                    return cast_output(call.plan, out, name)
-            return None
-
-        def hook(mod: nn.Module, args: Any, out: Any) -> Any:
-            if self._forward and self._forward[-1].traced:
-                return exit_unit(self, self._forward[-1].call, name, out)
-            return eager_post(mod, args, out)
-
-        return hook
-
-    def _recompute_call(self, name: str) -> Call | None:
-        calls = [c for c in self._backward if any(u.name == name for u in c.plan.units)]
-        if not calls:
-            return None
-        first = calls[0]
-        for c in calls[1:]:
-            if any(c.params[k] is not first.params[k] for k in first.plan.params):
-                raise RuntimeError(
-                    f"apply: unit {name!r} is being recomputed (activation checkpointing) while several forwards "
-                    "over different parameter trees await backward; run backward before the next forward"
-                )
-        return first
 
 
 @eager

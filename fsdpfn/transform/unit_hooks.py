@@ -1,0 +1,194 @@
+"""The unit hooks of ``fsdp``: swapping a unit's gathered values into its module for its forward.
+
+Persistent forward hooks on each unit's module put the unit's full parameters (views of its gathered
+buffer) in the module's ``_parameters`` just before the unit's forward and restore what was there after
+it. Outside an ``apply`` call they do nothing, except during an activation-checkpoint recompute in
+backward, where they put back the values the forward used. ``Apply`` extends ``UnitHooks``; the compat
+layer overrides ``unit_modules`` and ``release_after_module``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fsdpfn.layout import Sharded, ShardPlan
+from fsdpfn.transform.casting import cast_inputs, cast_output
+from fsdpfn.transform.eager import eager, stable_graph_choice
+from fsdpfn.transform.traced import enter_unit, exit_unit
+
+if TYPE_CHECKING:
+    import weakref
+
+    from fsdpfn.transform.call import Call, OpenCall
+    from fsdpfn.transform.recompute import BackwardSwaps
+
+__all__ = ["Swap", "UnitHooks", "functorch_active", "in_backward"]
+
+Swap = list[tuple[dict[str, Any], str, Any]]  # (table, name, old value) per swapped entry: the undo list
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform is running."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class UnitHooks:
+    """Parameter swapping and the per-unit forward hooks of an ``Apply`` (whose ``__init__`` sets the
+    state below)."""
+
+    module: nn.Module
+    _forward: list[OpenCall]
+    _backward: weakref.WeakSet[Call]
+    _hooked: set[Any]
+    _unit_swaps: dict[str, list[Swap]]
+    _recompute: BackwardSwaps
+    _targets: dict[str, tuple[dict[str, Any], str]]
+    _unit_hooks: dict[str, tuple[Callable[..., Any], Callable[..., Any]]]
+    _remat_depth: int
+
+    # --- swapping --------------------------------------------------------------------------------
+    def _target(self, fqn: str, kind: str) -> tuple[dict[str, Any], str]:
+        key = f"{kind}:{fqn}"
+        hit = self._targets.get(key)
+        if hit is None:
+            path, _, name = fqn.rpartition(".")
+            owner = self.module.get_submodule(path)
+            hit = self._targets[key] = (owner._parameters if kind == "p" else owner._buffers, name)
+        return hit
+
+    def _swap(self, plan: ShardPlan, full: dict[str, torch.Tensor], unit: str) -> Swap:
+        names = plan.memo.get(("swap", unit))
+        if names is None:
+            owned = plan.unit(unit).fqns
+            names = plan.memo[("swap", unit)] = [(a, o) for o in owned for a in plan.names(o)]
+        if plan.tp:  # tensor-parallel parameters: the module sees DTensors on its TP mesh
+            full = {f: plan.tp[f].tp.wrap(t) if f in plan.tp else t for f, t in full.items()}
+        return self._swap_names(names, full)
+
+    def _swap_names(self, names: list[tuple[str, str]], full: dict[str, torch.Tensor]) -> Swap:
+        """Register ``full[owner]`` as parameter ``name`` for each ``(name, owner)``; returns the undo list."""
+        out: Swap = []
+        for name, owner in names:
+            table, attr = self._target(name, "p")
+            out.append((table, attr, table[attr]))
+            table[attr] = full[owner]
+        return out
+
+    def _swap_buffers(self, params: Sharded[torch.Tensor]) -> Swap:
+        out: Swap = []
+        for fqn in params.plan.buffers:
+            table, attr = self._target(fqn, "b")
+            out.append((table, attr, table[attr]))
+            table[attr] = params[fqn]
+        return out
+
+    @staticmethod
+    def _restore(swapped: Swap) -> None:
+        for table, attr, old in reversed(swapped):
+            table[attr] = old
+        swapped.clear()
+
+    # --- unit hooks ------------------------------------------------------------------------------
+    def _install_hooks(self, plan: ShardPlan) -> None:
+        for unit in plan.units:
+            if unit.name and unit.name not in self._hooked:
+                stable_graph_choice()
+                for mod in self.unit_modules(unit.name):
+                    pre, post = self.unit_hooks(unit.name)
+                    mod.register_forward_pre_hook(pre, with_kwargs=True)
+                    mod.register_forward_hook(post, always_call=True)
+                self._hooked.add(unit.name)
+
+    def unit_modules(self, name: str) -> list[nn.Module]:
+        """The modules whose forward runs unit ``name`` (its own submodule)."""
+        return [self.module.get_submodule(name)]
+
+    def release_after_module(self, name: str) -> bool:
+        """Whether a resharding unit is dropped as soon as one of its modules' forward returns (else at
+        the end of the whole forward: a unit of several modules is gathered once for all of them)."""
+        return True
+
+    def unit_hooks(self, name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """Unit ``name``'s ``(pre, post)`` forward hooks (made once; both run eagerly under compile)."""
+        got = self._unit_hooks.get(name)
+        if got is None:
+            got = self._unit_hooks[name] = (self._pre_hook(name), self._post_hook(name))
+        return got
+
+    def _pre_hook(self, name: str) -> Callable[..., Any]:
+        @eager  # the eager executor: compiled code breaks around it
+        def eager_pre(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self._remat_depth or (self._forward and name in self._forward[-1].call.remat_units):
+                self._unit_swaps.setdefault(name, []).append([])  # remat gathers and swaps itself
+                return None
+            if self._forward:
+                call = self._forward[-1].call
+                if name not in call.plan.memo.setdefault(("unit_names",), {u.name for u in call.plan.units}):
+                    self._unit_swaps.setdefault(name, []).append([])
+                    return None
+                group = call.plan.group_of[name]
+                full = call.gathered.get(group) or call.gather(group)
+                self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, full, name))
+                return cast_inputs(call.plan, args, kwargs, name)
+            if in_backward():
+                call = self._recompute.current.get(name) or self._recompute_call(name)
+                if call is not None:
+                    values = call.values_for_recompute(call.plan.group_of[name])
+                    self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, values, name))
+                    return cast_inputs(call.plan, args, kwargs, name)
+            self._unit_swaps.setdefault(name, []).append([])
+            return None
+
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if self._forward and self._forward[-1].traced:
+                return enter_unit(self, self._forward[-1].call, name, args, kwargs)
+            return eager_pre(mod, args, kwargs)
+
+        return hook
+
+    def _post_hook(self, name: str) -> Callable[..., Any]:
+        @eager  # the eager executor: compiled code breaks around it
+        def eager_post(_mod: nn.Module, _args: Any, out: Any) -> Any:
+            stack = self._unit_swaps.get(name)
+            if stack:
+                self._restore(stack.pop())
+            if self._forward:
+                call = self._forward[-1].call
+                group = call.plan.group_of.get(name, name)
+                if call.reshards(group) and group in call.gathered and self.release_after_module(name):
+                    if call.unit_done(group, name):
+                        call.release(group)
+                if torch.is_grad_enabled() and not functorch_active():  # torch.func: remat recomputes
+                    self._recompute.arm_on(call, name, out)
+                if call.plan.unit_policies:
+                    return cast_output(call.plan, out, name)
+            return None
+
+        def hook(mod: nn.Module, args: Any, out: Any) -> Any:
+            if self._forward and self._forward[-1].traced:
+                return exit_unit(self, self._forward[-1].call, name, out)
+            return eager_post(mod, args, out)
+
+        return hook
+
+    def _recompute_call(self, name: str) -> Call | None:
+        calls = [c for c in self._backward if any(u.name == name for u in c.plan.units)]
+        if not calls:
+            return None
+        first = calls[0]
+        for c in calls[1:]:
+            if any(c.params[k] is not first.params[k] for k in first.plan.params):
+                raise RuntimeError(
+                    f"apply: unit {name!r} is being recomputed (activation checkpointing) while several forwards "
+                    "over different parameter trees await backward; run backward before the next forward"
+                )
+        return first
