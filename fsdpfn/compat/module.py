@@ -15,19 +15,12 @@ import torch
 from torch import nn
 
 from fsdpfn.compat.hooks import check_all_gather, check_reduce_scatter, update_custom
-from fsdpfn.compat.root import RootContext, lazy_root
+from fsdpfn.compat.dispatch import dispatch, unit_state
+from fsdpfn.compat.root import lazy_root
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
 from fsdpfn.layout.plan import is_byte_count
-from fsdpfn.transform.eager import eager
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
-
-
-def _state(module: Any) -> UnitState:
-    st = state_of(module)
-    if st is None:  # pragma: no cover - only reachable by calling the methods unbound
-        raise RuntimeError(f"{type(module).__name__} is not a fully_shard module")
-    return st
 
 
 def _fsdp_modules(module: nn.Module, recurse: bool) -> list[nn.Module]:
@@ -39,50 +32,6 @@ def _check_bool(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{what} must be a bool, got {value!r}")
     return value
-
-
-def dispatch(module: nn.Module, fn: Callable[..., Any] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``module``'s forward (``fn=None``) or a registered forward method ``fn`` under FSDP.
-
-    Traceable by ``torch.compile``: a unit below a running root goes straight to its forward (its hooks
-    break the graph); everything else is decided by ``_entry``, eagerly."""
-    st = _state(module)
-    ctx = st.root
-    if ctx is None or not ctx.running or st is ctx.state:
-        ctx, start = _entry_eagerly(module, st) if torch.compiler.is_compiling() else _entry(module, st)
-        if ctx is None:  # an activation-checkpoint recompute in backward: the unit hooks supply the values
-            return nn.Module.__call__(module, *args, **kwargs) if fn is None else fn(*args, **kwargs)
-        if start:
-            return ctx.run(functools.partial(_inside_call, ctx, st, module, fn), args, kwargs)
-    return _inside(ctx, st, module, fn, args, kwargs)
-
-
-def _inside(ctx: RootContext, st: UnitState, module: nn.Module, fn: Callable[..., Any] | None, args: Any, kwargs: Any) -> Any:
-    if fn is None:
-        return nn.Module.__call__(module, *args, **kwargs)  # the unit hooks gather around forward
-    if st is ctx.state:
-        return fn(*args, **kwargs)  # the root unit is gathered for the whole call
-    return ctx.apply.run_unit(st.name, module, fn, args, kwargs)
-
-
-def _inside_call(ctx: RootContext, st: UnitState, module: nn.Module, fn: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> Any:
-    return _inside(ctx, st, module, fn, args, kwargs)
-
-
-def _entry(module: nn.Module, st: UnitState) -> tuple[RootContext | None, bool]:
-    """Where a call from outside a running root (or into the root itself) goes: ``(None, _)`` for an
-    activation-checkpoint recompute, ``(root, True)`` to start a root call, ``(root, False)`` when the
-    root is already running (a root method calling its own forward)."""
-    ctx = st.root
-    if ctx is not None:
-        ctx.close_stale()  # an earlier compiled forward that raised
-        if not ctx.running and torch._C._current_graph_task_id() != -1:
-            return None, False
-    ctx = ctx if ctx is not None else RootContext(module, st)
-    return ctx, not ctx.running
-
-
-_entry_eagerly = eager(_entry)
 
 
 class UnshardHandle:
@@ -144,7 +93,7 @@ class FSDPModule:
 
         ``async_op=True`` returns an ``UnshardHandle``; the module's next forward waits for it itself.
         """
-        st = _state(self)
+        st = unit_state(self)
         top = st.top()
         ctx = lazy_root(top, top.modules[0])
         if st.unsharded is None and any(u.name == st.name for u in ctx.plan.units):
@@ -160,14 +109,14 @@ class FSDPModule:
     def reshard(self) -> None:
         """Drop the unsharded parameters (of an explicit ``unshard``) and register the sharded ones
         again (not recursive)."""
-        st = _state(self)
+        st = unit_state(self)
         if st.unsharded is not None:
             drop_unsharded(st)
 
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward: forget the iteration's in-flight state (explicit
         unshards, gradients accumulated while sync was off). Call it on the root module."""
-        st = _state(self)
+        st = unit_state(self)
         if st.root is not None and st.root.state is not st:
             raise RuntimeError(
                 f"reset_iter_state must be called on the root FSDP module\nthe root is {type(st.root.module).__name__}, "
@@ -197,7 +146,7 @@ class FSDPModule:
         """
         value = _check_bool(requires_gradient_sync, "requires_gradient_sync")
         for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
-            _state(m).requires_gradient_sync = value
+            unit_state(m).requires_gradient_sync = value
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` skips the all-reduce over replicas. fsdpfn then defers the whole reduction
@@ -205,14 +154,14 @@ class FSDPModule:
         the gradients are the same, see docs/compat.md."""
         value = _check_bool(requires_all_reduce, "requires_all_reduce")
         for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
-            _state(m).requires_all_reduce = value
+            unit_state(m).requires_all_reduce = value
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether the module drops its gathered parameters after forward (re-gathering in backward)."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")
         for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
-            _state(m).reshard_after_forward = reshard_after_forward
+            unit_state(m).reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Accepted for compatibility: fsdpfn always frees gathered parameters when a unit's gradient
@@ -232,7 +181,7 @@ class FSDPModule:
         """
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
-        st = _state(self)
+        st = unit_state(self)
         st.divide_factor = float(factor)
         if st.custom is not None:
             update_custom(st)  # the custom reduce-scatter's op depends on it
@@ -244,7 +193,7 @@ class FSDPModule:
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """fsdpfn's own collectives always sum and scale afterwards, so for them this changes nothing; a
         custom reduce-scatter then gets ``SUM`` and the all-reduce hook the unscaled sum, as in FSDP2."""
-        st = _state(self)
+        st = unit_state(self)
         st.force_sum_reduction = _check_bool(enable, "enable")
         if st.custom is not None:
             update_custom(st)
@@ -254,7 +203,7 @@ class FSDPModule:
         (zeros where no rank had one) instead of ``None``."""
         value = _check_bool(reduce_scatter_unused_params, "reduce_scatter_unused_params")
         for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
-            _state(m).reduce_scatter_unused = value
+            unit_state(m).reduce_scatter_unused = value
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Accepted for compatibility: fsdpfn holds one reduce-scatter input per unit, freed when it ends."""
@@ -266,16 +215,16 @@ class FSDPModule:
     # --- prefetch and events ----------------------------------------------------------------------
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' parameters as soon as this module's are gathered in forward."""
-        _state(self).forward_prefetch = [_state_of_listed(m) for m in modules]
+        unit_state(self).forward_prefetch = [_state_of_listed(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Re-gather these modules' parameters as soon as this module's are re-gathered in backward."""
-        _state(self).backward_prefetch = [_state_of_listed(m) for m in modules]
+        unit_state(self).backward_prefetch = [_state_of_listed(m) for m in modules]
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next forward's all-gathers wait for ``event`` (recorded after the optimizer step) instead
         of the whole current stream. On CPU there is nothing to order."""
-        _state(self).post_optim_event = event
+        unit_state(self).post_optim_event = event
 
     # --- fsdpfn extensions ----------------------------------------------------------------------------
     def set_min_bucket_bytes(self, min_bucket_bytes: int | Literal["auto"] | None) -> None:
@@ -297,7 +246,7 @@ class FSDPModule:
             raise ValueError(
                 f"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 (bytes), 'auto' or None, got {min_bucket_bytes!r}"
             )
-        _state(self).min_bucket_bytes = min_bucket_bytes or None
+        unit_state(self).min_bucket_bytes = min_bucket_bytes or None
 
     # --- communication customisation (stored here, run by fsdpfn.core.custom) --------------------------
     def set_custom_all_gather(self, comm: Any) -> None:
@@ -309,7 +258,7 @@ class FSDPModule:
             >>> model.layers[0].set_custom_all_gather(MyAllGather())   # doctest: +SKIP
         """
         check_all_gather(comm)
-        update_custom(_state(self), all_gather=comm)
+        update_custom(unit_state(self), all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """Reduce-scatter this module's gradients with ``comm`` (torch's ``ReduceScatter`` protocol):
@@ -320,7 +269,7 @@ class FSDPModule:
             >>> model.layers[0].set_custom_reduce_scatter(MyReduceScatter())   # doctest: +SKIP
         """
         check_reduce_scatter(comm)
-        update_custom(_state(self), reduce_scatter=comm)
+        update_custom(unit_state(self), reduce_scatter=comm)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Any = None) -> None:
         """Call ``hook(reduce_output)`` on this module's flat reduced gradient every time it is reduced:
@@ -331,7 +280,7 @@ class FSDPModule:
         Example:
             >>> model.layers[0].set_all_reduce_hook(my_all_reduce_over_my_group)   # doctest: +SKIP
         """
-        st = _state(self)
+        st = unit_state(self)
         if stream is not None and st.kind == "fully_shard" and len(st.placements) > 1:  # (Replicate(), Shard(0)): HSDP
             raise ValueError("stream cannot be set when using native HSDP")
         if hook is not None and not callable(hook):
@@ -345,7 +294,7 @@ class FSDPModule:
         (collective: call it on every rank)."""
         value = _check_bool(enable, "enable")
         for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
-            st = _state(m)
+            st = unit_state(m)
             st.separate_reduce_group = value
             (st.root.state if st.root is not None else st.top()).reduce_group_changed = True
 
@@ -354,7 +303,7 @@ class FSDPModule:
         allocate, so FSDP2 falls back to plain ``torch.empty``). On a CUDA mesh ``True`` raises
         ``NotImplementedError``: fsdpfn's buffers come from the caching allocator. Like FSDP2, refused
         (``AssertionError``) after ``set_custom_all_gather``/``set_custom_reduce_scatter``."""
-        st = _state(self)
+        st = unit_state(self)
         custom = st.custom
         if custom is not None and (custom.all_gather is not None or custom.reduce_scatter is not None):
             which = "all gather" if custom.all_gather is not None else "reduce scatter"
@@ -378,7 +327,7 @@ class FSDPModule:
     # --- nn.Module integration ----------------------------------------------------------------------
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # module.to(...) & co.: register the sharded parameters first, then follow the converted ones.
-        st = _state(self)
+        st = unit_state(self)
         if st.unsharded is not None:
             drop_unsharded(st)
         out = super()._apply(*args, **kwargs)  # type: ignore[misc]
@@ -432,7 +381,7 @@ def share_comm_ctx(modules: list[FSDPModule]) -> None:
             raise ValueError(f"Expects list of FSDPModules but got {module}")
     if not modules:
         return
-    tops = list({id(t): t for t in (_state(m).top() for m in modules)}.values())
+    tops = list({id(t): t for t in (unit_state(m).top() for m in modules)}.values())
     first = next((t.root.comm for t in tops if t.root is not None), None)
     box: list[Any] = [first]
     for top in tops:
