@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # What a session with a lent GPU runs for issue #16. The lease is 15 minutes of device time, the machine's
-# start (1-2 min) included, so everything runs in ONE device call of about 6 minutes (stage `all`); the
-# stages `tests`, `bench` and `compiled` are its parts, for a rerun of one. Logs and JSON land in $OUT (the device
+# start (1-2 min) included, so everything runs in ONE device call of about 7 minutes (stage `all`); the
+# stages `tests`, `bench`, `compiled` and `profile` are its parts, for a rerun of one. Logs and JSON land in $OUT (the device
 # tool brings back at most 8 files, 16 MiB each, so each stage writes few).
 #
 #   bash bench/gpu_session.sh all       # tests, bench, compiled, one after the other                  (~6 min)
 #   bash bench/gpu_session.sh tests     # CUDA tests (mutants too) || (gloo probe, both example trainings) (~2 min)
 #   bash bench/gpu_session.sh bench     # gpt1b at world 1 and in a fake world of 8 (traces), overhead  (~1.5 min)
 #   bash bench/gpu_session.sh compiled  # gpt1b's compiled blocks against torch's, world 1            (~3 min)
+#   bash bench/gpu_session.sh profile   # cProfile of compat / torch / functional steps, fake world of 8 (~1.5 min)
 #   bash bench/gpu_session.sh suite     # the CPU suite under the machine's torch (2.11), GPU hidden   (~4 min)
 #
 # Prepare once, here (the GPU machine has no optree and no internet):
@@ -44,7 +45,7 @@ tests_half() {
     # 2. which real collectives two ranks can run on one GPU (gloo on CUDA tensors)
     timeout 60 python3 bench/gpu_probe.py --json /tmp/probe.json 2>&1 | grep -v Warning | tail -12
     # 3. the example GPT trains on CUDA through both layers (the loss must fall as on CPU)
-    timeout 60 python3 examples/train.py --device cuda --steps 150 --no-progress --json "$OUT/train_functional.json" 2>&1 | tail -4
+    timeout 60 python3 examples/train.py --device cuda --steps 150 --no-progress --json /tmp/train_functional.json 2>&1 | tail -4
     timeout 90 python3 examples/train_compat.py --device cuda --steps 150 --mp --compare 2>&1 | tail -8
     wait "$tests_pid"; echo "tests exit $?"
     grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/tests.log" | tail -16
@@ -60,7 +61,15 @@ bench_half() {
         --json "$OUT/gpt1b_fake8.json" --trace /tmp/traces 2>&1 | grep -v Warning | tail -9
     # 5. per-unit CPU overhead where the GPU is fast: 48 small blocks, fake world of 8
     timeout 60 python3 bench/step.py --model overhead --fake-world 8 --steps 20 --json "$OUT/overhead_fake8.json" 2>&1 | grep -v Warning | tail -7
-    cp /tmp/traces/trace_functional*.json.gz "$OUT/" 2>/dev/null || true
+    tar czf "$OUT/traces.tgz" -C /tmp/traces . 2>/dev/null || true  # every variant's trace, one file
+}
+profile() {
+    # 7. where the host time of a fake-world step goes (compat was 1.10x torch there on the H200, 2026-11-25)
+    for v in compat torch functional; do
+        timeout 80 python3 bench/prof_step.py --model gpt1b --variant "$v" --device cuda --dtype bf16 --fake-world 8 \
+            --steps 5 --warmup 3 --sort tottime --top 25 2>&1 | grep -v Warning
+    done > "$OUT/profile.txt"
+    grep "ms/step" "$OUT/profile.txt"
 }
 compiled() {
     # 6. compiled blocks against torch's compiled blocks (torchtitan's recipe), gpt1b at world 1
@@ -78,10 +87,11 @@ case "$stage" in
 tests) tests_half ;;
 bench) bench_half ;;
 compiled) compiled ;;
+profile) profile ;;
 suite) suite ;;
 all) { cat "$OUT/device.txt"; tests_half; echo "--- tests half took ${SECONDS}s"; bench_half; echo "--- bench half: ${SECONDS}s";
-       compiled; echo "--- all took ${SECONDS}s"; } 2>&1 \
+       compiled; echo "--- compiled: ${SECONDS}s"; profile; echo "--- all took ${SECONDS}s"; } 2>&1 \
         | tee "$OUT/all.log"; rm -f "$OUT/device.txt" ;;  # 8 files at most come back: the log holds device.txt
 *)
-    echo "gpu_session.sh: stage must be 'all', 'tests', 'bench', 'compiled' or 'suite', got '$stage'"; exit 2 ;;
+    echo "gpu_session.sh: stage must be 'all', 'tests', 'bench', 'compiled', 'profile' or 'suite', got '$stage'"; exit 2 ;;
 esac
