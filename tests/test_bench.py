@@ -120,3 +120,17 @@ def test_gpu_session_script_parses_and_refuses_an_unknown_stage(tmp_path):
                           env={**os.environ, "OUT": str(tmp_path)})
     assert proc.returncode == 2 and "stage must be 'all', 'tests', 'bench', 'compiled', 'profile' or 'suite'" in proc.stdout
     assert (tmp_path / "device.txt").is_file()  # what ran where is recorded first
+
+
+@pytest.mark.parametrize("fake", [0, 4])
+def test_profile_script_runs_and_reports_its_step(fake):
+    # bench/prof_step.py, as the GPU session's 'profile' stage runs it (there on cuda, bf16), on a tiny model
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(ROOT / "bench" / "prof_step.py"), "--model", "gpt1b", "--tiny", "--variant", "compat",
+           "--dtype", "bf16", "--fake-world", str(fake), "--steps", "2", "--warmup", "1", "--top", "3", "--sort", "tottime"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    where = f"rank 0 of a fake world of {fake}" if fake else "world 1"
+    assert f"compat on gpt1b (cpu, bf16), {where}:" in proc.stdout and "ms/step plain" in proc.stdout, proc.stdout
+    assert "Ordered by: internal time" in proc.stdout
