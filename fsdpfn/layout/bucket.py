@@ -204,7 +204,10 @@ class BucketLayout:
             chunk, rows = spec.chunk, spec.rows
             if chunk == 0 or spec.row_numel == 0:
                 continue
-            src = full.reshape(*batch, 1) if not spec.shape else full.movedim(nb + spec.dim, nb)
+            src = full.reshape(*batch, 1) if not spec.shape else full.movedim(nb + spec.dim, nb) if spec.dim else full
+            if not nb and rows == self.world * chunk:  # no padding: one copy of the whole tensor, rank-major
+                seg.copy_(src.reshape(self.world, spec.padded_numel))
+                continue
             dst = seg.view(self.world, *batch, chunk, *spec.other_dims)
             q, rem = divmod(rows, chunk)
             if q:
@@ -274,7 +277,11 @@ class BucketLayout:
 def _full_view(buf: torch.Tensor, spec: ShardSpec, nb: int) -> torch.Tensor:
     """``buf`` is ``(*batch, world * padded_numel)`` in dim-major order; return the full tensor view."""
     batch = tuple(buf.shape[:nb])
-    rows_major = buf.view(*batch, spec.world * spec.chunk, *spec.other_dims).narrow(nb, 0, spec.rows)
+    padded_rows = spec.world * spec.chunk
+    rows_major = buf.view(*batch, padded_rows, *spec.other_dims)
+    # each view op costs ~1 us of host time per parameter per gather: skip the ones that change nothing
+    if spec.rows != padded_rows:
+        rows_major = rows_major.narrow(nb, 0, spec.rows)
     if not spec.shape:
         return rows_major.view(batch)
-    return rows_major.movedim(nb, nb + spec.dim)
+    return rows_major.movedim(nb, nb + spec.dim) if spec.dim else rows_major
