@@ -27,7 +27,7 @@ def agree(comm: Comm, value: int) -> bool:
         return True
     with comm.untracked():
         total = torch.tensor([value], dtype=torch.int64, device=comm.groups.device)
-        comm.all_reduce_sum(total, label="agree").wait()
+        comm.all_reduce_sum(total, label="fsdpfn:agreement between ranks").wait()
         same = torch.tensor([int(int(total.item()) == ranks * value)], dtype=torch.int64, device=comm.groups.device)
-        comm.all_reduce_sum(same, label="agree").wait()
+        comm.all_reduce_sum(same, label="fsdpfn:agreement between ranks").wait()
         return int(same.item()) == ranks

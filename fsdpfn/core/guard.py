@@ -39,6 +39,9 @@ __all__ = [
     "checking",
 ]
 
+# the label prefix of collectives that belong to fsdpfn itself (agreement, link probes), not to a unit
+INTERNAL = "fsdpfn:"
+
 # The debug switch, per thread: a rank may be a thread (PyTorch's threaded test group), and ranks must
 # switch at the same point of their own programs, never when another rank-thread does. A thread that
 # never set it follows, in turn, the thread that made the ``Comm`` (so CUDA autograd's worker threads
@@ -110,8 +113,10 @@ class Fingerprint:
     numel: int
 
     def describe(self) -> str:
-        """``#7 all_gather of unit 'blocks.1' (4096 x torch.float32)``."""
-        return f"#{self.seq} {self.kind} of unit {self.label or '<root>'!r} ({self.numel} x {self.dtype})"
+        """``#7 all_gather of unit 'blocks.1' (4096 x torch.float32)``; a label ``fsdpfn:<what>`` (a
+        collective of fsdpfn's own, not of a unit) reads ``#2 all_reduce of fsdpfn's <what> (...)``."""
+        what = f"fsdpfn's {self.label[len(INTERNAL):]}" if self.label.startswith(INTERNAL) else f"unit {self.label or '<root>'!r}"
+        return f"#{self.seq} {self.kind} of {what} ({self.numel} x {self.dtype})"
 
     def code(self) -> int:
         """A 63-bit summary of everything but the sequence number, for a cheap comparison."""

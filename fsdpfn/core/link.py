@@ -47,19 +47,19 @@ def _measure(comm: Comm, repeats: int) -> LinkCost:
     fastest = []
     for nbytes in (SMALL_BYTES, LARGE_BYTES):
         x = torch.zeros(nbytes // comm.world, dtype=torch.uint8, device=device)
-        comm.all_gather(x, label="link").wait()  # warm-up: first use of the group and the buffers
+        comm.all_gather(x, label="fsdpfn:link probe").wait()  # warm-up: first use of the group and the buffers
         samples = []
         for _ in range(repeats):
             if cuda:
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            comm.all_gather(x, label="link").wait()
+            comm.all_gather(x, label="fsdpfn:link probe").wait()
             if cuda:
                 torch.cuda.synchronize(device)
             samples.append(time.perf_counter() - start)
         fastest.append(min(samples))  # the least disturbed repetition: noise only ever adds time
     agreed = torch.tensor(fastest, dtype=torch.float64, device=device)
-    comm.all_reduce_sum(agreed, label="link").wait()
+    comm.all_reduce_sum(agreed, label="fsdpfn:link probe").wait()
     small, large = (agreed / comm.dp_world).tolist()
     bytes_per_s = (LARGE_BYTES - SMALL_BYTES) / max(large - small, 1e-9)
     return LinkCost(latency_s=max(small - SMALL_BYTES / bytes_per_s, 0.0), bytes_per_s=bytes_per_s)
