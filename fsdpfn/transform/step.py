@@ -31,6 +31,7 @@ def _torch_minor() -> tuple[int, int]:
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int(minor)
 
+
 # The unit hooks swap parameters in and out (Python side effects). Inside a checkpointed region dynamo
 # refuses side effects it could not replay when the region is recomputed in backward; ours need no
 # replay: the recompute is the graph's own (gathers included), never the Python hooks.
