@@ -10,7 +10,6 @@ torch's ``fully_shard`` in the same test):
 Reshard after forward on and off, fp32 and bf16 mixed precision, world sizes 1-3, each rank its own batch.
 """
 
-import copy
 
 import pytest
 import torch

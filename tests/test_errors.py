@@ -5,7 +5,6 @@ import pathlib
 import re
 from typing import NamedTuple
 
-import pytest
 import torch
 from torch import nn
 
