@@ -70,6 +70,10 @@ profile() {
             --steps 5 --warmup 3 --sort tottime --top 25 2>&1 | grep -v Warning
     done > "$OUT/profile.txt"
     grep "ms/step" "$OUT/profile.txt"
+    # the same step timed with torch and compat alone (on CPU, compat measured 1.00-1.02x torch alone and
+    # 1.06-1.08x beside functional and local: part of the 1.10x may be the company it is measured in)
+    timeout 100 python3 bench/step.py --model gpt1b --fake-world 8 --variants torch,compat --steps 8 --warmup 3 2>&1 \
+        | grep -v Warning | tail -3
 }
 compiled() {
     # 6. compiled blocks against torch's compiled blocks (torchtitan's recipe), gpt1b at world 1
