@@ -59,6 +59,10 @@ bench_half() {
         --json "$OUT/gpt1b_w1.json" --check 2>&1 | grep -v Warning | tail -9
     timeout 130 python3 bench/step.py --model gpt1b --fake-world 8 --steps 8 --warmup 3 \
         --json "$OUT/gpt1b_fake8.json" --trace /tmp/traces 2>&1 | grep -v Warning | tail -9
+    # 4b. the same fake world over an emulated link (bench/emulate_link.py: each collective first occupies its
+    #     stream for a ring's time at 100 GB/s + 20 us): how much of the communication each library hides
+    timeout 120 python3 bench/step.py --model gpt1b --fake-world 8 --emulate-link 100,20 --steps 8 --warmup 3 2>&1 \
+        | grep -v Warning | tail -6
     # 5. per-unit CPU overhead where the GPU is fast: 48 small blocks, fake world of 8
     timeout 60 python3 bench/step.py --model overhead --fake-world 8 --steps 20 --json "$OUT/overhead_fake8.json" 2>&1 | grep -v Warning | tail -7
     tar czf "$OUT/traces.tgz" -C /tmp/traces . 2>/dev/null || true  # every variant's trace, one file

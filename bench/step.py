@@ -50,6 +50,7 @@ import fsdpfn
 from bench_measure import add_ratios, format_table, peak_step, reduce_max, reduce_mean, summarize, sync, timed_replay, timed_step
 from bench_models import MODELS, count_params, make_batches, build_model, spec_for
 from bench_variants import ALL_VARIANTS, COMPILED, EXTRA, SHARDED, Functional, Variant, build_variant
+from emulate_link import LinkEmulator, parse_link
 
 REPLAYS = 5  # collective replays per sharded variant (median)
 THREAD_KINDS = ("main", "gloo", "other")  # bench_measure.thread_cpu's kinds
@@ -117,6 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run as rank 0 of a fake world of N ranks in this one process (torch's fake process group: "
                         "collectives are no-ops, so streams, events, memory and per-step overhead are real but the "
                         "losses are not; no reference, no --check)")
+    p.add_argument("--emulate-link", type=_link, default=None, metavar="GBPS[,LATENCY_US]",
+                   help="with --fake-world: each collective first occupies its stream as long as a ring over a link of "
+                        "GBPS GB/s and LATENCY_US us per collective would take (bench/emulate_link.py), so overlap shows")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="after the measured steps, profile 2 more steps of every variant (torch.profiler, CPU + CUDA) "
                         "into DIR/trace_<variant>.json.gz and record each side stream's overlap with compute")
@@ -137,6 +141,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--fake-world simulates the other ranks in one process: run it as plain python, not torchrun")
         if args.check:
             p.error("--check needs real collectives: under --fake-world they are no-ops and the losses are not comparable")
+    elif args.emulate_link:
+        p.error("--emulate-link needs --fake-world N: real collectives take their link's time already")
     return args
 
 
@@ -190,6 +196,13 @@ def _model_name(text: str) -> str:
     return text
 
 
+def _link(text: str) -> tuple[float, float]:
+    try:
+        return parse_link(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _bucket_bytes(text: str) -> int | str | None:
     """``--min-bucket-bytes``: an int, ``auto`` or ``none``."""
     if text in ("auto", "none"):
@@ -216,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = fsdpfn.init_mesh(device=device_type)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    link = LinkEmulator(*args.emulate_link, world=world, device=device).install() if args.emulate_link else None
     lead = rank == 0
     say = (lambda *a: print(*a, flush=True)) if lead else (lambda *a: None)
 
@@ -343,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "seed": args.seed,
         "reference_final_loss": ref_value,
+        "emulated_link": link.summary() if link is not None else None,
         "variants": ordered,
     }
     failures = []
