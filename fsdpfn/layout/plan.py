@@ -140,22 +140,27 @@ class ShardPlan:
             known = ", ".join(repr(g.name) for g in self.groups)
             raise KeyError(f"no collective group {name!r} in this plan; groups are {known}") from None
 
-    def regroup(self, min_bucket_bytes: int | None) -> None:
+    def regroup(self, min_bucket_bytes: int | None) -> bool:
         """Fuse the units again, into runs of at least ``min_bucket_bytes`` gathered bytes (``None``: one
         group per unit), in place (every tree holding this plan sees it) and forget what was derived from
         the old groups. Shards, specs and buckets do not change: only what travels in one collective. Every
         rank must regroup alike, before a call starts (``fsdp`` does it on its first call, when
-        ``min_bucket_bytes="auto"``).
+        ``min_bucket_bytes="auto"``). Returns whether the groups changed: when they would not, the plan is
+        left exactly as it was (``bucket_bytes`` and what was derived from its groups included).
 
         Example:
             >>> infos = [ParamInfo(f"b{i}.w", (4, 4), torch.float32, True, f"b{i}") for i in range(4)]
             >>> plan = build_plan(infos, [], [f"b{i}" for i in range(4)], rank=0, world=2)
-            >>> plan.regroup(65); [g.name for g in plan.groups]   # 64 bytes each: two per group
-            ['b0+b1', 'b2+b3']
+            >>> plan.regroup(65), [g.name for g in plan.groups]   # 64 bytes each: two per group
+            (True, ['b0+b1', 'b2+b3'])
+            >>> plan.regroup(100)                                 # the same groups
+            False
         """
         if min_bucket_bytes is not None and not is_byte_count(min_bucket_bytes):
             raise ValueError(f"regroup: min_bucket_bytes must be an int >= 0 (bytes) or None, got {min_bucket_bytes!r}")
         groups = fuse_units(self.units, self.specs, self.world, min_bucket_bytes) if min_bucket_bytes else self.units
+        if [g.name for g in groups] == [g.name for g in self.groups]:
+            return False
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "group_of", {u: g.name for g in groups for u in g.name.split(FUSED)})
         object.__setattr__(self, "bucket_bytes", min_bucket_bytes or None)
@@ -163,6 +168,7 @@ class ShardPlan:
         self._by_group.update({g.name: g for g in groups})
         for key in [k for k in self.memo if k[0] not in _PLAN_STATE]:
             del self.memo[key]  # derived from the old groups (collectives, schedules, members, orders)
+        return True
 
     def members(self, group: str) -> tuple[str, ...]:
         """The unit names fused into group ``group`` (just ``(group,)`` for an unfused unit)."""

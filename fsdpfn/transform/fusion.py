@@ -23,7 +23,7 @@ from torch import nn
 
 from fsdpfn.core import agree
 from fsdpfn.layout import ShardPlan
-from fsdpfn.layout.plan import OPTIMIZER_MEMO, fuse_units
+from fsdpfn.layout.plan import OPTIMIZER_MEMO
 from fsdpfn.memory.fuse import first_call_fuses, fuse_within
 
 __all__ = ["plan_fusion"]
@@ -61,10 +61,5 @@ def plan_fusion(
             threshold = choice.min_bucket_bytes or 0
         except Exception:  # a forward fake tensors cannot run: every rank learns it below
             pass
-    if agree(plan.comm, threshold) and threshold >= 0 and [g.name for g in plan.groups] != _grouped(plan, threshold):
-        plan.regroup(threshold or None)
-
-
-def _grouped(plan: ShardPlan, threshold: int) -> list[str]:
-    groups = fuse_units(plan.units, plan.specs, plan.world, threshold) if threshold else plan.units
-    return [g.name for g in groups]
+    if agree(plan.comm, threshold) and threshold >= 0:
+        plan.regroup(threshold or None)  # a no-op where shard's groups are already the choice
