@@ -325,12 +325,9 @@ def _fusion(base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, d
     x, y = make_batches(spec, 0, 1, [0], device)[0][0]
     mp = fsdpfn.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else None
     meta, units = copy.deepcopy(base).to("meta"), [f"blocks.{i}" for i in range(len(base.blocks))]  # type: ignore[arg-type]
-    opts = dict(units=units, mp_policy=mp, loss_fn=lambda out: loss_fn(spec, out, y.to(out.device)), device=device)
     # memory traded for speed: up to torch's peak with foreach AdamW (sqrt(v) of every trainable shard)
-    step = fsdpfn.memory.estimate(meta, mesh.size(), x, min_bucket_bytes=None, **opts)  # type: ignore[union-attr]
-    opt = step.phases["optimizer step"]
-    budget = max(step.peak, opt.total - opt.temporaries + opt.gradients)
-    return fsdpfn.memory.fuse_within(meta, mesh.size(), x, budget=budget, **opts)
+    return fsdpfn.memory.fuse_within(meta, mesh.size(), x, units=units, mp_policy=mp, torch_foreach=True,  # type: ignore[union-attr]
+                                     loss_fn=lambda out: loss_fn(spec, out, y.to(out.device)), device=device)
 
 
 class FunctionalFused(Functional):

@@ -156,6 +156,10 @@ def test_fuse_within_fuses_the_most_units_per_group_under_the_budget(data, world
     choice = fsdpfn.memory.fuse_within(recipe.build(), world, x, units=units, optimizer=optimizer, budget=budget)
     limit = torch_peak if budget is None else budget
     assert choice.budget == limit
+    if budget is None:  # torch's AdamW built foreach (CUDA's default): sqrt(v) of every trainable shard at once
+        foreach = fsdpfn.memory.fuse_within(recipe.build(), world, x, units=units, optimizer=optimizer, torch_foreach=True)
+        scratch = step.gradients if optimizer == "adamw" else 0
+        assert foreach.budget == max(base.peak, step.total - step.temporaries + scratch)
     k = choice.units_per_group
     assert 1 <= k <= max(1, len(units) // 2)
     if k == 1:

@@ -63,13 +63,17 @@ def fuse_within(
     *,
     units: Units = None,
     budget: int | None = None,
+    torch_foreach: bool | None = None,
     **options: Any,
 ) -> FusionChoice:
     """The largest fusion of consecutive units whose step ``fsdpfn.memory.estimate`` keeps at or under
     ``budget`` bytes per rank (default: the peak torch's ``fully_shard`` reaches on the same step, see the
     module's docstring). ``model``, ``world``, ``batch``, ``units`` and ``options`` (``optimizer``,
     ``mp_policy``, ``prefetch``, ``loss_fn``, ``device``, ...) are ``estimate``'s; pass ``optimizer`` as the
-    step really uses (``"adamw"`` by default). Give the result's ``min_bucket_bytes`` to ``shard``:
+    step really uses (``"adamw"`` by default). ``torch_foreach`` says how the default budget's torch AdamW is
+    built: ``None`` as torch does by default on the device (the for-loop kernel on CPU, foreach elsewhere),
+    ``True`` foreach (``sqrt(v)`` of every trainable shard at once), ``False`` the for-loop. Give the
+    result's ``min_bucket_bytes`` to ``shard``:
 
     Example:
         >>> import torch
@@ -100,10 +104,12 @@ def fuse_within(
         step = base.phases["optimizer step"]
         optimizer = options.get("optimizer", "adamw")
         _, scratch = OPTIMIZERS["none" if optimizer is None else optimizer]  # estimate has checked the name
-        device = torch.device(options["device"]) if options.get("device") is not None else _device_of(model)
+        if torch_foreach is None:  # torch's default: the for-loop kernel on CPU, foreach elsewhere
+            device = torch.device(options["device"]) if options.get("device") is not None else _device_of(model)
+            torch_foreach = device.type != "cpu"
         if not scratch:
             torch_scratch = 0
-        elif device.type == "cpu":  # torch's default there is the for-loop kernel: sqrt(v) and its quotient
+        elif not torch_foreach:  # the for-loop kernel: sqrt(v) and its quotient, one parameter at a time
             torch_scratch = 2 * max((-(-p.numel() // world) * p.element_size() for p in model.parameters() if p.requires_grad), default=0)
         else:  # foreach (FSDP2's DTensors included): sqrt(v) of every trainable shard at once
             torch_scratch = step.gradients
