@@ -17,9 +17,14 @@ MEASURED_KEYS = {"step_s", "step_s_min", "step_s_max", "peak_mib", "final_loss"}
 SHARDED_KEYS = {"comm_s", "step_vs_torch", "peak_vs_torch", "step_vs_floor", "collectives"}
 
 
+def _env() -> dict[str, str]:
+    """This environment without torchrun's rank variables: a child process starts a world of its own."""
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+
 def _run(tmp_path: pathlib.Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "out.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = _env()
     cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--model", "overhead", "--tiny", "--steps", "2",
            "--warmup", "1", "--device", "cpu", "--json", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
@@ -125,7 +130,7 @@ def test_gpu_session_script_parses_and_refuses_an_unknown_stage(tmp_path):
 @pytest.mark.parametrize("fake", [0, 4])
 def test_profile_script_runs_and_reports_its_step(fake):
     # bench/prof_step.py, as the GPU session's 'profile' stage runs it (there on cuda, bf16), on a tiny model
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, str(ROOT / "bench" / "prof_step.py"), "--model", "gpt1b", "--tiny", "--variant", "compat",
            "--dtype", "bf16", "--fake-world", str(fake), "--steps", "2", "--warmup", "1", "--top", "3", "--sort", "tottime"]
@@ -158,7 +163,7 @@ def test_emulated_link_refuses_a_bad_link(bad):
 
 
 def test_emulated_link_refuses_a_real_world():
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = _env()
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step.py"), "--model", "overhead", "--tiny", "--device", "cpu",
                            "--emulate-link", "1"], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert proc.returncode == 2 and "--emulate-link needs --fake-world" in proc.stderr

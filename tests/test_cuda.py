@@ -24,10 +24,15 @@ FAKE = ["fake_gather_waits_for_inputs", "fake_result_waits_for_gather", "fake_re
 NO_GPU = "CUDA path: needs a GPU (run on the lent GPU machine: bench/gpu_session.sh)"
 
 
+
+def _env() -> dict[str, str]:
+    """This environment without torchrun's rank variables: a child process starts a world of its own."""
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+
 def _run(*checks: str, **env: str) -> None:
-    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *checks], capture_output=True, text=True, timeout=900, env={**clean, **env}
+        [sys.executable, str(SCRIPT), *checks], capture_output=True, text=True, timeout=900, env={**_env(), **env}
     )
     if proc.returncode == 3 and "unsupported" in proc.stdout:  # this torch's gloo lacks a collective on CUDA tensors
         pytest.skip(proc.stdout.strip().splitlines()[-1])
@@ -47,9 +52,8 @@ def test_cuda(check):
 def test_cuda_stream_check_catches_its_mutant(check):
     # the core without the wait (or the kept input) that this check guards: the check must fail, with
     # its own assertion (wrong numbers), not a crash
-    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(SCRIPT), check], capture_output=True, text=True, timeout=300,
-                          env={**clean, "FSDPFN_MUTANT": check})
+                          env={**_env(), "FSDPFN_MUTANT": check})
     assert proc.returncode != 0 and f"{check}: ok" not in proc.stdout, f"{check} passed without its ordering"
     assert "AssertionError" in proc.stderr, proc.stderr[-4000:]
 
