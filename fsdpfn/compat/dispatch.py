@@ -18,7 +18,7 @@ from torch import nn
 
 from fsdpfn.compat.root import RootContext
 from fsdpfn.compat.state import UnitState, state_of
-from fsdpfn.transform.eager import eager
+from fsdpfn.transform.eager import eager, in_backward
 
 __all__ = ["dispatch", "unit_state"]
 
@@ -66,7 +66,7 @@ def _entry(module: nn.Module, st: UnitState) -> tuple[RootContext | None, bool]:
     ctx = st.root
     if ctx is not None:
         ctx.close_stale()  # an earlier compiled forward that raised
-        if not ctx.running and torch._C._current_graph_task_id() != -1:
+        if not ctx.running and in_backward():
             return None, False
     ctx = ctx if ctx is not None else RootContext(module, st)
     return ctx, not ctx.running

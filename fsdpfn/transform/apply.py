@@ -23,12 +23,12 @@ from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import reduce_scale
 from fsdpfn.transform.call import Call, OpenCall
 from fsdpfn.transform.casting import cast_inputs, cast_output
-from fsdpfn.transform.eager import caller_frame, eager, on_stack, under_compile
+from fsdpfn.transform.eager import caller_frame, eager, functorch_active, in_backward, on_stack, under_compile
 from fsdpfn.transform.fusion import plan_fusion
 from fsdpfn.transform.recompute import BackwardSwaps
 from fsdpfn.transform.remat import override_forwards
 from fsdpfn.transform.traced import run_traced
-from fsdpfn.transform.unit_hooks import Swap, UnitHooks, functorch_active, in_backward
+from fsdpfn.transform.unit_hooks import Swap, UnitHooks
 from fsdpfn.transform.validate import check_module
 
 __all__ = ["Apply", "fsdp"]

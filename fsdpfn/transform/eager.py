@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["REASON", "caller_frame", "eager", "on_stack", "stable_graph_choice", "under_compile"]
+__all__ = ["REASON", "caller_frame", "eager", "functorch_active", "in_backward", "on_stack", "stable_graph_choice", "under_compile"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,6 +37,26 @@ def eager(fn: F) -> F:
     if _HAS_REASON:
         return torch.compiler.disable(fn, reason=REASON)  # type: ignore[return-value]
     return torch.compiler.disable(fn)  # type: ignore[return-value]  # pragma: no cover - torch without reason=
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform is running.
+
+    Example:
+        >>> functorch_active()
+        False
+    """
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread.
+
+    Example:
+        >>> in_backward()
+        False
+    """
+    return torch._C._current_graph_task_id() != -1
 
 
 def under_compile() -> bool:

@@ -29,10 +29,6 @@ if TYPE_CHECKING:
 __all__ = ["BackwardSwaps"]
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 class BackwardSwaps:
     """The backward-time swaps of one ``Apply``: which call's values sit in which unit's slots."""
 

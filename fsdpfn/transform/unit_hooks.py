@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.transform.casting import cast_inputs, cast_output
-from fsdpfn.transform.eager import eager, stable_graph_choice
+from fsdpfn.transform.eager import eager, functorch_active, in_backward, stable_graph_choice
 from fsdpfn.transform.traced import enter_unit, exit_unit
 
 if TYPE_CHECKING:
@@ -26,19 +26,9 @@ if TYPE_CHECKING:
     from fsdpfn.transform.call import Call, OpenCall
     from fsdpfn.transform.recompute import BackwardSwaps
 
-__all__ = ["Swap", "UnitHooks", "functorch_active", "in_backward"]
+__all__ = ["Swap", "UnitHooks"]
 
 Swap = list[tuple[dict[str, Any], str, Any]]  # (table, name, old value) per swapped entry: the undo list
-
-
-def functorch_active() -> bool:
-    """Whether a ``torch.func`` transform is running."""
-    return torch._C._functorch.maybe_current_level() is not None
-
-
-def in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class UnitHooks:
