@@ -32,6 +32,7 @@ export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}  # the checkout its
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"
     git log --oneline -1 2>/dev/null || true
+    echo "compute-sanitizer: $(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null || echo none)"
 } > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
 
@@ -39,7 +40,7 @@ tests_half() {
     # 1. every CUDA test (tests/test_cuda.py runs tests/scripts/cuda_checks.py, each check in a fresh process)
     #    and the core's, in the background: the probe and the trainings share the GPU meanwhile (their
     #    speed is not measured; the bench half runs alone)
-    FSDPFN_EXAMPLES=${FSDPFN_EXAMPLES:-12} timeout 200 python3 -m pytest -v -rs -p no:cacheprovider \
+    FSDPFN_EXAMPLES=${FSDPFN_EXAMPLES:-12} timeout 260 python3 -m pytest -v -rs -p no:cacheprovider \
         tests/test_cuda.py "tests/test_core.py::test_cuda_gather_and_reduce_world_one" > "$OUT/tests.log" 2>&1 &
     local tests_pid=$!
     # 2. which real collectives two ranks can run on one GPU (gloo on CUDA tensors)

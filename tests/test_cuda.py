@@ -20,7 +20,10 @@ import torch
 
 SCRIPT = pathlib.Path(__file__).resolve().parent / "scripts" / "cuda_checks.py"
 WORLD1 = ["step_world1", "mixed_precision_world1", "checkpoint_world1", "compat_world1", "gloo_world2_step"]
-FAKE = ["fake_gather_waits_for_inputs", "fake_result_waits_for_gather", "fake_reduce_keeps_its_input", "fake_step_memory"]
+FAKE = [
+    "fake_gather_waits_for_inputs", "fake_result_waits_for_gather", "fake_reduce_keeps_its_input",
+    "fake_bucket_pack_waits_for_shards", "fake_bucket_pack_keeps_its_shards", "fake_step_memory",
+]  # fmt: skip
 NO_GPU = "CUDA path: needs a GPU (run on the lent GPU machine: bench/gpu_session.sh)"
 
 
@@ -48,7 +51,7 @@ def test_cuda(check):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
-@pytest.mark.parametrize("check", FAKE[:3])
+@pytest.mark.parametrize("check", FAKE[:5])
 def test_cuda_stream_check_catches_its_mutant(check):
     # the core without the wait (or the kept input) that this check guards: the check must fail, with
     # its own assertion (wrong numbers), not a crash
@@ -74,4 +77,4 @@ def test_the_script_names_its_checks_and_refuses_unknown_ones():
         cuda_checks.main(["no_such_check"])
     with pytest.raises(SystemExit, match="run it alone"):
         cuda_checks.main(["step_world1", FAKE[0]])
-    assert list(cuda_checks.MUTANTS) == FAKE[:3]
+    assert list(cuda_checks.MUTANTS) == FAKE[:5]

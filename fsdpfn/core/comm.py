@@ -255,8 +255,20 @@ class Comm:
         ``Handle.direct`` says which."""
         groups = self.groups
         if not self.direct(layout) or any(t is None for t in shards) or (custom is not None and custom.gathers):
-            flat = layout.pack_shards(shards, groups.rank, device=groups.device)
-            return self.all_gather(flat, label=label, custom=custom)
+            if groups.device_type != "cuda" or groups.world == 1:
+                flat = layout.pack_shards(shards, groups.rank, device=groups.device)
+                return self.all_gather(flat, label=label, custom=custom)
+            # CUDA: the copy-in (and its cast) runs on the gather stream, off the compute stream, like the
+            # collective after it. The buffer is allocated on the current stream, which frees it after
+            # waiting for the gather (no record_stream); the shards are kept as long as the buffer.
+            flat = torch.empty(layout.numel, dtype=layout.dtype, device=groups.device)
+            stream = self._stream("gather")
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                layout.pack_shards(shards, groups.rank, out=flat)
+            handle = self.all_gather(flat, label=label, custom=custom)
+            handle.keep_also(tuple(shards))
+            return handle
         buf = torch.empty(layout.full_numel, dtype=layout.dtype, device=groups.device)
         self.stats.track(buf)
         self.stats._note("all_gathers", label, layout.numel * groups.world * layout.dtype.itemsize)

@@ -54,6 +54,11 @@ class Handle:
             self._keep = ()
         return self._result
 
+    def keep_also(self, tensors: tuple) -> None:
+        """Keep ``tensors`` alive until ``wait()`` as well: side-stream work of this collective reads them."""
+        if not self._done:
+            self._keep = (*self._keep, *tensors)
+
     def peek(self) -> torch.Tensor:
         """The buffer the result will be in, before ``wait()`` (only for collectives whose finishing
         step works in place, such as ``reduce_scatter``): read it only after ``wait()``."""

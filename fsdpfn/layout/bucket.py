@@ -114,16 +114,21 @@ class BucketLayout:
         *,
         batch: tuple[int, ...] = (),
         device: torch.device | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Copy unpadded local shards (cast to ``dtype``) into a new zero-padded ``(*batch, numel)`` buffer.
+        """Copy unpadded local shards (cast to ``dtype``) into a new zero-padded ``(*batch, numel)`` buffer
+        (or into ``out``, of that shape and ``dtype``, which is returned).
 
         A ``None`` shard counts as zeros."""
         self._check_count(shards)
         nb = len(batch)
-        if device is None:
-            device = next((s.device for s in shards if s is not None), torch.device("cpu"))
-        # every element is written below (copies, then zeros for padding and None), so no zero-fill
-        out = torch.empty(*batch, self.numel, dtype=self.dtype, device=device)
+        if out is None:
+            if device is None:
+                device = next((s.device for s in shards if s is not None), torch.device("cpu"))
+            # every element is written below (copies, then zeros for padding and None), so no zero-fill
+            out = torch.empty(*batch, self.numel, dtype=self.dtype, device=device)
+        elif tuple(out.shape) != (*batch, self.numel) or out.dtype != self.dtype:
+            raise ValueError(f"pack_shards: out is {tuple(out.shape)} {out.dtype}, expected {(*batch, self.numel)} {self.dtype}")
         dsts, srcs = [], []
         for (fqn, off, padded, rows, n, local, view, dim), shard in zip(self._members(rank), shards):
             real = n if shard is not None else 0

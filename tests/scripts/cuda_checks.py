@@ -326,6 +326,57 @@ def fake_reduce_keeps_its_input() -> None:
     assert torch.all(out == float(world)), f"the reduction read a buffer reused before it was done: {out.unique()[:8]}"
 
 
+def _bucket(world: int, n: int):
+    """A bucket of two fp32 shards gathered in bf16 (the copy-in casts), and those shards on rank 0."""
+    from fsdpfn.layout.bucket import BucketLayout
+
+    specs = (fsdpfn.ShardSpec((world * n, 64), world), fsdpfn.ShardSpec((world * n,), world))
+    layout = BucketLayout.build(("w", "b"), specs, torch.bfloat16)
+    return layout, [torch.zeros(n, 64, device="cuda"), torch.zeros(n, device="cuda")]
+
+
+def fake_bucket_pack_waits_for_shards() -> None:
+    """A bucket's copy-in runs on the gather stream (off the compute stream): it starts only after the
+    current stream's pending writes to the shards."""
+    from fsdpfn.core.comm import Comm
+    from fsdpfn.core.custom import CustomComms
+
+    world = 4
+    comm = Comm(_fake(world))
+    layout, shards = _bucket(world, 1 << 12)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN)  # the current stream is busy ...
+    for s in shards:
+        s.fill_(3.0)  # ... so these writes are still pending when the copy-in is queued
+    out = comm.gather_bucket(layout, shards, custom=CustomComms(all_gather=_SlowGather(world, 0))).wait()
+    torch.cuda.synchronize()
+    assert torch.all(out == 3.0), f"the copy-in read the shards before the writes ordered before it: {out.unique()[:8]}"
+
+
+def fake_bucket_pack_keeps_its_shards() -> None:
+    """The shards a bucket's copy-in reads on the gather stream live until it has read them: dropped at
+    launch, their blocks go back to the caching allocator, and the current stream overwrites them while
+    the gather stream is still busy."""
+    from fsdpfn.core.comm import Comm
+    from fsdpfn.core.custom import CustomComms
+
+    world = 4
+    comm = Comm(_fake(world))
+    layout, shards = _bucket(world, 1 << 12)
+    for s in shards:
+        s.fill_(3.0)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(comm._stream("gather")):
+        torch.cuda._sleep(SPIN)  # the gather stream is busy, so the copy-in waits behind this
+    handle = comm.gather_bucket(layout, shards, custom=CustomComms(all_gather=_SlowGather(world, 0)))
+    del shards
+    junk = [torch.full((1 << 18,), 1e6, device="cuda") for _ in range(8)]  # would take the freed blocks
+    out = handle.wait().clone()
+    torch.cuda.synchronize()
+    del junk
+    assert torch.all(out == 3.0), f"the copy-in read shards freed before it was done: {out.unique()[:8]}"
+
+
 def fake_step_memory() -> None:
     """A fake world of 8 on one GPU: after ``shard`` a rank holds an eighth of the parameters; steps with
     prefetch 1 and 2 leave no growing residue (every gathered buffer and reduction input is released)."""
@@ -357,7 +408,8 @@ def fake_step_memory() -> None:
 
 CHECKS = {f.__name__: f for f in (
     step_world1, mixed_precision_world1, checkpoint_world1, compat_world1, gloo_world2_step,
-    fake_gather_waits_for_inputs, fake_result_waits_for_gather, fake_reduce_keeps_its_input, fake_step_memory,
+    fake_gather_waits_for_inputs, fake_result_waits_for_gather, fake_reduce_keeps_its_input,
+    fake_bucket_pack_waits_for_shards, fake_bucket_pack_keeps_its_shards, fake_step_memory,
 )}  # fmt: skip
 
 
@@ -385,11 +437,20 @@ def _inputs_dropped_at_launch() -> None:
     handle.Handle.__init__ = without_keep
 
 
+def _shards_dropped_at_launch() -> None:
+    """A bucket's handle no longer keeps the shards its copy-in reads on the gather stream."""
+    from fsdpfn.core import handle
+
+    handle.Handle.keep_also = lambda self, tensors: None
+
+
 # check -> the mutation it must catch (run by tests/test_cuda.py with FSDPFN_MUTANT=<check>)
 MUTANTS = {
     "fake_gather_waits_for_inputs": _no_wait_stream,
     "fake_result_waits_for_gather": _no_wait_event,
     "fake_reduce_keeps_its_input": _inputs_dropped_at_launch,
+    "fake_bucket_pack_waits_for_shards": _no_wait_stream,
+    "fake_bucket_pack_keeps_its_shards": _shards_dropped_at_launch,
 }
 
 
