@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh bench     # gpt1b at world 1 and in a fake world of 8 (traces), overhead  (~1.5 min)
 #   bash bench/gpu_session.sh compiled  # gpt1b's compiled blocks against torch's, world 1            (~3 min)
 #   bash bench/gpu_session.sh profile   # cProfile of compat / torch / functional steps, fake world of 8 (~1.5 min)
+#   bash bench/gpu_session.sh streams   # the stream checks and their mutants alone                      (~2 min)
 #   bash bench/gpu_session.sh suite     # the CPU suite under the machine's torch (2.11), GPU hidden   (~4 min)
 #
 # Prepare once, here (the GPU machine has no optree and no internet):
@@ -85,6 +86,11 @@ compiled() {
     timeout 200 python3 bench/step.py --model gpt1b --compile --variants torch_compiled,functional_compiled,compat_compiled \
         --steps 8 --warmup 3 --json "$OUT/gpt1b_compiled.json" 2>&1 | grep -v Warning | tail -7
 }
+streams() {
+    # the stream checks and their mutants alone (each check must pass, each mutant must fail): ~2 min
+    timeout 200 python3 -m pytest -v -rs -p no:cacheprovider tests/test_cuda.py -k "fake_ and not memory" 2>&1 \
+        | tee "$OUT/streams.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | tail -24
+}
 suite() {
     # the CPU suite under this machine's torch (2.11, the oldest supported; CI has 2.13) on its many cores
     # (pytest-xdist is there), GPU hidden: ~4 minutes
@@ -97,10 +103,11 @@ tests) tests_half ;;
 bench) bench_half ;;
 compiled) compiled ;;
 profile) profile ;;
+streams) streams ;;
 suite) suite ;;
 all) { cat "$OUT/device.txt"; tests_half; echo "--- tests half took ${SECONDS}s"; bench_half; echo "--- bench half: ${SECONDS}s";
        compiled; echo "--- compiled: ${SECONDS}s"; profile; echo "--- all took ${SECONDS}s"; } 2>&1 \
         | tee "$OUT/all.log"; rm -f "$OUT/device.txt" ;;  # 8 files at most come back: the log holds device.txt
 *)
-    echo "gpu_session.sh: stage must be 'all', 'tests', 'bench', 'compiled', 'profile' or 'suite', got '$stage'"; exit 2 ;;
+    echo "gpu_session.sh: stage must be 'all', 'tests', 'bench', 'compiled', 'profile', 'streams' or 'suite', got '$stage'"; exit 2 ;;
 esac

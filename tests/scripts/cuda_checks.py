@@ -274,56 +274,71 @@ class _SlowReduce:
         output_tensor.copy_(total)
 
 
-def fake_gather_waits_for_inputs() -> None:
-    """The side stream starts the all-gather only after the current stream's pending writes to its input."""
+def _twice(check):
+    """Run ``check(comm, spin)`` in a fake world of 4, first without the spin, then with it. The first pass
+    loads every kernel the check uses: CUDA loads kernels lazily, and loading one waits for the whole
+    device, which would order the streams by itself and hide the very race the second pass looks for."""
     from fsdpfn.core.comm import Comm
+
+    comm = Comm(_fake(4))
+    for spin in (0, SPIN):
+        check(comm, spin)
+
+
+def _gather_waits_for_inputs(comm, spin: int) -> None:
     from fsdpfn.core.custom import CustomComms
 
-    world = 4
-    comm = Comm(_fake(world))
     x = torch.zeros(1 << 16, device="cuda")
     torch.cuda.synchronize()
-    torch.cuda._sleep(SPIN)  # the current stream is busy ...
+    torch.cuda._sleep(spin)  # the current stream is busy ...
     x.fill_(3.0)  # ... so this write is still pending when the gather launches
-    out = comm.all_gather(x, custom=CustomComms(all_gather=_SlowGather(world, 0))).wait()
+    out = comm.all_gather(x, custom=CustomComms(all_gather=_SlowGather(comm.groups.world, 0))).wait()
     torch.cuda.synchronize()
     assert torch.all(out == 3.0), f"the gather read its input before the write ordered before it: {out.unique()[:8]}"
 
 
-def fake_result_waits_for_gather() -> None:
-    """``Handle.wait()`` orders the current stream after the side stream's collective: a read right after
-    it sees the gathered values although the side stream is still spinning when the read is queued."""
-    from fsdpfn.core.comm import Comm
+def fake_gather_waits_for_inputs() -> None:
+    """The side stream starts the all-gather only after the current stream's pending writes to its input."""
+    _twice(_gather_waits_for_inputs)
+
+
+def _result_waits_for_gather(comm, spin: int) -> None:
     from fsdpfn.core.custom import CustomComms
 
-    world = 4
-    comm = Comm(_fake(world))
     x = torch.full((1 << 16,), 5.0, device="cuda")
     torch.cuda.synchronize()
-    handle = comm.all_gather(x, custom=CustomComms(all_gather=_SlowGather(world, SPIN)))
+    handle = comm.all_gather(x, custom=CustomComms(all_gather=_SlowGather(comm.groups.world, spin)))
     seen = handle.wait().clone()  # queued on the current stream
     torch.cuda.synchronize()
     assert torch.all(seen == 5.0), f"the current stream read the result before the gather wrote it: {seen.unique()[:8]}"
 
 
-def fake_reduce_keeps_its_input() -> None:
-    """The reduction's input lives until the side stream has read it: freeing it at launch would let the
-    caching allocator hand its block to the current stream, which overwrites it while the side stream
-    still spins (no ``record_stream`` is used; the handle keeps the buffer until ``wait``)."""
-    from fsdpfn.core.comm import Comm
+def fake_result_waits_for_gather() -> None:
+    """``Handle.wait()`` orders the current stream after the side stream's collective: a read right after
+    it sees the gathered values although the side stream is still spinning when the read is queued."""
+    _twice(_result_waits_for_gather)
+
+
+def _reduce_keeps_its_input(comm, spin: int) -> None:
     from fsdpfn.core.custom import CustomComms
 
-    world, n = 4, 1 << 16
-    comm = Comm(_fake(world))
+    world, n = comm.groups.world, 1 << 16
     full = torch.ones(world, n, device="cuda")
     torch.cuda.synchronize()
-    handle = comm.reduce_scatter(full, custom=CustomComms(reduce_scatter=_SlowReduce(world, SPIN)), scale=1.0)
+    handle = comm.reduce_scatter(full, custom=CustomComms(reduce_scatter=_SlowReduce(world, spin)), scale=1.0)
     del full
     junk = [torch.full((world * n,), 1e6, device="cuda") for _ in range(4)]  # would take a freed block
     out = handle.wait().clone()
     torch.cuda.synchronize()
     del junk
     assert torch.all(out == float(world)), f"the reduction read a buffer reused before it was done: {out.unique()[:8]}"
+
+
+def fake_reduce_keeps_its_input() -> None:
+    """The reduction's input lives until the side stream has read it: freeing it at launch would let the
+    caching allocator hand its block to the current stream, which overwrites it while the side stream
+    still spins (no ``record_stream`` is used; the handle keeps the buffer until ``wait``)."""
+    _twice(_reduce_keeps_its_input)
 
 
 def _bucket(world: int, n: int):
@@ -335,46 +350,48 @@ def _bucket(world: int, n: int):
     return layout, [torch.zeros(n, 64, device="cuda"), torch.zeros(n, device="cuda")]
 
 
-def fake_bucket_pack_waits_for_shards() -> None:
-    """A bucket's copy-in runs on the gather stream (off the compute stream): it starts only after the
-    current stream's pending writes to the shards."""
-    from fsdpfn.core.comm import Comm
+def _bucket_pack_waits_for_shards(comm, spin: int) -> None:
     from fsdpfn.core.custom import CustomComms
 
-    world = 4
-    comm = Comm(_fake(world))
-    layout, shards = _bucket(world, 1 << 12)
+    layout, shards = _bucket(comm.groups.world, 1 << 12)
     torch.cuda.synchronize()
-    torch.cuda._sleep(SPIN)  # the current stream is busy ...
+    torch.cuda._sleep(spin)  # the current stream is busy ...
     for s in shards:
         s.fill_(3.0)  # ... so these writes are still pending when the copy-in is queued
-    out = comm.gather_bucket(layout, shards, custom=CustomComms(all_gather=_SlowGather(world, 0))).wait()
+    out = comm.gather_bucket(layout, shards, custom=CustomComms(all_gather=_SlowGather(comm.groups.world, 0))).wait()
     torch.cuda.synchronize()
     assert torch.all(out == 3.0), f"the copy-in read the shards before the writes ordered before it: {out.unique()[:8]}"
 
 
-def fake_bucket_pack_keeps_its_shards() -> None:
-    """The shards a bucket's copy-in reads on the gather stream live until it has read them: dropped at
-    launch, their blocks go back to the caching allocator, and the current stream overwrites them while
-    the gather stream is still busy."""
-    from fsdpfn.core.comm import Comm
+def fake_bucket_pack_waits_for_shards() -> None:
+    """A bucket's copy-in runs on the gather stream (off the compute stream): it starts only after the
+    current stream's pending writes to the shards."""
+    _twice(_bucket_pack_waits_for_shards)
+
+
+def _bucket_pack_keeps_its_shards(comm, spin: int) -> None:
     from fsdpfn.core.custom import CustomComms
 
-    world = 4
-    comm = Comm(_fake(world))
-    layout, shards = _bucket(world, 1 << 12)
+    layout, shards = _bucket(comm.groups.world, 1 << 12)
     for s in shards:
         s.fill_(3.0)
     torch.cuda.synchronize()
     with torch.cuda.stream(comm._stream("gather")):
-        torch.cuda._sleep(SPIN)  # the gather stream is busy, so the copy-in waits behind this
-    handle = comm.gather_bucket(layout, shards, custom=CustomComms(all_gather=_SlowGather(world, 0)))
+        torch.cuda._sleep(spin)  # the gather stream is busy, so the copy-in waits behind this
+    handle = comm.gather_bucket(layout, shards, custom=CustomComms(all_gather=_SlowGather(comm.groups.world, 0)))
     del shards
     junk = [torch.full((1 << 18,), 1e6, device="cuda") for _ in range(8)]  # would take the freed blocks
     out = handle.wait().clone()
     torch.cuda.synchronize()
     del junk
     assert torch.all(out == 3.0), f"the copy-in read shards freed before it was done: {out.unique()[:8]}"
+
+
+def fake_bucket_pack_keeps_its_shards() -> None:
+    """The shards a bucket's copy-in reads on the gather stream live until it has read them: dropped at
+    launch, their blocks go back to the caching allocator, and the current stream overwrites them while
+    the gather stream is still busy."""
+    _twice(_bucket_pack_keeps_its_shards)
 
 
 def fake_step_memory() -> None:
