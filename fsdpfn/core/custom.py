@@ -125,9 +125,9 @@ def gather_buffers(user: Any, flat: torch.Tensor, world: int, rank: int, group: 
     n = flat.numel()
     out = _allocate(user, world * n, flat, "set_custom_all_gather")
     inp = out.narrow(0, rank * n, n)
-    inp.copy_(flat.reshape(-1))
 
     def fn(_async_op: bool) -> Any:
+        inp.copy_(flat.reshape(-1))  # the copy-in, on the collective's stream (flat is kept until the wait)
         return user(output_tensor=out, input_tensor=inp, group=group, async_op=False)
 
     return fn, out.view(world, *flat.shape)

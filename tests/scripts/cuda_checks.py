@@ -275,26 +275,26 @@ class _SlowReduce:
 
 
 def _twice(check):
-    """Run ``check(comm, spin)`` in a fake world of 4, first without the spin, then with it. The first pass
+    """Run ``check(comm, spin, value)`` in a fake world of 4, first without the spin, then with it. The first pass
     loads every kernel the check uses: CUDA loads kernels lazily, and loading one waits for the whole
     device, which would order the streams by itself and hide the very race the second pass looks for."""
     from fsdpfn.core.comm import Comm
 
     comm = Comm(_fake(4))
-    for spin in (0, SPIN):
-        check(comm, spin)
+    for spin, value in ((0, 2.0), (SPIN, 3.0)):  # other values: a block reused from the first pass holds stale 2s
+        check(comm, spin, value)
 
 
-def _gather_waits_for_inputs(comm, spin: int) -> None:
+def _gather_waits_for_inputs(comm, spin: int, value: float) -> None:
     from fsdpfn.core.custom import CustomComms
 
     x = torch.zeros(1 << 16, device="cuda")
     torch.cuda.synchronize()
     torch.cuda._sleep(spin)  # the current stream is busy ...
-    x.fill_(3.0)  # ... so this write is still pending when the gather launches
+    x.fill_(value)  # ... so this write is still pending when the gather launches
     out = comm.all_gather(x, custom=CustomComms(all_gather=_SlowGather(comm.groups.world, 0))).wait()
     torch.cuda.synchronize()
-    assert torch.all(out == 3.0), f"the gather read its input before the write ordered before it: {out.unique()[:8]}"
+    assert torch.all(out == value), f"the gather read its input before the write ordered before it: {out.unique()[:8]}"
 
 
 def fake_gather_waits_for_inputs() -> None:
@@ -302,15 +302,15 @@ def fake_gather_waits_for_inputs() -> None:
     _twice(_gather_waits_for_inputs)
 
 
-def _result_waits_for_gather(comm, spin: int) -> None:
+def _result_waits_for_gather(comm, spin: int, value: float) -> None:
     from fsdpfn.core.custom import CustomComms
 
-    x = torch.full((1 << 16,), 5.0, device="cuda")
+    x = torch.full((1 << 16,), value, device="cuda")
     torch.cuda.synchronize()
     handle = comm.all_gather(x, custom=CustomComms(all_gather=_SlowGather(comm.groups.world, spin)))
     seen = handle.wait().clone()  # queued on the current stream
     torch.cuda.synchronize()
-    assert torch.all(seen == 5.0), f"the current stream read the result before the gather wrote it: {seen.unique()[:8]}"
+    assert torch.all(seen == value), f"the current stream read the result before the gather wrote it: {seen.unique()[:8]}"
 
 
 def fake_result_waits_for_gather() -> None:
@@ -319,11 +319,11 @@ def fake_result_waits_for_gather() -> None:
     _twice(_result_waits_for_gather)
 
 
-def _reduce_keeps_its_input(comm, spin: int) -> None:
+def _reduce_keeps_its_input(comm, spin: int, value: float) -> None:
     from fsdpfn.core.custom import CustomComms
 
     world, n = comm.groups.world, 1 << 16
-    full = torch.ones(world, n, device="cuda")
+    full = torch.full((world, n), value, device="cuda")
     torch.cuda.synchronize()
     handle = comm.reduce_scatter(full, custom=CustomComms(reduce_scatter=_SlowReduce(world, spin)), scale=1.0)
     del full
@@ -331,7 +331,7 @@ def _reduce_keeps_its_input(comm, spin: int) -> None:
     out = handle.wait().clone()
     torch.cuda.synchronize()
     del junk
-    assert torch.all(out == float(world)), f"the reduction read a buffer reused before it was done: {out.unique()[:8]}"
+    assert torch.all(out == world * value), f"the reduction read a buffer reused before it was done: {out.unique()[:8]}"
 
 
 def fake_reduce_keeps_its_input() -> None:
@@ -350,17 +350,17 @@ def _bucket(world: int, n: int):
     return layout, [torch.zeros(n, 64, device="cuda"), torch.zeros(n, device="cuda")]
 
 
-def _bucket_pack_waits_for_shards(comm, spin: int) -> None:
+def _bucket_pack_waits_for_shards(comm, spin: int, value: float) -> None:
     from fsdpfn.core.custom import CustomComms
 
     layout, shards = _bucket(comm.groups.world, 1 << 12)
     torch.cuda.synchronize()
     torch.cuda._sleep(spin)  # the current stream is busy ...
     for s in shards:
-        s.fill_(3.0)  # ... so these writes are still pending when the copy-in is queued
+        s.fill_(value)  # ... so these writes are still pending when the copy-in is queued
     out = comm.gather_bucket(layout, shards, custom=CustomComms(all_gather=_SlowGather(comm.groups.world, 0))).wait()
     torch.cuda.synchronize()
-    assert torch.all(out == 3.0), f"the copy-in read the shards before the writes ordered before it: {out.unique()[:8]}"
+    assert torch.all(out == value), f"the copy-in read the shards before the writes ordered before it: {out.unique()[:8]}"
 
 
 def fake_bucket_pack_waits_for_shards() -> None:
@@ -369,12 +369,12 @@ def fake_bucket_pack_waits_for_shards() -> None:
     _twice(_bucket_pack_waits_for_shards)
 
 
-def _bucket_pack_keeps_its_shards(comm, spin: int) -> None:
+def _bucket_pack_keeps_its_shards(comm, spin: int, value: float) -> None:
     from fsdpfn.core.custom import CustomComms
 
     layout, shards = _bucket(comm.groups.world, 1 << 12)
     for s in shards:
-        s.fill_(3.0)
+        s.fill_(value)
     torch.cuda.synchronize()
     with torch.cuda.stream(comm._stream("gather")):
         torch.cuda._sleep(spin)  # the gather stream is busy, so the copy-in waits behind this
@@ -384,7 +384,7 @@ def _bucket_pack_keeps_its_shards(comm, spin: int) -> None:
     out = handle.wait().clone()
     torch.cuda.synchronize()
     del junk
-    assert torch.all(out == 3.0), f"the copy-in read shards freed before it was done: {out.unique()[:8]}"
+    assert torch.all(out == value), f"the copy-in read shards freed before it was done: {out.unique()[:8]}"
 
 
 def fake_bucket_pack_keeps_its_shards() -> None:
