@@ -5,7 +5,9 @@ Every collective fsdpfn issues goes through a ``Comm``. Each call launches the c
 result. On CPU the collective is gloo async work running on gloo's own thread, so Python can compute
 while it is in flight. On CUDA it runs on a side stream: the side stream first waits for the current
 stream (inputs ready), the result is handed back through an event, and the input buffer is kept alive by
-the handle until the waiting stream is ordered after the event — no ``record_stream``.
+the handle until the waiting stream is ordered after the event — no ``record_stream``. A bucket's copy-in
+(``gather_bucket``: packing the shards, with their cast) runs on that side stream too, into a buffer
+allocated on the current stream; the handle keeps the shards alive as well.
 
 All-gathers move raw bytes (any dtype, bool and complex included). Reduce-scatters sum in the buffer's
 dtype and scale afterwards, since gloo has no ``PREMUL_SUM``: NCCL's reduce-scatter (complex as pairs of
