@@ -187,6 +187,23 @@ def test_live_gathered_bytes_follow_the_buffer_lifetime():
         assert before == 0 and during == 8000 and still == 8000 and after == 0 and peak == 8000
 
 
+def test_a_handle_keeps_what_it_is_given_until_waited_for():
+    from fsdpfn.core.handle import Handle
+
+    kept = torch.ones(3)
+    ref = __import__("weakref").ref(kept)
+    handle = Handle(torch.zeros(2))
+    handle.keep_also((kept, None))
+    del kept
+    gc.collect()
+    assert ref() is not None  # side-stream work may still read it
+    handle.wait()
+    gc.collect()
+    assert ref() is None
+    handle.keep_also((torch.ones(1),))  # after the wait: nothing to keep alive for
+    assert handle._keep == ()
+
+
 def test_no_record_stream_anywhere():
     root = pathlib.Path(fsdpfn.__file__).parent
     offenders = [p for p in root.rglob("*.py") if ".record_stream(" in p.read_text()]

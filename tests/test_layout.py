@@ -109,6 +109,20 @@ def test_concatenating_forms_equal_the_buffer_forms(layout, data):
     assert _same(layout.concat_full(some), layout.pack_full(some))
 
 
+@given(layout=buckets(), data=st.data())
+def test_packing_into_a_given_buffer_equals_packing_into_a_new_one(layout, data):
+    """pack_shards(out=) writes every element of ``out`` (stale contents never leak) and returns it;
+    a buffer of another shape or dtype is refused, naming both."""
+    fulls = [data.draw(fst.tensors(s.shape, layout.dtype)) for s in layout.specs]
+    rank = data.draw(st.integers(0, layout.world - 1))
+    shards = [None if data.draw(st.booleans()) else shard_tensor(x, s, rank) for x, s in zip(fulls, layout.specs)]
+    out = torch.full((layout.numel,), 7, dtype=layout.dtype) if layout.dtype != torch.bool else torch.ones(layout.numel, dtype=torch.bool)
+    got = layout.pack_shards(shards, rank, out=out)
+    assert got is out and _same(out, layout.pack_shards(shards, rank))
+    with pytest.raises(ValueError, match=r"pack_shards: out is \(%d,\)" % (layout.numel + 1)):
+        layout.pack_shards(shards, rank, out=torch.empty(layout.numel + 1, dtype=layout.dtype))
+
+
 @given(layout=buckets(max_members=3), batch=st.integers(1, 3), data=st.data())
 def test_bucket_batched_matches_unbatched(layout, batch, data):
     dtype = torch.float64
