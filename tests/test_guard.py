@@ -143,3 +143,26 @@ def test_non_finite_gradients_are_caught_on_every_rank_naming_leaf_and_rank():
     assert "non-finite gradient in '0.weight' on rank 0" in text  # the NaN reached rank 0's shard too
     assert "'0.weight' on rank 1" in text
     assert "raised" in text and "rank(s) 0" in text and "1 (FloatingPointError)" in text  # every rank raised
+
+
+def test_bad_debug_and_timeout_settings_are_refused_naming_the_variable():
+    from fsdpfn.core.guard import Guard, env_switch
+
+    for off in ("", "0", "false", "No", " off "):
+        assert env_switch("FSDPFN_DEBUG", off) is False
+    for on in ("1", "TRUE", "yes", "on"):
+        assert env_switch("FSDPFN_DEBUG", on) is True
+    with pytest.raises(ValueError, match="FSDPFN_DEBUG='maybe' is neither on nor off"):
+        env_switch("FSDPFN_DEBUG", "maybe")
+    for bad in ("abc", "0", "-5", "nan", "inf"):
+        env = {**os.environ, "FSDPFN_TIMEOUT": bad}
+        proc = subprocess.run([sys.executable, "-c", "from fsdpfn.core.guard import Guard; Guard(0)"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and f"FSDPFN_TIMEOUT={bad!r}: a collective's timeout must be" in proc.stderr, proc.stderr[-2000:]
+    with pytest.raises(ValueError, match="timeout=0"):
+        Guard(0, timeout=0)
+    assert Guard(0, timeout=2).timeout == 2.0
+    # FSDPFN_DEBUG is read when fsdpfn is imported: a typo stops the import, saying what to write
+    proc = subprocess.run([sys.executable, "-c", "import fsdpfn"], env={**os.environ, "FSDPFN_DEBUG": "ture"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "set it to 1 (on) or 0 (off)" in proc.stderr, proc.stderr[-2000:]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import threading
 import time
@@ -37,6 +38,8 @@ __all__ = [
     "Guard",
     "check_collectives",
     "checking",
+    "env_switch",
+    "timeout_seconds",
 ]
 
 # the label prefix of collectives that belong to fsdpfn itself (agreement, link probes), not to a unit
@@ -46,7 +49,39 @@ INTERNAL = "fsdpfn:"
 # switch at the same point of their own programs, never when another rank-thread does. A thread that
 # never set it follows, in turn, the thread that made the ``Comm`` (so CUDA autograd's worker threads
 # check what the rank's thread checks), the main thread, then FSDPFN_DEBUG.
-_DEFAULT = os.environ.get("FSDPFN_DEBUG", "") not in ("", "0")
+def env_switch(name: str, value: str) -> bool:
+    """An on/off environment variable: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``/empty
+    (any case); anything else is an error naming the variable (``false`` must never mean on).
+
+    Example:
+        >>> env_switch("FSDPFN_DEBUG", "off")
+        False
+    """
+    v = value.strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    if v in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name}={value!r} is neither on nor off: set it to 1 (on) or 0 (off)")
+
+
+def timeout_seconds(value: Any, what: str = "FSDPFN_TIMEOUT") -> float:
+    """A collective wait's timeout: a finite number of seconds > 0 (``what`` names where it came from).
+
+    Example:
+        >>> timeout_seconds("2.5")
+        2.5
+    """
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{what}={value!r}: a collective's timeout must be a number of seconds > 0 (default 600)")
+    return seconds
+
+
+_DEFAULT = env_switch("FSDPFN_DEBUG", os.environ.get("FSDPFN_DEBUG", ""))
 _SWITCH: weakref.WeakKeyDictionary[threading.Thread, bool] = weakref.WeakKeyDictionary()
 
 
@@ -131,7 +166,9 @@ class Guard:
 
     def __init__(self, rank: int, timeout: float | None = None):
         self.rank = rank
-        self.timeout = float(timeout if timeout is not None else os.environ.get("FSDPFN_TIMEOUT", "600"))
+        self.timeout = (
+            timeout_seconds(timeout, "timeout") if timeout is not None else timeout_seconds(os.environ.get("FSDPFN_TIMEOUT", "600"))
+        )
         self.owner = threading.current_thread()  # the rank's thread, whose debug switch we follow
         self.seq = 0
         self.steps = 0
