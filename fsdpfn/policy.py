@@ -30,6 +30,17 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(
+                    f"MixedPrecisionPolicy: {name}={value!r} is not a floating-point torch.dtype; use e.g. "
+                    f"torch.bfloat16, torch.float16 or torch.float32, or None to keep the parameter's own dtype"
+                )
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(f"MixedPrecisionPolicy: cast_forward_inputs must be a bool, got {self.cast_forward_inputs!r}")
+
     def gather_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a parameter of ``dtype`` is all-gathered and computed in."""
         if self.param_dtype is not None and dtype.is_floating_point:

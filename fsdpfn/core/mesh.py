@@ -68,7 +68,10 @@ def init_mesh(
         >>> mesh = fsdpfn.init_mesh()          # 1-D, every rank  # doctest: +SKIP
         >>> mesh = fsdpfn.init_mesh((2, 2))    # HSDP on 4 ranks  # doctest: +SKIP
     """
-    device_type = torch.device(device).type if device is not None else _default_device_type()
+    try:
+        device_type = torch.device(device).type if device is not None else _default_device_type()
+    except (RuntimeError, TypeError):
+        device_type = str(device)  # not a device torch knows: refused below, by name
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"init_mesh: device {device!r} is not supported; use 'cpu' or 'cuda'")
     if device_type == "cuda" and not torch.cuda.is_available():
