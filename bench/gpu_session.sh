@@ -10,6 +10,7 @@
 #   bash bench/gpu_session.sh compiled  # gpt1b's compiled blocks against torch's, world 1            (~3 min)
 #   bash bench/gpu_session.sh profile   # cProfile of compat / torch / functional steps, fake world of 8 (~1.5 min)
 #   bash bench/gpu_session.sh streams   # the stream checks and their mutants alone                      (~2 min)
+#   bash bench/gpu_session.sh sanitizer # compute-sanitizer memcheck over two CUDA checks                 (~3 min)
 #   bash bench/gpu_session.sh suite     # the CPU suite under the machine's torch (2.11), GPU hidden   (~4 min)
 #
 # Prepare once, here (the GPU machine has no optree and no internet):
@@ -91,6 +92,17 @@ streams() {
     timeout 200 python3 -m pytest -v -rs -p no:cacheprovider tests/test_cuda.py -k "fake_ and not memory" 2>&1 \
         | tee "$OUT/streams.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" | tail -24
 }
+sanitizer() {
+    # compute-sanitizer's memcheck (out-of-bounds and freed device memory) over one world-1 training check and
+    # the fake world's step memory check, one example each: slow, so not part of 'all' (~3 min)
+    local cs=${COMPUTE_SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
+    for check in step_world1 fake_step_memory; do
+        FSDPFN_EXAMPLES=1 timeout 150 "$cs" --tool memcheck --error-exitcode 9 --print-limit 20 \
+            python3 tests/scripts/cuda_checks.py "$check" > "$OUT/sanitizer_$check.log" 2>&1
+        echo "memcheck $check: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY' "$OUT/sanitizer_$check.log") report lines)"
+        grep "ERROR SUMMARY" "$OUT/sanitizer_$check.log" | tail -1
+    done
+}
 suite() {
     # the CPU suite under this machine's torch (2.11, the oldest supported; CI has 2.13) on its many cores
     # (pytest-xdist is there), GPU hidden: ~4 minutes
@@ -104,10 +116,11 @@ bench) bench_half ;;
 compiled) compiled ;;
 profile) profile ;;
 streams) streams ;;
+sanitizer) sanitizer ;;
 suite) suite ;;
 all) { cat "$OUT/device.txt"; tests_half; echo "--- tests half took ${SECONDS}s"; bench_half; echo "--- bench half: ${SECONDS}s";
        compiled; echo "--- compiled: ${SECONDS}s"; profile; echo "--- all took ${SECONDS}s"; } 2>&1 \
         | tee "$OUT/all.log"; rm -f "$OUT/device.txt" ;;  # 8 files at most come back: the log holds device.txt
 *)
-    echo "gpu_session.sh: stage must be 'all', 'tests', 'bench', 'compiled', 'profile', 'streams' or 'suite', got '$stage'"; exit 2 ;;
+    echo "gpu_session.sh: stage must be 'all', 'tests', 'bench', 'compiled', 'profile', 'streams', 'sanitizer' or 'suite', got '$stage'"; exit 2 ;;
 esac

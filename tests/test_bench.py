@@ -123,7 +123,7 @@ def test_gpu_session_script_parses_and_refuses_an_unknown_stage(tmp_path):
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
     proc = subprocess.run(["bash", str(script), "nope"], capture_output=True, text=True, timeout=60, cwd=ROOT,
                           env={**os.environ, "OUT": str(tmp_path)})
-    assert proc.returncode == 2 and "stage must be 'all', 'tests', 'bench', 'compiled', 'profile', 'streams' or 'suite'" in proc.stdout
+    assert proc.returncode == 2 and "stage must be 'all', 'tests', 'bench', 'compiled', 'profile', 'streams', 'sanitizer' or 'suite'" in proc.stdout
     assert (tmp_path / "device.txt").is_file()  # what ran where is recorded first
 
 
