@@ -45,10 +45,6 @@ __all__ = [
 # the label prefix of collectives that belong to fsdpfn itself (agreement, link probes), not to a unit
 INTERNAL = "fsdpfn:"
 
-# The debug switch, per thread: a rank may be a thread (PyTorch's threaded test group), and ranks must
-# switch at the same point of their own programs, never when another rank-thread does. A thread that
-# never set it follows, in turn, the thread that made the ``Comm`` (so CUDA autograd's worker threads
-# check what the rank's thread checks), the main thread, then FSDPFN_DEBUG.
 def env_switch(name: str, value: str) -> bool:
     """An on/off environment variable: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``/empty
     (any case); anything else is an error naming the variable (``false`` must never mean on).
@@ -81,6 +77,10 @@ def timeout_seconds(value: Any, what: str = "FSDPFN_TIMEOUT") -> float:
     return seconds
 
 
+# The debug switch, per thread: a rank may be a thread (PyTorch's threaded test group), and ranks must
+# switch at the same point of their own programs, never when another rank-thread does. A thread that
+# never set it follows, in turn, the thread that made the ``Comm`` (so CUDA autograd's worker threads
+# check what the rank's thread checks), the main thread, then FSDPFN_DEBUG.
 _DEFAULT = env_switch("FSDPFN_DEBUG", os.environ.get("FSDPFN_DEBUG", ""))
 _SWITCH: weakref.WeakKeyDictionary[threading.Thread, bool] = weakref.WeakKeyDictionary()
 
