@@ -45,6 +45,7 @@ __all__ = [
 # the label prefix of collectives that belong to fsdpfn itself (agreement, link probes), not to a unit
 INTERNAL = "fsdpfn:"
 
+
 def env_switch(name: str, value: str) -> bool:
     """An on/off environment variable: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``/empty
     (any case); anything else is an error naming the variable (``false`` must never mean on).
