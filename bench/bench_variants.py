@@ -64,6 +64,7 @@ class Variant:
     backend = "inductor"  # torch.compile backend of the compiled variants (bench/step.py --compile-backend)
     profile_peak = False  # measure the peak by the allocator's events even when eager (bench/step.py --peak)
     torch_foreach: bool | None = None  # torch.optim.AdamW's foreach= (bench/step.py --torch-foreach; None: torch's default)
+    torch_fused: bool = False  # torch.optim.AdamW(fused=True) instead (bench/step.py --torch-foreach fused)
     compile_options: dict[str, Any] | None = None  # inductor options of the traced step (bench/step.py --compile-options)
 
     def __init__(self, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype):
@@ -85,10 +86,12 @@ class Variant:
 
 class _ModuleVariant(Variant):
     """A plain ``nn.Module`` + ``torch.optim.AdamW`` step (``local``, ``torch``, ``compat``): torch's default
-    kernel (the for-loop on CPU, foreach on CUDA), or foreach with ``bench/step.py --torch-foreach true``."""
+    kernel (the for-loop on CPU, foreach on CUDA), foreach with ``bench/step.py --torch-foreach true``, or the
+    fused kernel with ``--torch-foreach fused``."""
 
     def _init_opt(self) -> None:
-        self.opt = torch.optim.AdamW(self.model.parameters(), foreach=self.torch_foreach, **ADAMW)  # type: ignore[arg-type]
+        kernel = {"fused": True} if self.torch_fused else {"foreach": self.torch_foreach}
+        self.opt = torch.optim.AdamW(self.model.parameters(), **kernel, **ADAMW)  # type: ignore[arg-type]
 
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return loss_fn(self.spec, self.model(x), y)

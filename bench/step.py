@@ -98,10 +98,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile-options", default=None,
                    help="functional_traced: inductor options as JSON, e.g. '{\"reorder_for_compute_comm_overlap\": true}'")
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled variants (default inductor)")
-    p.add_argument("--torch-foreach", choices=["true", "default"], default="default",
-                   help="torch.optim.AdamW's foreach= in the torch, compat and local variants: true (the foreach "
-                   "kernels, one temporary the size of all parameters) or default (torch's choice: the for-loop "
-                   "kernel on CPU, foreach on CUDA)")
+    p.add_argument("--torch-foreach", choices=["true", "default", "fused"], default="default",
+                   help="torch.optim.AdamW's kernel in the torch, compat and local variants: true (foreach=True: the "
+                   "foreach kernels, one temporary the size of all parameters), default (torch's choice: the for-loop "
+                   "kernel on CPU, foreach on CUDA) or fused (fused=True: one kernel call, no temporary)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here (rank 0)")
     p.add_argument("--check", action="store_true", help="exit 1 if a sharded variant's final loss differs from the reference")
@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     Variant.compile_options = json.loads(args.compile_options) if args.compile_options else None
     Variant.profile_peak = args.peak == "profiler"
     Variant.torch_foreach = True if args.torch_foreach == "true" else None
+    Variant.torch_fused = args.torch_foreach == "fused"
     base = build_model(spec, args.seed)
     n_params = count_params(base)
     variants: dict[str, Variant] = {n: build_variant(n, base, spec, mesh, device, dtype) for n in names}

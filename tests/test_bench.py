@@ -57,6 +57,13 @@ def test_step_benchmark_smoke(tmp_path):
     assert "step ms median" in proc.stdout  # the printed table
 
 
+def test_step_benchmark_with_torchs_fused_adamw(tmp_path):
+    # --torch-foreach fused: torch.optim.AdamW(fused=True) in torch, compat and local; the check still holds
+    _, result = _run(tmp_path, "--check", "--variants", "torch,compat,local", "--torch-foreach", "fused")
+    assert result["torch_foreach"] == "fused" and result["check"]["ok"]
+    assert list(result["variants"]) == ["torch", "compat", "local"]
+
+
 def test_step_benchmark_variant_subset(tmp_path):
     _, result = _run(tmp_path, "--variants", "functional,local,functional_kept,compat_kept", "--check")
     assert list(result["variants"]) == ["functional", "local", "functional_kept", "compat_kept"]
