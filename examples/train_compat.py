@@ -88,10 +88,7 @@ def run(impl: str, args: argparse.Namespace, mesh, data: torch.Tensor, vocab: in
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings (tied to the head) and the final norm
-    # the fused kernel: over DTensor parameters it is one dispatch per step instead of one per op and parameter
-    # (on CUDA the foreach kernel, which the GPU runs of this example were checked with)
-    kernel = {"fused": True} if device.type == "cpu" else {"foreach": True}
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), **kernel)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
 
     if lead:
         n_params = sum(p.numel() for p in model.parameters())  # DTensor: the global size
