@@ -93,6 +93,7 @@ TRIGGERS = {
     "min-bucket-bytes": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0"], min_bucket_bytes="1MB", donate=False), ValueError, r"min_bucket_bytes must be an int >= 0 \(bytes\), 'auto' or None, got '1MB'"),
     "offload": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), offload_policy=fsdpfn.CPUOffloadPolicy(), donate=False), NotImplementedError, r"CPUOffloadPolicy is not supported"),
     "mp-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), mp_policy="bf16", donate=False), TypeError, r"mp_policy must be a fsdpfn.MixedPrecisionPolicy"),
+    "shard-donate": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), donate="no"), TypeError, r"shard: donate must be True or False, got 'no'"),
     "mp-dtype": (lambda m, p, a: fsdpfn.MixedPrecisionPolicy(param_dtype=torch.int32), TypeError, r"param_dtype=torch.int32 is not a floating-point torch.dtype"),
     "sharded-missing": (lambda m, p, a: fsdpfn.Sharded({}, p.plan), KeyError, r"missing \["),
     "sharded-extra": (lambda m, p, a: fsdpfn.Sharded({**dict(p.items()), "x": 1}, p.plan), KeyError, r"not in the plan \['x'\]"),

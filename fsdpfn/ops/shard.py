@@ -189,6 +189,8 @@ def shard(
             "call returned (fsdpfn.save/load or to_dtensor to move it to another mesh), or pass donate=False to "
             "the first shard() to keep the weights"
         )
+    if not isinstance(donate, bool):  # donate="no" would be truthy and move the weights away
+        raise TypeError(f"shard: donate must be True or False, got {donate!r}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"shard: mp_policy must be a fsdpfn.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if isinstance(offload_policy, CPUOffloadPolicy):
