@@ -63,8 +63,9 @@ class Variant:
     compiled = False  # torch.compile'd (blocks, or the whole step)
     backend = "inductor"  # torch.compile backend of the compiled variants (bench/step.py --compile-backend)
     profile_peak = False  # measure the peak by the allocator's events even when eager (bench/step.py --peak)
-    torch_foreach: bool | None = None  # torch.optim.AdamW's foreach= (bench/step.py --torch-foreach; None: torch's default)
-    torch_fused: bool = False  # torch.optim.AdamW(fused=True) instead (bench/step.py --torch-foreach fused)
+    # torch.optim.AdamW's kernel arguments (bench/step.py --torch-foreach): {} torch's default,
+    # {"foreach": True} or {"fused": True}
+    torch_adamw_kernel: dict[str, bool] = {}
     compile_options: dict[str, Any] | None = None  # inductor options of the traced step (bench/step.py --compile-options)
 
     def __init__(self, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype):
@@ -90,8 +91,7 @@ class _ModuleVariant(Variant):
     fused kernel with ``--torch-foreach fused``."""
 
     def _init_opt(self) -> None:
-        kernel = {"fused": True} if self.torch_fused else {"foreach": self.torch_foreach}
-        self.opt = torch.optim.AdamW(self.model.parameters(), **kernel, **ADAMW)  # type: ignore[arg-type]
+        self.opt = torch.optim.AdamW(self.model.parameters(), **self.torch_adamw_kernel, **ADAMW)  # type: ignore[arg-type]
 
     def _forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return loss_fn(self.spec, self.model(x), y)

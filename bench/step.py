@@ -242,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     Variant.backend = args.compile_backend
     Variant.compile_options = json.loads(args.compile_options) if args.compile_options else None
     Variant.profile_peak = args.peak == "profiler"
-    Variant.torch_foreach = True if args.torch_foreach == "true" else None
-    Variant.torch_fused = args.torch_foreach == "fused"
+    Variant.torch_adamw_kernel = {"true": {"foreach": True}, "default": {}, "fused": {"fused": True}}[args.torch_foreach]
     base = build_model(spec, args.seed)
     n_params = count_params(base)
     variants: dict[str, Variant] = {n: build_variant(n, base, spec, mesh, device, dtype) for n in names}
