@@ -18,7 +18,7 @@ from fsdpfn.layout.autobucket import LinkCost, auto_bucket_bytes
 from fsdpfn.layout.bucket import BucketLayout
 from fsdpfn.layout.spec import ShardSpec
 
-__all__ = ["FUSED", "ParamInfo", "ShardPlan", "UnitPlan", "bucket_by_dtype", "build_plan", "fuse_units", "is_byte_count"]
+__all__ = ["FUSED", "ParamInfo", "ShardPlan", "UnitPlan", "bucket_by_dtype", "build_plan", "fuse_runs", "fuse_units", "is_byte_count"]
 
 FUSED = "+"  # joins the unit names of a fused group
 
@@ -140,10 +140,11 @@ class ShardPlan:
             known = ", ".join(repr(g.name) for g in self.groups)
             raise KeyError(f"no collective group {name!r} in this plan; groups are {known}") from None
 
-    def regroup(self, min_bucket_bytes: int | None) -> bool:
+    def regroup(self, min_bucket_bytes: int | None = None, *, sizes: Sequence[int] | None = None) -> bool:
         """Fuse the units again, into runs of at least ``min_bucket_bytes`` gathered bytes (``None``: one
-        group per unit), in place (every tree holding this plan sees it) and forget what was derived from
-        the old groups. Shards, specs and buckets do not change: only what travels in one collective. Every
+        group per unit) or, with ``sizes``, into consecutive runs of that many units each (``fuse_runs``:
+        groups of different sizes), in place (every tree holding this plan sees it) and forget what was
+        derived from the old groups. Shards, specs and buckets do not change: only what travels in one collective. Every
         rank must regroup alike, before a call starts (``fsdp`` does it on its first call, when
         ``min_bucket_bytes="auto"``). Returns whether the groups changed: when they would not, the plan is
         left exactly as it was (``bucket_bytes`` and what was derived from its groups included).
@@ -155,15 +156,22 @@ class ShardPlan:
             (True, ['b0+b1', 'b2+b3'])
             >>> plan.regroup(100)                                 # the same groups
             False
+            >>> plan.regroup(sizes=[1, 3]), [g.name for g in plan.groups]
+            (True, ['b0', 'b1+b2+b3'])
         """
         if min_bucket_bytes is not None and not is_byte_count(min_bucket_bytes):
             raise ValueError(f"regroup: min_bucket_bytes must be an int >= 0 (bytes) or None, got {min_bucket_bytes!r}")
-        groups = fuse_units(self.units, self.specs, self.world, min_bucket_bytes) if min_bucket_bytes else self.units
+        if sizes is not None:
+            if min_bucket_bytes is not None:
+                raise ValueError("regroup: pass min_bucket_bytes or sizes, not both")
+            groups = fuse_runs(self.units, self.specs, sizes)
+        else:
+            groups = fuse_units(self.units, self.specs, self.world, min_bucket_bytes) if min_bucket_bytes else self.units
         if [g.name for g in groups] == [g.name for g in self.groups]:
             return False
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "group_of", {u: g.name for g in groups for u in g.name.split(FUSED)})
-        object.__setattr__(self, "bucket_bytes", min_bucket_bytes or None)
+        object.__setattr__(self, "bucket_bytes", min_bucket_bytes or (max(g.gathered_bytes(self.world) for g in groups) if sizes else None))
         self._by_group.clear()
         self._by_group.update({g.name: g for g in groups})
         for key in [k for k in self.memo if k[0] not in _PLAN_STATE]:
@@ -329,6 +337,41 @@ def fuse_units(
             run, size = [], 0
     if run:
         out.append(_merge(run, specs))
+    return tuple(out)
+
+
+def fuse_runs(units: Sequence[UnitPlan], specs: Mapping[str, ShardSpec], sizes: Sequence[int]) -> tuple[UnitPlan, ...]:
+    """Fuse the non-root units, in order, into consecutive runs of ``sizes[0]``, ``sizes[1]``, ... units
+    (``sum(sizes)`` must be their count; a size of 1 leaves a unit alone). The root unit stays alone.
+    Unlike ``fuse_units`` the groups may differ in size: the planner makes them largest where a step has
+    memory to spare (``fsdpfn.memory.group_sizes_within``).
+
+    Example:
+        >>> infos = [ParamInfo(f"b{i}.w", (4,), torch.float32, True, f"b{i}") for i in range(4)]
+        >>> plan = build_plan(infos, [], ["b0", "b1", "b2", "b3"], rank=0, world=1)
+        >>> [g.name for g in fuse_runs(plan.units, plan.specs, [1, 1, 2])]
+        ['b0', 'b1', 'b2+b3']
+    """
+    named = [u for u in units if u.name]
+    sizes = list(sizes)
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes) or sum(sizes) != len(named):
+        raise ValueError(
+            f"sizes must be ints >= 1 adding up to the {len(named)} non-root units (in order), got {sizes!r}"
+        )
+    for u in named:
+        if FUSED in u.name and max(sizes) > 1:
+            raise ValueError(f"unit {u.name!r}: a unit name containing {FUSED!r} cannot be fused; rename it")
+    out: list[UnitPlan] = []
+    k = left = 0  # the run being filled and how many of its units are still to come
+    for u in units:  # the root stays where it is; each run goes where its first unit was
+        if not u.name:
+            out.append(u)
+            continue
+        if left == 0:
+            start = sum(sizes[:k])
+            out.append(_merge(named[start : start + sizes[k]], specs))
+            left, k = sizes[k], k + 1
+        left -= 1
     return tuple(out)
 
 

@@ -54,6 +54,7 @@ def estimate(
     replicate: int = 1,
     loss_fn: Callable[[Any], Any] | None = None,
     device: str | torch.device | None = None,
+    group_sizes: Sequence[int] | None = None,
 ) -> MemoryEstimate | list[MemoryEstimate]:
     """Predict the per-rank peak memory of one training step of ``model`` sharded over ``world`` ranks.
 
@@ -69,7 +70,10 @@ def estimate(
 
     ``min_bucket_bytes="auto"`` fuses as ``shard`` would on a link of cost ``link``; without one the
     planner assumes the memory cap is reached (the largest groups ``"auto"`` can pick: the worst case
-    for memory). The result is a ``MemoryEstimate``: ``peak``, ``per_rank``, ``phase`` and ``breakdown``.
+    for memory). ``group_sizes`` (instead of ``min_bucket_bytes``) fuses the units with parameters, in
+    order, into consecutive groups of that many units each, as ``fsdp``'s first call may (see
+    ``group_sizes_within``). The result is a ``MemoryEstimate``: ``peak``, ``per_rank``, ``phase`` and
+    ``breakdown``.
 
     Example:
         >>> with torch.device("meta"):
@@ -79,6 +83,58 @@ def estimate(
         ('backward', 263168)
     """
     worlds = _check_worlds(world)
+    if group_sizes is not None and min_bucket_bytes not in ("auto", None):
+        raise ValueError("fsdpfn.memory.estimate: pass min_bucket_bytes or group_sizes, not both")
+    one = step_estimator(model, batch, units=units, mp_policy=mp_policy, optimizer=optimizer, prefetch=prefetch,
+                         reshard_after_forward=reshard_after_forward, link=link, replicate=replicate, loss_fn=loss_fn,
+                         device=device)
+    named = one.named
+
+    def fusion(w: int) -> Any:
+        # "auto": what fsdp's first call regroups the plan to (transform/fusion.py) where it plans at all
+        from fsdpfn.memory.fuse import first_call_fuses, group_sizes_within  # they plan with this function
+
+        if group_sizes is not None:
+            return tuple(group_sizes)
+        if min_bucket_bytes != "auto" or not first_call_fuses(w, replicate, len(named)):
+            return min_bucket_bytes
+        # as the first call does: the units that own parameters, the module's forward alone (no loss_fn)
+        return group_sizes_within(model, w, batch, units=named, optimizer=optimizer, mp_policy=mp_policy, prefetch=prefetch,
+                                  reshard_after_forward=reshard_after_forward, device=one.device).sizes
+
+    out = [one(w, fusion(w)) for w in worlds]
+    return out if not isinstance(world, int) else out[0]
+
+
+class _StepEstimator:
+    """``estimate`` for one model, batch and step settings, at any world size and fusion: the forward is
+    counted once (``step_estimator``), so a planner can price many fusions cheaply."""
+
+    def __init__(self, one: Callable[[int, Any], MemoryEstimate], named: list[str], device: torch.device):
+        self._one, self.named, self.device = one, named, device
+
+    def __call__(self, world: int, fusion: Any) -> MemoryEstimate:
+        """The estimate at ``world`` ranks with ``fusion``: ``min_bucket_bytes`` (an int, ``None`` or
+        ``"auto"``) or a tuple of group sizes."""
+        return self._one(world, fusion)
+
+
+def step_estimator(
+    model: nn.Module,
+    batch: Any,
+    *,
+    units: Units = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    optimizer: Optimizer = "adamw",
+    prefetch: int = 1,
+    reshard_after_forward: bool | Callable[[str], bool] = True,
+    link: LinkCost | None = None,
+    replicate: int = 1,
+    loss_fn: Callable[[Any], Any] | None = None,
+    device: str | torch.device | None = None,
+) -> _StepEstimator:
+    """Check ``estimate``'s arguments and count the forward once; the result estimates the step at any
+    world size and fusion (``estimator(world, fusion)``, ``fusion`` as ``_StepEstimator`` says)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdpfn.memory.estimate: model must be an nn.Module, got {type(model).__name__}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
@@ -126,23 +182,12 @@ def estimate(
     scratch = scratch and dev.type not in FUSED_DEVICES
     named = [n for n in unit_names if n and any(i.unit == n for i in infos)]  # units that own parameters
 
-    def fusion(w: int) -> int | Literal["auto"] | None:
-        # "auto": what fsdp's first call regroups the plan to (transform/fusion.py) where it plans at all
-        from fsdpfn.memory.fuse import first_call_fuses, fuse_within  # they plan with this function
+    def one(w: int, fusion: Any) -> MemoryEstimate:
+        return _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
+                             fusion, link, buffer_bytes, batch_bytes, fwd.saved, fwd.output_grad, dev.type, fwd.last_unit_before,
+                             fwd.saved_params, fwd.saved_before)
 
-        if min_bucket_bytes != "auto" or not first_call_fuses(w, replicate, len(named)):
-            return min_bucket_bytes
-
-        # as the first call does: the units that own parameters, the module's forward alone (no loss_fn)
-        return fuse_within(model, w, batch, units=named, optimizer=optimizer, mp_policy=mp_policy, prefetch=prefetch,
-                           reshard_after_forward=reshard_after_forward, device=dev).min_bucket_bytes
-
-    out = [
-        _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
-                      fusion(w), link, buffer_bytes, batch_bytes, fwd.saved, fwd.output_grad, dev.type, fwd.last_unit_before, fwd.saved_params, fwd.saved_before)
-        for w in worlds
-    ]
-    return out if not isinstance(world, int) else out[0]
+    return _StepEstimator(one, named, dev)
 
 
 def _estimate_one(
@@ -174,10 +219,12 @@ def _estimate_one(
         world=world,
         gather_dtype=policy.gather_dtype,
         reduce_dtype=policy.grad_reduce_dtype,
-        min_bucket_bytes=min_bucket_bytes,
+        min_bucket_bytes=None if isinstance(min_bucket_bytes, tuple) else min_bucket_bytes,
         link=link if link is not None else LinkCost(0.0, math.inf),  # no link: the cap decides (worst case)
         device_type=device_type,
     )
+    if isinstance(min_bucket_bytes, tuple):  # group sizes
+        plan.regroup(sizes=min_bucket_bytes)
     item = {i.fqn: i.dtype.itemsize for i in infos}
     trainable = {i.fqn for i in infos if i.requires_grad}
     # Ranks with the same local shard sizes have the same peak: compute each distinct layout once.

@@ -25,12 +25,13 @@ import torch
 from torch import nn
 
 from fsdpfn.layout import build_plan
-from fsdpfn.memory.estimate import OPTIMIZERS, _device_of, _infos, estimate
+from fsdpfn.layout.plan import FUSED
+from fsdpfn.memory.estimate import OPTIMIZERS, _device_of, _infos, step_estimator
 from fsdpfn.memory.keep import check_world_and_budget
 from fsdpfn.ops.shard import Units, resolve_units
 from fsdpfn.policy import MixedPrecisionPolicy
 
-__all__ = ["FusionChoice", "first_call_fuses", "fuse_within"]
+__all__ = ["FusionChoice", "GroupSizes", "first_call_fuses", "fuse_within", "group_sizes_within"]
 
 
 def first_call_fuses(world: int, replicas: int, units: int) -> bool:
@@ -90,30 +91,10 @@ def fuse_within(
         raise TypeError("fsdpfn.memory.fuse_within: min_bucket_bytes is what it chooses; do not pass it")
     check_world_and_budget("fsdpfn.memory.fuse_within", world, budget)
     names = resolve_units(model, units)
-
-    def planned(min_bucket_bytes: int | None) -> Any:
-        return estimate(model, world, batch, units=units, min_bucket_bytes=min_bucket_bytes, **options)
-
-    base = planned(None)
-    # the units' sizes as min_bucket_bytes counts them: from the plan shard would build
-    policy = options.get("mp_policy") or MixedPrecisionPolicy()
-    infos, _ = _infos(model, [""] + names)
-    plan = build_plan(infos, [], [""] + names, rank=0, world=world, gather_dtype=policy.gather_dtype)
-    sizes = [u.gathered_bytes(world) for u in plan.units if u.name]
-    if budget is None:
-        step = base.phases["optimizer step"]
-        optimizer = options.get("optimizer", "adamw")
-        _, scratch = OPTIMIZERS["none" if optimizer is None else optimizer]  # estimate has checked the name
-        if torch_foreach is None:  # torch's default: the for-loop kernel on CPU, foreach elsewhere
-            device = torch.device(options["device"]) if options.get("device") is not None else _device_of(model)
-            torch_foreach = device.type != "cpu"
-        if not scratch:
-            torch_scratch = 0
-        elif not torch_foreach:  # the for-loop kernel: sqrt(v) and its quotient, one parameter at a time
-            torch_scratch = 2 * max((-(-p.numel() // world) * p.element_size() for p in model.parameters() if p.requires_grad), default=0)
-        else:  # foreach (FSDP2's DTensors included): sqrt(v) of every trainable shard at once
-            torch_scratch = step.gradients
-        budget = max(base.peak, step.total - step.temporaries + torch_scratch)
+    planned = step_estimator(model, batch, units=units, **options)
+    base = planned(world, None)
+    budget = _budget(model, world, base, budget, torch_foreach, options)
+    sizes = _unit_sizes(model, world, names, options)
     choice = FusionChoice(None, 1, base.peak, budget)
     positive = [s for s in sizes if s > 0]
     if world == 1 or len(positive) < 4:
@@ -121,9 +102,127 @@ def fuse_within(
     smallest = min(positive)
     for k in range(2, len(names) // 2 + 1):
         threshold = (k - 1) * smallest + 1  # a run of equal units closes at k of them
-        got = planned(threshold)
+        got = planned(world, threshold)
         if got.peak > budget:
             break
         choice = FusionChoice(threshold, k, got.peak, budget)
     return choice
 
+
+@dataclass(frozen=True)
+class GroupSizes:
+    """What ``group_sizes_within`` chose: ``sizes``, the number of consecutive units (with parameters, in
+    order) in each collective group (all ones: unfused), the planner's ``peak`` with them and the
+    ``budget`` (bytes).
+
+    Example:
+        >>> GroupSizes(sizes=(1, 1, 2), peak=0, budget=0).groups
+        3
+    """
+
+    sizes: tuple[int, ...]
+    peak: int
+    budget: int
+
+    @property
+    def groups(self) -> int:
+        """How many collective groups the units travel in."""
+        return len(self.sizes)
+
+
+def group_sizes_within(
+    model: nn.Module,
+    world: int,
+    batch: Any,
+    *,
+    units: Units = None,
+    budget: int | None = None,
+    torch_foreach: bool | None = None,
+    **options: Any,
+) -> GroupSizes:
+    """Fuse consecutive units into groups of possibly different sizes whose step ``fsdpfn.memory.estimate``
+    keeps at or under ``budget`` (default and arguments as ``fuse_within``): the groups ``fsdp``'s first
+    call makes on a ``min_bucket_bytes="auto"`` plan.
+
+    A step does not have the same room everywhere: the last units' backward comes first, before most
+    gradients exist, so they can travel in larger groups than the first units, whose backward ends the
+    step with every gradient alive. The search grows groups from the last unit back (one estimate per
+    unit, the forward counted once), each as large as the budget allows and at most half the units, and
+    keeps ``fuse_within``'s even groups when those are fewer.
+
+    Example:
+        >>> import torch
+        >>> with torch.device("meta"):
+        ...     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
+        >>> choice = group_sizes_within(model, 2, torch.zeros(16, 256), units=[str(i) for i in range(8)], budget=8 << 20)
+        >>> sum(choice.sizes), choice.groups < 8, choice.peak <= choice.budget
+        (8, True, True)
+    """
+    if "min_bucket_bytes" in options:
+        raise TypeError("fsdpfn.memory.group_sizes_within: the group sizes are what it chooses; do not pass min_bucket_bytes")
+    check_world_and_budget("fsdpfn.memory.group_sizes_within", world, budget)
+    names = resolve_units(model, units)
+    planned = step_estimator(model, batch, units=units, **options)
+    n = len(planned.named)  # the units that own parameters: what the plan's groups are made of
+    base = planned(world, None)
+    budget = _budget(model, world, base, budget, torch_foreach, options)
+    unfused = GroupSizes((1,) * n, base.peak, budget)
+    sizes = [s for s in _unit_sizes(model, world, names, options) if s > 0]
+    if world == 1 or len(sizes) < 4 or n < 4:
+        return unfused
+    # even groups first (fuse_within's search, on the same estimator)
+    even = unfused
+    smallest = min(sizes)
+    for k in range(2, n // 2 + 1):
+        got = planned(world, (k - 1) * smallest + 1)
+        if got.peak > budget:
+            break
+        runs = _run_sizes(got.groups)
+        even = GroupSizes(runs, got.peak, budget)
+    # groups grown from the last unit back, each while the estimate stays within the budget
+    done: list[int] = []  # sizes of the groups closed so far, last group first
+    current, peak = 1, base.peak
+    for i in range(n - 2, -1, -1):  # unit i joins the current group (units i+1 ..) or starts the next
+        if current < n // 2:
+            trial = (1,) * i + (current + 1,) + tuple(reversed(done))
+            got = planned(world, trial)
+            if got.peak <= budget:
+                current, peak = current + 1, got.peak
+                continue
+        done.append(current)
+        current = 1
+    done.append(current)
+    grown = GroupSizes(tuple(reversed(done)), peak, budget)
+    return grown if grown.groups < even.groups else even
+
+
+def _run_sizes(labels: tuple[str, ...]) -> tuple[int, ...]:
+    """The number of units in each non-root group, from ``MemoryEstimate.groups`` labels."""
+    return tuple(len(label.split(FUSED)) for label in labels if label != "<root>")
+
+
+def _unit_sizes(model: nn.Module, world: int, names: list[str], options: dict[str, Any]) -> list[int]:
+    """The units' sizes as ``min_bucket_bytes`` counts them: from the plan ``shard`` would build."""
+    policy = options.get("mp_policy") or MixedPrecisionPolicy()
+    infos, _ = _infos(model, [""] + names)
+    plan = build_plan(infos, [], [""] + names, rank=0, world=world, gather_dtype=policy.gather_dtype)
+    return [u.gathered_bytes(world) for u in plan.units if u.name]
+
+
+def _budget(model: nn.Module, world: int, base: Any, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]) -> int:
+    """The budget given, or torch's peak for the same step (see the module's docstring)."""
+    if budget is not None:
+        return budget
+    step = base.phases["optimizer step"]
+    optimizer = options.get("optimizer", "adamw")
+    _, scratch = OPTIMIZERS["none" if optimizer is None else optimizer]  # estimate has checked the name
+    if torch_foreach is None:  # torch's default: the for-loop kernel on CPU, foreach elsewhere
+        device = torch.device(options["device"]) if options.get("device") is not None else _device_of(model)
+        torch_foreach = device.type != "cpu"
+    if not scratch:
+        torch_scratch = 0
+    elif not torch_foreach:  # the for-loop kernel: sqrt(v) and its quotient, one parameter at a time
+        torch_scratch = 2 * max((-(-p.numel() // world) * p.element_size() for p in model.parameters() if p.requires_grad), default=0)
+    else:  # foreach (FSDP2's DTensors included): sqrt(v) of every trainable shard at once
+        torch_scratch = step.gradients
+    return max(base.peak, step.total - step.temporaries + torch_scratch)

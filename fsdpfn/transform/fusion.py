@@ -2,10 +2,11 @@
 
 ``shard`` sees neither the batch nor the optimizer, so its ``"auto"`` fuses only up to 1/8 of the shard
 bytes. The first call of ``apply`` sees the batch, and ``fsdpfn.optim``'s ``init`` noted the optimizer on
-the plan: the planner (``fsdpfn.memory.fuse_within``) then prices larger groups against the peak torch's
-``fully_shard`` needs for the same step with that optimizer (with no optimizer noted: against fsdpfn's
-own unfused peak, so fusing spends no memory) and the plan is regrouped in place to that choice, more
-fused or less than ``shard``'s (whose cap, without the batch, may not fit).
+the plan: the planner (``fsdpfn.memory.group_sizes_within``) then prices larger groups against the peak
+torch's ``fully_shard`` needs for the same step with that optimizer (with no optimizer noted: against
+fsdpfn's own unfused peak, so fusing spends no memory) and the plan is regrouped in place to that choice,
+more fused or less than ``shard``'s (whose cap, without the batch, may not fit). The groups may differ in
+size: the last units, whose backward runs before most gradients exist, can afford larger ones.
 Every collective costs a CPU step more than its bytes (a synchronisation of the ranks, thread wake-ups on
 cores that compute), so fusing is worth what memory allows: on CPU, where torch's default AdamW needs
 no large temporary, that is fusion that costs nothing (models whose peak is elsewhere, e.g. an LM head's
@@ -16,6 +17,8 @@ run the forward on fake tensors, the plan stays as ``shard`` made it. Once per p
 
 from __future__ import annotations
 
+import hashlib
+
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +27,7 @@ from torch import nn
 from fsdpfn.core import agree
 from fsdpfn.layout import ShardPlan
 from fsdpfn.layout.plan import OPTIMIZER_MEMO
-from fsdpfn.memory.fuse import first_call_fuses, fuse_within
+from fsdpfn.memory.fuse import first_call_fuses, group_sizes_within
 
 __all__ = ["plan_fusion"]
 
@@ -40,7 +43,7 @@ def plan_fusion(
     eligible: bool = True,
 ) -> None:
     """On the first call on ``plan`` (an ``"auto"`` plan that ``first_call_fuses``), regroup its units as
-    ``fuse_within`` chooses for this batch (``args``/``kwargs``, what ``module``'s forward takes). A
+    ``group_sizes_within`` chooses for this batch (``args``/``kwargs``, what ``module``'s forward takes). A
     collective on every rank; ``eligible=False`` (a call under ``torch.func`` or ``torch.compile``, where no
     fake forward can run) keeps the plan as it is."""
     if not plan.auto_fusion or plan.memo.get(("fusion_planned",)):
@@ -50,16 +53,25 @@ def plan_fusion(
     if not eligible or plan.tp or plan.transforms or plan.comm is None or not first_call_fuses(plan.world, plan.replicas, len(units)):
         return  # the same on every rank: no agreement needed
     batch = args if not kwargs else kwargs if not args else None
-    threshold = -1  # nothing planned: shard's groups stay (on every rank, if any rank could not plan)
+    sizes: tuple[int, ...] | None = None  # nothing planned: shard's groups stay (on every rank, if any rank could not plan)
     if batch is not None:
         try:
-            choice = fuse_within(
+            sizes = group_sizes_within(
                 module, plan.world, batch, units=units, optimizer=plan.memo.get(OPTIMIZER_MEMO, "none"),
                 mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                 device=plan.comm.groups.device,
-            )  # fmt: skip
-            threshold = choice.min_bucket_bytes or 0
+            ).sizes  # fmt: skip
+            if sum(sizes) != len(units):  # the planner saw other units than the plan has: keep shard's groups
+                sizes = None
         except Exception:  # a forward fake tensors cannot run: every rank learns it below
             pass
-    if agree(plan.comm, threshold) and threshold >= 0:
-        plan.regroup(threshold or None)  # a no-op where shard's groups are already the choice
+    if agree(plan.comm, _code(sizes)) and sizes is not None:
+        plan.regroup(sizes=sizes)  # a no-op where shard's groups are already the choice
+
+
+def _code(sizes: tuple[int, ...] | None) -> int:
+    """One int64 that is equal on two ranks when their choices are (-1: nothing planned)."""
+    if sizes is None:
+        return -1
+    digest = hashlib.sha256(",".join(map(str, sizes)).encode()).digest()
+    return int.from_bytes(digest[:7], "little")  # 56 bits: the ranks' sum stays within int64
