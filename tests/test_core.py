@@ -84,6 +84,7 @@ def _bucket_both_ways(shapes, dtype, seed, pack_below):
     """A bucket gathered and reduced packed and direct (every parameter's rows straight between tensors)."""
     import torch.distributed as dist
 
+    from fsdpfn.core.exchange import packed_share_ok
     from fsdpfn.layout import BucketLayout, ShardSpec, shard_tensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -103,6 +104,8 @@ def _bucket_both_ways(shapes, dtype, seed, pack_below):
         gathered = layout.unpack_direct(buf) if h.direct else layout.unpack_full(buf)
         reduced = layout.unpack_shards(comm.reduce_bucket(layout, grads, scale=0.5).wait(), rank)
         out[name] = (h.direct, [t.clone() for t in gathered], [t.clone() for t in reduced])
+    # a bucket of mostly small members would hold more in flight direct than flat: it gathers flat
+    out["direct_expected"] = packed_share_ok(layout, world, gather=True, pack_below=pack_below)
     return out, [f.to(torch.float64) for f in fulls], world
 
 
@@ -115,10 +118,11 @@ def _bucket_both_ways(shapes, dtype, seed, pack_below):
 )
 def test_direct_bucket_exchanges_equal_the_packed_collectives(shapes, dtype, world, seed, pack_below):
     # pack_below: every member in a message of its own (0), all in one packed message per peer (huge),
-    # or a mix: the direct form must equal gloo's packed collectives exactly in every case.
+    # or a mix: the direct form must equal gloo's packed collectives exactly in every case (and a bucket
+    # whose small members would make the direct gather hold more than the flat one is gathered flat).
     for rank, (out, fulls, w) in enumerate(spmd(world, _bucket_both_ways, shapes, dtype, seed, pack_below)):
         (packed_direct, pg, pr), (direct, dg, dr) = out["packed"], out["direct"]
-        assert not packed_direct and direct
+        assert not packed_direct and direct == out["direct_expected"]
         for p, d, f in zip(pg, dg, fulls):
             assert p.dtype == d.dtype == dtype and p.shape == d.shape == f.shape
             assert torch.equal(p, d) and torch.equal(d.to(torch.float64), f.to(dtype).to(torch.float64))

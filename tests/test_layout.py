@@ -223,6 +223,35 @@ def test_fused_groups_partition_the_units_greedily(sizes, world, root, threshold
         assert plan.group("") is plan.unit("") and plan.group_of[""] == ""
 
 
+@given(data=st.data(), world=fst.world_sizes(), root=st.booleans())
+def test_regroup_by_sizes_fuses_runs_and_names_bad_sizes(data, world, root):
+    from fsdpfn.layout.plan import ParamInfo, build_plan
+
+    count = data.draw(st.integers(1, 8))
+    names = [f"u{i}" for i in range(count)]
+    infos = [ParamInfo(f"{n}.w", (data.draw(st.integers(1, 40)),), torch.float32, True, n) for n in names]
+    if root:
+        infos.append(ParamInfo("w", (3,), torch.float32, True, ""))
+    plan = build_plan(infos, [], [""] + names, rank=0, world=world)
+    sizes, left = [], count
+    while left:
+        sizes.append(data.draw(st.integers(1, left)))
+        left -= sizes[-1]
+    assert plan.regroup(sizes=sizes) == (sizes != [1] * count)
+    groups = [g for g in plan.groups if g.name]
+    assert [len(plan.members(g.name)) for g in groups] == sizes
+    assert [u for g in groups for u in plan.members(g.name)] == names  # consecutive, in order, each once
+    assert [f for g in groups for f in g.fqns] == [f"{n}.w" for n in names]
+    assert (plan.group("") is plan.unit("")) if root else "" not in plan.group_of
+    assert plan.regroup(sizes=sizes) is False  # the same groups: nothing changes
+    for bad in ([0] + [1] * count, [1] * (count + 1), [True] * count, [count + 1]):
+        with pytest.raises(ValueError, match=f"sizes must be ints >= 1 adding up to the {count} non-root units"):
+            plan.regroup(sizes=bad)
+    with pytest.raises(ValueError, match="pass min_bucket_bytes or sizes, not both"):
+        plan.regroup(8, sizes=sizes)
+    assert plan.regroup(None) == (sizes != [1] * count) and [g.name for g in plan.groups if g.name] == names
+
+
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "1MB"])
 def test_fusion_threshold_must_be_a_byte_count(bad):
     from fsdpfn.layout.plan import ParamInfo, build_plan

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fsdpfn.core.c10d import all_gather_single, reduce_scatter_single
 from fsdpfn.core.custom import CustomComms, gather_buffers, reduce_custom
-from fsdpfn.core.exchange import Exchange
+from fsdpfn.core.exchange import PACK_BELOW, Exchange, packed_share_ok
 from fsdpfn.core.guard import CollectiveError, Fingerprint, Guard
 from fsdpfn.core.handle import Handle
 from fsdpfn.core.mesh import MeshGroups, mesh_groups
@@ -256,7 +256,9 @@ class Comm:
         ``layout.unpack_full``) or, when ``direct(layout)``, parameter-major (``layout.unpack_direct``):
         ``Handle.direct`` says which."""
         groups = self.groups
-        if not self.direct(layout) or any(t is None for t in shards) or (custom is not None and custom.gathers):
+        if not self.direct(layout) or any(t is None for t in shards) or (custom is not None and custom.gathers) or not packed_share_ok(
+            layout, groups.world, gather=True, pack_below=self.exchange.pack_below if self.exchange else PACK_BELOW
+        ):
             if groups.device_type != "cuda" or groups.world == 1:
                 flat = layout.pack_shards(shards, groups.rank, device=groups.device)
                 return self.all_gather(flat, label=label, custom=custom)
@@ -296,7 +298,7 @@ class Comm:
         groups = self.groups
         if (custom is not None and custom.reduces) or not self.direct(layout) or groups.replicate_group is not None or any(
             f is None or f.dtype != layout.dtype or not f.is_contiguous() for f in fulls
-        ):
+        ) or not packed_share_ok(layout, groups.world, gather=False, pack_below=self.reduce_exchange.pack_below if self.reduce_exchange else PACK_BELOW):
             full = layout.pack_full(fulls, device=groups.device)
             return self.reduce_scatter(full, scale=scale, label=label, custom=custom)
         out = torch.empty(layout.numel, dtype=layout.dtype, device=groups.device)

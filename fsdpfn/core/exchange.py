@@ -26,7 +26,7 @@ import torch
 
 from fsdpfn.layout import BucketLayout
 
-__all__ = ["Exchange", "Works", "PACK_BELOW"]
+__all__ = ["Exchange", "Works", "PACK_BELOW", "packed_share_ok"]
 
 _TAGS = 1 << 20
 
@@ -36,6 +36,24 @@ _TAGS = 1 << 20
 # the copy. In a microbenchmark of 36 LayerNorm-MLP unit exchanges (world 2) three messages instead of
 # six cut CPU from 54-63 to 49-53 ms and wall time from 73-87 to 61-75 ms.
 PACK_BELOW = 256 << 10
+
+
+def packed_share_ok(layout: BucketLayout, world: int, *, gather: bool, pack_below: int = PACK_BELOW) -> bool:
+    """Whether a direct exchange of ``layout`` holds no more in flight than the flat (rank-major) one.
+    Its small members (``pack_below``) still travel packed: a gather holds our rows of them packed and
+    the peers' inboxes, ``world`` copies of a rank's small rows, where the flat gather holds one packed
+    shard of every member; a reduce-scatter holds the rows packed for each peer and the inboxes,
+    ``2 (world - 1)`` copies, where the flat one packs every member once, ``world`` times a rank's rows.
+    A bucket of mostly small members (narrow layers fused, or sharded over many ranks) goes flat.
+
+    Example:
+        >>> packed_share_ok(layout, 2, gather=False)     # at world 2 a direct reduce never holds more  # doctest: +SKIP
+        True
+    """
+    item = layout.dtype.itemsize
+    total = sum(spec.padded_numel for spec in layout.specs) * item
+    small = sum(spec.padded_numel * item for spec in layout.specs if spec.padded_numel * item < pack_below)
+    return world * small <= total if gather else 2 * (world - 1) * small <= world * total
 
 
 @dataclass(frozen=True)

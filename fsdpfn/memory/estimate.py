@@ -16,9 +16,10 @@ from torch import nn
 
 from fsdpfn.layout import ParamInfo, build_plan
 from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
+from fsdpfn.core.exchange import PACK_BELOW, packed_share_ok
 from fsdpfn.layout.autobucket import FOREACH_PARTS, FUSED_DEVICES, LinkCost
 from fsdpfn.memory.activations import forward_cost
-from fsdpfn.memory.phases import GroupBytes, phase_peaks
+from fsdpfn.memory.phases import GroupBytes, fsdp2_backward, phase_peaks
 from fsdpfn.memory.result import PHASES, MemoryEstimate
 from fsdpfn.ops.shard import Units, resolve_units
 from fsdpfn.policy import MixedPrecisionPolicy
@@ -89,6 +90,13 @@ def estimate(
                          reshard_after_forward=reshard_after_forward, link=link, replicate=replicate, loss_fn=loss_fn,
                          device=device)
     named = one.named
+    if group_sizes is not None:
+        sizes = list(group_sizes) if isinstance(group_sizes, (list, tuple)) else None
+        if sizes is None or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in sizes) or sum(sizes) != len(named):
+            raise ValueError(
+                f"fsdpfn.memory.estimate: group_sizes must be ints >= 1 adding up to the {len(named)} units that own "
+                f"parameters (in order: {named}), got {group_sizes!r}"
+            )
 
     def fusion(w: int) -> Any:
         # "auto": what fsdp's first call regroups the plan to (transform/fusion.py) where it plans at all
@@ -110,13 +118,18 @@ class _StepEstimator:
     """``estimate`` for one model, batch and step settings, at any world size and fusion: the forward is
     counted once (``step_estimator``), so a planner can price many fusions cheaply."""
 
-    def __init__(self, one: Callable[[int, Any], MemoryEstimate], named: list[str], device: torch.device):
+    def __init__(self, one: Callable[..., MemoryEstimate], named: list[str], device: torch.device):
         self._one, self.named, self.device = one, named, device
 
     def __call__(self, world: int, fusion: Any) -> MemoryEstimate:
         """The estimate at ``world`` ranks with ``fusion``: ``min_bucket_bytes`` (an int, ``None`` or
         ``"auto"``) or a tuple of group sizes."""
         return self._one(world, fusion)
+
+    def fsdp2_backward(self, world: int) -> int:
+        """A lower bound of the backward peak of torch's ``fully_shard`` on the same step with one group
+        per unit (``fsdpfn.memory.phases.fsdp2_backward``), on the rank where it is largest."""
+        return max(b.total for b in self._one(world, None, True).phases.values())
 
 
 def step_estimator(
@@ -182,10 +195,10 @@ def step_estimator(
     scratch = scratch and dev.type not in FUSED_DEVICES
     named = [n for n in unit_names if n and any(i.unit == n for i in infos)]  # units that own parameters
 
-    def one(w: int, fusion: Any) -> MemoryEstimate:
+    def one(w: int, fusion: Any, fsdp2: bool = False) -> MemoryEstimate:
         return _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
                              fusion, link, buffer_bytes, batch_bytes, fwd.saved, fwd.output_grad, dev.type, fwd.last_unit_before,
-                             fwd.saved_params, fwd.saved_before)
+                             fwd.saved_params, fwd.saved_before, fsdp2)
 
     return _StepEstimator(one, named, dev)
 
@@ -210,6 +223,7 @@ def _estimate_one(
     last_unit_before: dict[str, str | None],
     saved_params: frozenset[str],
     saved_before: dict[str, int],
+    fsdp2: bool = False,
 ) -> MemoryEstimate:
     plan = build_plan(
         infos,
@@ -235,12 +249,15 @@ def _estimate_one(
         layout = tuple(numel[f] for f in plan.params)
         if layout not in by_layout:
             by_layout[layout] = _rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
-                                             buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before)
+                                             buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before,
+                                             fsdp2)
+            if fsdp2:  # only FSDP2's backward bound: the other phases are fsdpfn's
+                by_layout[layout] = {"backward": by_layout[layout]["fsdp2"]}
         per_rank.append(max(b.total for b in by_layout[layout].values()))
     rank = max(range(world), key=per_rank.__getitem__)
     numel = {f: math.prod(plan.specs[f].local_shape(rank)) for f in plan.params}
     phases = by_layout[tuple(numel[f] for f in plan.params)]
-    phase = max(PHASES, key=lambda p: phases[p].total)
+    phase = max((p for p in PHASES if p in phases), key=lambda p: phases[p].total)
     return MemoryEstimate(
         world=world,
         replicas=replicate,
@@ -256,11 +273,12 @@ def _estimate_one(
 
 def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainable: set[str], world: int, slots: int,
                  device_type: str, scratch: bool, prefetch: int, reshard: bool | Callable[[str], bool], buffer_bytes: int, batch_bytes: int, activations: int,
-                 output_grad: int, last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int]) -> Any:
+                 output_grad: int, last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int],
+                 fsdp2: bool = False) -> Any:
     shard_bytes = {f: numel[f] * item[f] for f in plan.params}
     grad_sizes = [shard_bytes[f] for f in plan.params if f in trainable]
 
-    def group_bytes(g: Any) -> GroupBytes:
+    def group_bytes(g: Any, as_fsdp2: bool = False) -> GroupBytes:
         shard_grads = sum(shard_bytes[f] for f in g.fqns if f in trainable)
         own = {f: lay.dtype == plan.dtypes[f] for lay in g.reduce for f in lay.fqns}
         regathered = any(f in saved_params for f in g.fqns)
@@ -275,17 +293,22 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
         full = padded * world
         computed = {f: lay.dtype for lay in g.gather for f in lay.fqns}  # autograd's gradients: compute dtype
         same = all(computed[f] == lay.dtype for lay in g.reduce for f in lay.fqns)
-        direct = cpu and full >= EXCHANGE_MIN_BYTES and all(own.values()) and same  # sent from the gradients themselves
+        # sent from the gradients themselves (FSDP2 always copies them into its reduce-scatter input)
+        direct = (cpu and full >= EXCHANGE_MIN_BYTES and all(own.values()) and same and not as_fsdp2
+                  and all(packed_share_ok(lay, world, gather=False) for lay in g.reduce))
+        # a direct exchange still packs its small members (PACK_BELOW): our rows to send, the peers' inboxes
+        gather_small = sum(_small(lay) for lay in g.gather if cpu and lay.nbytes * world >= EXCHANGE_MIN_BYTES and not as_fsdp2
+                           and packed_share_ok(lay, world, gather=True))
         return GroupBytes(
             gathered=g.gathered_bytes(world),
             full_grads=sum(math.prod(plan.specs[f].shape) * computed[f].itemsize for lay in g.reduce for f in lay.fqns),
-            packed=0 if direct else full,
+            packed=2 * (world - 1) * sum(_small(lay) for lay in g.reduce) if direct else full,
             reduce_out=padded if all(own.values()) else shard_grads,
             reduce_cast=0 if all(own.values()) else padded,  # reduced in another dtype, then cast
             reduce_scratch=padded * max(0, world - 2) if cpu else 0,
             finish_scratch=padded if cpu and world > 2 else 0,
             regathered=regathered,
-            gather_input=sum(lay.nbytes for lay in g.gather),
+            gather_input=sum(lay.nbytes for lay in g.gather) + (world - 1) * gather_small,
         )
 
     root = next((g for g in plan.groups if not g.name), None)
@@ -308,6 +331,17 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
                 for k in range(mine + 1, index[plan.group_of[unit]] + 1):
                     root_early[k] += nbytes
     enclosing = [[j for j, o in enumerate(others) if j < k and _encloses(o.name, g.name)] for k, g in enumerate(others)]
+    if fsdp2:
+        return {"fsdp2": fsdp2_backward(
+            shards=sum(shard_bytes.values()) + buffer_bytes,
+            state=slots * sum(grad_sizes),
+            batch=batch_bytes,
+            activations=activations,
+            output_grad=output_grad,
+            root=group_bytes(root, True) if root is not None else GroupBytes(0, 0, 0, 0),
+            groups=[group_bytes(g, True) for g in others],
+            saved_until=_saved_until(others, saved_before, activations),
+        )}
     return phase_peaks(
         shards=sum(shard_bytes.values()) + buffer_bytes,
         state=slots * sum(grad_sizes),
@@ -326,6 +360,13 @@ def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainab
     )
     # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
 
+
+
+def _small(layout: Any) -> int:
+    """Per-rank bytes of ``layout``'s members that a direct CPU exchange packs into one message per peer
+    (``fsdpfn.core.exchange.PACK_BELOW``)."""
+    item = layout.dtype.itemsize
+    return sum(spec.padded_numel * item for spec in layout.specs if spec.padded_numel * item < PACK_BELOW)
 
 
 def _reshards(plan: Any, group: str, rule: bool | Callable[[str], bool]) -> bool:

@@ -1,19 +1,21 @@
-"""``fuse_within``: the largest unit fusion (``min_bucket_bytes``) a step can afford, chosen by the planner.
+"""``fuse_within`` and ``group_sizes_within``: the unit fusions a step can afford, chosen by the planner.
 
 Every collective costs a step more than its bytes: on CPU meshes each one is a synchronisation of the
 ranks and a round of thread wake-ups on cores that also compute (bench ln_mlp, world 2: two 3.5 MiB blocks
 per collective took the step from 181 to 154 ms, CPU time from 150 to 128 ms). Fusing costs memory: a
 group is gathered and its gradients made as a whole. ``min_bucket_bytes="auto"`` in ``shard`` cannot
 see the batch or the optimizer, so it fuses only up to 1/8 of the shard bytes; with them the planner can
-price each fusion. ``fuse_within`` walks groups of 2, 3, ... units and keeps the largest whose estimated
-peak stays within the budget: by default the peak torch's ``fully_shard`` with ``torch.optim.AdamW`` as
-constructed by default needs for the same step, i.e. fsdpfn's unfused peak (torch's backward holds more)
-or, when higher, the optimizer step with torch's temporaries: on CPU its default is the for-loop kernel
-(``sqrt(v)`` and the quotient of one parameter at a time), elsewhere the foreach kernels (``sqrt(v)`` of
-every trainable shard at once, which ``fsdpfn.optim.adamw``'s fused CPU kernel never allocates); SGD
-has none. On CPU the budget is then mostly fsdpfn's own unfused peak: fusion there comes free or not at
-all, unless a ``budget`` is given. Groups stop at half the units, so one group's gather still overlaps
-another's compute.
+price each fusion. ``fuse_within`` walks even groups of 2, 3, ... units and keeps the largest whose
+estimated peak stays within the budget; ``group_sizes_within`` (what ``fsdp``'s first call uses) also
+grows uneven groups from the last unit back. The default budget is the peak torch's ``fully_shard``
+with ``torch.optim.AdamW`` as constructed by default needs for the same step: the largest of fsdpfn's
+unfused peak, the optimizer step with torch's temporaries (on CPU its default is the for-loop kernel,
+``sqrt(v)`` and the quotient of one parameter at a time; elsewhere the foreach kernels, ``sqrt(v)`` of
+every trainable shard at once, which ``fsdpfn.optim.adamw``'s fused CPU kernel never allocates; SGD has
+none) and FSDP2's backward as the planner models it (``fsdpfn.memory.phases.fsdp2_backward``: FSDP2
+copies each group's gradients into a reduce-scatter input and keeps the last one until the next group's
+post-backward, which fsdpfn's direct exchanges do not). Groups stop at half the units, so one group's
+gather still overlaps another's compute.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def fuse_within(
     names = resolve_units(model, units)
     planned = step_estimator(model, batch, units=units, **options)
     base = planned(world, None)
-    budget = _budget(model, world, base, budget, torch_foreach, options)
+    budget = _budget(model, world, planned, budget, torch_foreach, options)
     sizes = _unit_sizes(model, world, names, options)
     choice = FusionChoice(None, 1, base.peak, budget)
     positive = [s for s in sizes if s > 0]
@@ -165,7 +167,7 @@ def group_sizes_within(
     planned = step_estimator(model, batch, units=units, **options)
     n = len(planned.named)  # the units that own parameters: what the plan's groups are made of
     base = planned(world, None)
-    budget = _budget(model, world, base, budget, torch_foreach, options)
+    budget = _budget(model, world, planned, budget, torch_foreach, options)
     unfused = GroupSizes((1,) * n, base.peak, budget)
     sizes = [s for s in _unit_sizes(model, world, names, options) if s > 0]
     if world == 1 or len(sizes) < 4 or n < 4:
@@ -209,10 +211,11 @@ def _unit_sizes(model: nn.Module, world: int, names: list[str], options: dict[st
     return [u.gathered_bytes(world) for u in plan.units if u.name]
 
 
-def _budget(model: nn.Module, world: int, base: Any, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]) -> int:
+def _budget(model: nn.Module, world: int, planned: Any, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]) -> int:
     """The budget given, or torch's peak for the same step (see the module's docstring)."""
     if budget is not None:
         return budget
+    base = planned(world, None)
     step = base.phases["optimizer step"]
     optimizer = options.get("optimizer", "adamw")
     _, scratch = OPTIMIZERS["none" if optimizer is None else optimizer]  # estimate has checked the name
@@ -225,4 +228,4 @@ def _budget(model: nn.Module, world: int, base: Any, budget: int | None, torch_f
         torch_scratch = 2 * max((-(-p.numel() // world) * p.element_size() for p in model.parameters() if p.requires_grad), default=0)
     else:  # foreach (FSDP2's DTensors included): sqrt(v) of every trainable shard at once
         torch_scratch = step.gradients
-    return max(base.peak, step.total - step.temporaries + torch_scratch)
+    return max(base.peak, step.total - step.temporaries + torch_scratch, planned.fsdp2_backward(world))

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from fsdpfn.memory.result import Breakdown
 
-__all__ = ["GroupBytes", "phase_peaks"]
+__all__ = ["GroupBytes", "fsdp2_backward", "phase_peaks"]
 
 
 class GroupBytes(NamedTuple):
@@ -150,3 +150,46 @@ def phase_peaks(
     backward = max(moments, key=lambda b: b.total)
     optimizer = Breakdown(shards, state, done, 0, batch, temporary)
     return {"forward": forward, "backward": backward, "optimizer step": optimizer}
+
+
+def fsdp2_backward(
+    *,
+    shards: int,
+    state: int,
+    batch: int,
+    activations: int,
+    root: GroupBytes,
+    output_grad: int = 0,
+    groups: Sequence[GroupBytes],
+    saved_until: Sequence[int] = (),
+) -> Breakdown:
+    """A lower bound of the backward peak torch's ``fully_shard`` reaches on the same step and groups
+    (every group resharded after forward, torch's default backward prefetch of one group, AdamW's
+    gradients kept), from what FSDP2 (torch 2.11-2.13) is known to hold; ``groups[k].packed`` must be the
+    full-size reduce-scatter input, which FSDP2 always copies the gradients into.
+
+    Two moments per group ``k`` (backward runs the groups in reverse): its gradients made, while it is
+    still gathered, group ``k - 1`` is being gathered (prefetched when ``k``'s backward started) and the
+    reduce-scatter input of the group before (``k + 1``) is still held (FSDP2 keeps one in flight and
+    drops it in the next group's post-backward); then ``k``'s copy-in, after it was resharded and that
+    input dropped: its gradients and their copy at once. Whatever else FSDP2 allocates (padding, its
+    reduce-scatter output before the gradients are freed, collective scratch) only adds to its peak.
+
+    Example:
+        >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
+        >>> fsdp2_backward(shards=8, state=16, batch=0, activations=0, root=GroupBytes(0, 0, 0, 0), groups=[g, g]).total
+        52
+    """
+    n = len(groups)
+    moments = [Breakdown(shards, state, 0, root.gathered, activations + batch + output_grad, 0)]
+    done = 0
+    held_input = 0  # the previous group's reduce-scatter input, dropped at this group's post-backward
+    for k in reversed(range(n)):
+        g = groups[k]
+        prefetched = groups[k - 1].gathered if k > 0 else 0
+        saved = (saved_until[k] if saved_until else activations) + batch
+        moments.append(Breakdown(shards, state, done + g.full_grads + held_input, root.gathered + g.gathered + prefetched, saved, 0))
+        moments.append(Breakdown(shards, state, done + g.full_grads + g.packed, root.gathered + prefetched, saved, 0))
+        done += g.reduce_out
+        held_input = g.packed
+    return max(moments, key=lambda b: b.total)
