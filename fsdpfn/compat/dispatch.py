@@ -38,6 +38,8 @@ def dispatch(module: nn.Module, fn: Callable[..., Any] | None, args: tuple[Any, 
     break the graph); everything else is decided by ``_entry``, eagerly."""
     st = unit_state(module)
     ctx = st.root
+    if ctx is not None and ctx.planning:  # the fusion planner's forward on fake tensors: a plain module
+        return nn.Module.__call__(module, *args, **kwargs) if fn is None else fn(*args, **kwargs)
     if ctx is None or not ctx.running or st is ctx.state:
         ctx, start = _entry_eagerly(module, st) if torch.compiler.is_compiling() else _entry(module, st)
         if ctx is None:  # an activation-checkpoint recompute in backward: the unit hooks supply the values

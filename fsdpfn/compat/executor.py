@@ -5,7 +5,8 @@ flight), units that span several modules, and ``LocalShards``, the one autograd 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,6 +86,16 @@ class CompatApply(Apply):
 
     def _validate(self, plan: Any) -> None:
         pass  # RootContext.params checks every DTensor parameter before each call
+
+    @contextlib.contextmanager
+    def planning(self) -> Iterator[None]:
+        """The first forward's fusion planner calls the root's forward on fake tensors: every
+        ``FSDPModule`` under this root then runs as a plain module (no root call, no gathers)."""
+        self.ctx.planning = True
+        try:
+            yield
+        finally:
+            self.ctx.planning = False
 
     def schedule(self, plan: ShardPlan, *, functorch: bool = False) -> Schedule:
         """The schedule of a call: resharding and explicit prefetch lists from the units' knobs, read

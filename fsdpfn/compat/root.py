@@ -50,6 +50,7 @@ class RootContext:
         self.states: dict[str, UnitState] = {}
         self.acc: dict[str, torch.Tensor] = {}  # unreduced grads of every unit (fqns are unique)
         self._fusion: Any = None  # what the plan's groups were built from
+        self.planning = False  # the first forward's fusion planner is running the module on fake tensors
         self._build()
         self.apply = CompatApply(self)
 
@@ -152,6 +153,7 @@ class RootContext:
         unit_names = list(states)
         if "" not in states:
             unit_names.insert(0, "")
+        first = self._fusion is None
         self._fusion = self._fusion_inputs(states)
         min_bytes, keys = self._fusion
         self.plan = build_plan(
@@ -174,6 +176,8 @@ class RootContext:
             ignored=tuple(ignored),
             transforms=transforms,
         )
+        if first and self._plans_groups(states, keys):
+            object.__setattr__(self.plan, "auto_fusion", True)  # the first forward may regroup (transform/fusion.py)
         for name, st in states.items():
             st.root, st.name = self, name
             if st.acc is not self.acc:  # one accumulator for all units: regrouping never strands a gradient
@@ -187,6 +191,17 @@ class RootContext:
             assert self.comm is not None
             self.link = measure_link(self.comm)
         return self.link
+
+    def _plans_groups(self, states: dict[str, UnitState], keys: dict[str, Any]) -> bool:
+        """Whether the first forward plans uneven groups, as ``fsdp``'s first call does: ``"auto"`` on the
+        root, and every unit below it sharing one key (``UnitState.fuse_key``: resharded after forward, the
+        root's mixed precision, no explicit prefetch lists or custom collectives). Only the first plan: a
+        knob changed later rebuilds with ``"auto"``'s even groups."""
+        units = {keys[n] for n in states if n}
+        if self.state.min_bucket_bytes != "auto" or len(units) != 1:
+            return False
+        reshards, mp, _, _, _, _, no_forward_list, no_backward_list, one_module, custom = next(iter(units))
+        return reshards and mp == self.state.mp_policy and no_forward_list and no_backward_list and one_module and custom is None
 
     def _fusion_inputs(self, states: dict[str, UnitState]) -> tuple[int | None, dict[str, Any]]:
         return self.state.min_bucket_bytes, {n: st.fuse_key(st is self.state) for n, st in states.items()}

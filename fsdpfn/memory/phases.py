@@ -142,6 +142,8 @@ def phase_peaks(
             moments.append(Breakdown(shards, state, done + g.full_grads + pending + in_flight.finish_scratch, held + during, saved, 0))
         launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early
         moments.append(Breakdown(shards, state, done + launched, held + prefetched, saved, 0))
+        if g.finish_scratch and not g.reduce_cast:  # finished (CPU, world > 2) while its inputs are still held
+            moments.append(Breakdown(shards, state, done + launched + g.finish_scratch, held + prefetched, saved, 0))
         if g.reduce_cast:
             cast = g.packed + g.reduce_cast + g.reduce_out + g.finish_scratch + early
             moments.append(Breakdown(shards, state, done + cast, held + prefetched, saved, 0))

@@ -116,12 +116,15 @@ def measured_step_peak(
     return StepPeak(min(peaks), tuple(g.label for g in plan.groups), plan.bucket_bytes)
 
 
-def measured_fsdp2_step_peak(model: Any, x: Any, *, units: Any, lr: float = 1e-3, repeats: int = 2) -> int:
+def measured_fsdp2_step_peak(
+    model: Any, x: Any, *, units: Any, lr: float = 1e-3, repeats: int = 2, fully_shard: Callable[..., Any] | None = None
+) -> int:
     """The peak bytes one rank holds over a warm training step of ``model`` under torch's own
-    ``fully_shard`` (each of ``units``, submodule FQNs, then the root) with ``torch.optim.AdamW`` as torch
-    builds it by default, on the same loss (``output.square().mean()``) and counted as
-    ``measured_step_peak`` counts fsdpfn's (parameters, optimizer state and ``x`` resident), so the two
-    compare. Call it on every rank (``spmd``); ``model`` is sharded here.
+    ``fully_shard`` (each of ``units``, submodule FQNs, then the root; or the ``fully_shard`` given, e.g.
+    ``fsdpfn.compat``'s) with ``torch.optim.AdamW`` as torch builds it by default, on the same loss
+    (``output.square().mean()``) and counted as ``measured_step_peak`` counts fsdpfn's (parameters,
+    optimizer state and ``x`` resident), so the two compare. Call it on every rank (``spmd``); ``model``
+    is sharded here.
 
     Example:
         >>> spmd(2, _torch_step, recipe)      # a module-level fn that builds the model and calls this  # doctest: +SKIP
@@ -129,10 +132,11 @@ def measured_fsdp2_step_peak(model: Any, x: Any, *, units: Any, lr: float = 1e-3
     import warnings
 
     import torch
-    from torch.distributed.fsdp import fully_shard
 
     import fsdpfn
 
+    if fully_shard is None:
+        from torch.distributed.fsdp import fully_shard
     mesh = fsdpfn.init_mesh()
     for name in units:
         fully_shard(model.get_submodule(name), mesh=mesh)

@@ -10,6 +10,7 @@ gathered values back so the recompute never sees the module's stale parameters.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable
@@ -97,6 +98,11 @@ class Apply(UnitHooks):
     # --- the call ---------------------------------------------------------------------------------
     def __call__(self, params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         return self.run(params, self.module, args, kwargs)
+
+    def planning(self) -> contextlib.AbstractContextManager[None]:
+        """The context the first call's fusion planner runs ``module``'s forward in (on fake tensors):
+        nothing here; the compat layer turns its FSDP dispatch off there."""
+        return contextlib.nullcontext()
 
     def new_call(self, params: Sharded[torch.Tensor], functorch: bool) -> Call:
         """The bookkeeping of one call on ``params`` (``torch.func`` transforms disable prefetch/reshard)."""
@@ -198,7 +204,8 @@ class Apply(UnitHooks):
         plan.memo.setdefault(("applies",), weakref.WeakSet()).add(self)  # what compile_step warms up
         functorch = functorch_active()
         eligible = not (functorch or traced or under_compile() or self._forward or in_backward())
-        plan_fusion(self.module, plan, args, kwargs, prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward, eligible=eligible)
+        plan_fusion(self.module, plan, args, kwargs, prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward, eligible=eligible,
+                    planning=self.planning)
         if functorch and (traced or under_compile()):
             raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
         call = self.new_call(params, functorch)

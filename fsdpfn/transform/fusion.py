@@ -15,10 +15,11 @@ run the forward on fake tensors, the plan stays as ``shard`` made it. Once per p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ContextManager
 
 from torch import nn
 
@@ -39,11 +40,13 @@ def plan_fusion(
     prefetch: int,
     reshard_after_forward: bool | Callable[[str], bool],
     eligible: bool = True,
+    planning: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> None:
     """On the first call on ``plan`` (an ``"auto"`` plan that ``first_call_fuses``), regroup its units as
     ``group_sizes_within`` chooses for this batch (``args``/``kwargs``, what ``module``'s forward takes). A
     collective on every rank; ``eligible=False`` (a call under ``torch.func`` or ``torch.compile``, where no
-    fake forward can run) keeps the plan as it is."""
+    fake forward can run) keeps the plan as it is. The planner runs ``module``'s forward on fake tensors
+    inside ``planning()`` (compat: with its FSDP dispatch turned off)."""
     if not plan.auto_fusion or plan.memo.get(("fusion_planned",)):
         return
     plan.memo[("fusion_planned",)] = True
@@ -54,11 +57,12 @@ def plan_fusion(
     sizes: tuple[int, ...] | None = None  # nothing planned: shard's groups stay (on every rank, if any rank could not plan)
     if batch is not None:
         try:
-            sizes = group_sizes_within(
-                module, plan.world, batch, units=units, optimizer=plan.memo.get(OPTIMIZER_MEMO, "none"),
-                mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                device=plan.comm.groups.device,
-            ).sizes  # fmt: skip
+            with planning():
+                sizes = group_sizes_within(
+                    module, plan.world, batch, units=units, optimizer=plan.memo.get(OPTIMIZER_MEMO, "none"),
+                    mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                    device=plan.comm.groups.device,
+                ).sizes  # fmt: skip
             if sum(sizes) != len(units):  # the planner saw other units than the plan has: keep shard's groups
                 sizes = None
         except Exception:  # a forward fake tensors cannot run: every rank learns it below
