@@ -4,7 +4,6 @@ the user fixed ``min_bucket_bytes``, and no hang when ranks see different batche
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn

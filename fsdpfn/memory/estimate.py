@@ -15,11 +15,9 @@ import torch
 from torch import nn
 
 from fsdpfn.layout import ParamInfo, build_plan
-from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
-from fsdpfn.core.exchange import PACK_BELOW, packed_share_ok
-from fsdpfn.layout.autobucket import FOREACH_PARTS, FUSED_DEVICES, LinkCost
+from fsdpfn.layout.autobucket import FUSED_DEVICES, LinkCost
 from fsdpfn.memory.activations import forward_cost
-from fsdpfn.memory.phases import GroupBytes, fsdp2_backward, phase_peaks
+from fsdpfn.memory.rank import rank_phases
 from fsdpfn.memory.result import PHASES, MemoryEstimate
 from fsdpfn.ops.shard import Units, resolve_units
 from fsdpfn.policy import MixedPrecisionPolicy
@@ -248,7 +246,7 @@ def _estimate_one(
         numel = {f: math.prod(plan.specs[f].local_shape(r)) for f in plan.params}
         layout = tuple(numel[f] for f in plan.params)
         if layout not in by_layout:
-            by_layout[layout] = _rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
+            by_layout[layout] = rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
                                              buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before,
                                              fsdp2)
             if fsdp2:  # only FSDP2's backward bound: the other phases are fsdpfn's
@@ -269,152 +267,6 @@ def _estimate_one(
         groups=tuple(g.label for g in plan.groups),
         bucket_bytes=plan.bucket_bytes,
     )
-
-
-def _rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainable: set[str], world: int, slots: int,
-                 device_type: str, scratch: bool, prefetch: int, reshard: bool | Callable[[str], bool], buffer_bytes: int, batch_bytes: int, activations: int,
-                 output_grad: int, last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int],
-                 fsdp2: bool = False) -> Any:
-    shard_bytes = {f: numel[f] * item[f] for f in plan.params}
-    grad_sizes = [shard_bytes[f] for f in plan.params if f in trainable]
-
-    def group_bytes(g: Any, as_fsdp2: bool = False) -> GroupBytes:
-        shard_grads = sum(shard_bytes[f] for f in g.fqns if f in trainable)
-        own = {f: lay.dtype == plan.dtypes[f] for lay in g.reduce for f in lay.fqns}
-        regathered = any(f in saved_params for f in g.fqns)
-        if world == 1:  # the collectives are the identity: only a dtype cast allocates
-            cast = [(f, lay.dtype) for lay in g.gather for f in lay.fqns if lay.dtype != plan.dtypes[f]]
-            full_grads = sum(numel[f] * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns)
-            cast_bytes = sum(numel[f] * d.itemsize for f, d in cast)
-            if all(own.values()):  # autograd's gradients are the reduced ones (cast members': compute dtype first)
-                return GroupBytes(cast_bytes, cast_bytes, 0, shard_grads, regathered=regathered)
-            return GroupBytes(cast_bytes, full_grads, 0, shard_grads, regathered=regathered)
-        padded = sum(lay.nbytes for lay in g.reduce)
-        full = padded * world
-        computed = {f: lay.dtype for lay in g.gather for f in lay.fqns}  # autograd's gradients: compute dtype
-        same = all(computed[f] == lay.dtype for lay in g.reduce for f in lay.fqns)
-        # sent from the gradients themselves (FSDP2 always copies them into its reduce-scatter input)
-        direct = (cpu and full >= EXCHANGE_MIN_BYTES and all(own.values()) and same and not as_fsdp2
-                  and all(packed_share_ok(lay, world, gather=False) for lay in g.reduce))
-        # a direct exchange still packs its small members (PACK_BELOW): our rows to send, the peers' inboxes
-        gather_small = sum(_small(lay) for lay in g.gather if cpu and lay.nbytes * world >= EXCHANGE_MIN_BYTES and not as_fsdp2
-                           and packed_share_ok(lay, world, gather=True))
-        return GroupBytes(
-            gathered=g.gathered_bytes(world),
-            full_grads=sum(math.prod(plan.specs[f].shape) * computed[f].itemsize for lay in g.reduce for f in lay.fqns),
-            packed=2 * (world - 1) * sum(_small(lay) for lay in g.reduce) if direct else full,
-            reduce_out=padded if all(own.values()) else shard_grads,
-            reduce_cast=0 if all(own.values()) else padded,  # reduced in another dtype, then cast
-            reduce_scratch=padded * max(0, world - 2) if cpu else 0,
-            finish_scratch=padded if cpu and world > 2 else 0,
-            regathered=regathered,
-            gather_input=sum(lay.nbytes for lay in g.gather) + (world - 1) * gather_small,
-        )
-
-    root = next((g for g in plan.groups if not g.name), None)
-    cpu = device_type != "cuda"
-    others = [g for g in plan.groups if g.name]
-    index = {g.name: k for k, g in enumerate(others)}
-    # A parameter first used after a later group started (the root's; an outer unit's around inner ones)
-    # has its gradient from that group's backward on, until its own group is reduced (gather nodes made
-    # earlier run later in backward).
-    root_early = [0] * len(others)
-    compute = {f: lay.dtype for g in plan.groups for lay in g.gather for f in lay.fqns}
-    for g in plan.groups:
-        mine = index.get(g.name, -1) if g.name else -1
-        for lay in g.reduce:
-            for f in lay.fqns:
-                unit = last_unit_before.get(f)
-                if unit is None or plan.group_of.get(unit) not in index:
-                    continue
-                nbytes = math.prod(plan.specs[f].shape) * compute[f].itemsize if world > 1 else shard_bytes[f]
-                for k in range(mine + 1, index[plan.group_of[unit]] + 1):
-                    root_early[k] += nbytes
-    enclosing = [[j for j, o in enumerate(others) if j < k and _encloses(o.name, g.name)] for k, g in enumerate(others)]
-    if fsdp2:
-        return {"fsdp2": fsdp2_backward(
-            shards=sum(shard_bytes.values()) + buffer_bytes,
-            state=slots * sum(grad_sizes),
-            batch=batch_bytes,
-            activations=activations,
-            output_grad=output_grad,
-            root=group_bytes(root, True) if root is not None else GroupBytes(0, 0, 0, 0),
-            groups=[group_bytes(g, True) for g in others],
-            saved_until=_saved_until(others, saved_before, activations),
-        )}
-    return phase_peaks(
-        shards=sum(shard_bytes.values()) + buffer_bytes,
-        state=slots * sum(grad_sizes),
-        batch=batch_bytes,
-        activations=activations,
-        output_grad=output_grad,
-        root=group_bytes(root) if root is not None else GroupBytes(0, 0, 0, 0),
-        groups=[group_bytes(g) for g in plan.groups if g.name],
-        prefetch=prefetch,
-        reshard=[_reshards(plan, g.name, reshard) for g in others],
-        temporary=_largest_foreach_group(grad_sizes) if scratch else 0,
-        root_early=root_early,
-        enclosing=enclosing,
-        saved_until=_saved_until(others, saved_before, activations),
-        prefetch_at_release=cpu,
-    )
-    # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
-
-
-
-def _small(layout: Any) -> int:
-    """Per-rank bytes of ``layout``'s members that a direct CPU exchange packs into one message per peer
-    (``fsdpfn.core.exchange.PACK_BELOW``)."""
-    item = layout.dtype.itemsize
-    return sum(spec.padded_numel * item for spec in layout.specs if spec.padded_numel * item < PACK_BELOW)
-
-
-def _reshards(plan: Any, group: str, rule: bool | Callable[[str], bool]) -> bool:
-    """Whether ``fsdp(reshard_after_forward=rule)`` drops group ``group`` after its forward: the flag, or
-    the predicate said yes for one of its units (a fused group is gathered, and dropped, as one)."""
-    if isinstance(rule, bool):
-        return rule
-    wants = []
-    for unit in plan.members(group):
-        got = rule(unit)
-        if not isinstance(got, bool):
-            raise TypeError(
-                f"fsdpfn.memory.estimate: the reshard_after_forward predicate returned {got!r} for unit {unit!r}; "
-                "it must return a bool"
-            )
-        wants.append(got)
-    return any(wants)
-
-
-def _encloses(outer: str, inner: str) -> bool:
-    """Whether a unit of (fused) group ``outer`` contains a unit of group ``inner``."""
-    return any(i.startswith(o + ".") for o in outer.split("+") for i in inner.split("+"))
-
-
-def _saved_until(groups: Sequence[Any], saved_before: dict[str, int], total: int) -> list[int]:
-    """Activations alive during each group's backward (what forward saved until the next group started),
-    and last the root's (what was saved before the first group)."""
-    starts = [min((saved_before[u] for u in g.name.split("+") if u in saved_before), default=None) for g in groups]
-    out = []
-    for k in range(len(groups)):
-        nxt = next((s for s in starts[k + 1 :] if s is not None), total)
-        out.append(nxt)
-    out.append(next((s for s in starts if s is not None), total))
-    return out
-
-
-def _largest_foreach_group(sizes: Sequence[int]) -> int:
-    """The bytes of the largest run ``fsdpfn.optim``'s ``foreach_groups`` cuts ``sizes`` into."""
-    if not sizes:
-        return 0
-    cap = max(sum(sizes) / FOREACH_PARTS, max(sizes))
-    best = held = 0
-    for n in sizes:
-        if held and held + n > cap:
-            held = 0
-        held += n
-        best = max(best, held)
-    return best
 
 
 def _check_worlds(world: Any) -> list[int]:
