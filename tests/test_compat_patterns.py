@@ -14,7 +14,7 @@ Reshard after forward on and off, fp32 and bf16 mixed precision, world sizes 1-3
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils._pytree import tree_map
@@ -187,10 +187,28 @@ def test_compat_patterns_equal_torch_and_the_reference(world, reshard, mp, seed,
     ckpt=st.sampled_from(["around", "inside"]),
     pattern=st.sampled_from(["dpo", "chunk"]),
 )
+@example(world=1, reshard=False, mp=True, seed=3472, ckpt="around", pattern="dpo")  # torch's bf16 misses BF16 here too
 def test_functional_patterns_equal_the_reference(world, reshard, mp, seed, ckpt, pattern):
     want = _reference(ckpt, pattern, world, seed)
-    for rank, got in enumerate(spmd(world, _functional, ckpt, pattern, reshard, mp, seed)):
-        _check(got, want, BF16 if mp else FP32, f"functional rank {rank}")
+    ours = spmd(world, _functional, ckpt, pattern, reshard, mp, seed)
+    theirs = spmd(world, _compat, "torch", ckpt, pattern, reshard, mp, seed) if mp else None
+    for rank, got in enumerate(ours):
+        if not mp:
+            _check(got, want, FP32, f"functional rank {rank}")
+            continue
+        # bf16 gradients against an fp32 reference: the same bf16 arithmetic as torch's FSDP2, and no further
+        # from the reference than torch is (a DPO loss's difference of log-probabilities can cancel enough for
+        # torch's own bf16 result to miss BF16's tolerance: seed 3472 above)
+        _check(got, theirs[rank], dict(rtol=1e-2, atol=1e-3), f"functional rank {rank} vs torch")
+        try:
+            _check(theirs[rank], want, BF16, f"torch rank {rank} vs reference")
+        except AssertionError:
+            for name, w in want.items():
+                ours_err = (got[name].float() - w.float()).abs().max().item()
+                torch_err = (theirs[rank][name].float() - w.float()).abs().max().item()
+                assert ours_err <= 1.5 * torch_err + BF16["atol"], (rank, name, ours_err, torch_err)
+        else:
+            _check(got, want, BF16, f"functional rank {rank}")
 
 
 @pytest.mark.parametrize("impl", ["torch", "fsdpfn"])

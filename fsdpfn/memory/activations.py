@@ -63,7 +63,8 @@ def forward_cost(
     from torch.func import functional_call
 
     args, kwargs = _split(batch)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    # compiled blocks run eagerly here: compiling them for fake inputs would fill (and evict) their caches
+    with torch.compiler.set_stance("force_eager"), FakeTensorMode(allow_non_fake_inputs=True) as mode:
         values: dict[str, torch.Tensor] = {}
         params: dict[int, str] = {}
         for fqn, p in module.named_parameters(remove_duplicate=False):
