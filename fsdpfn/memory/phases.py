@@ -38,7 +38,9 @@ class GroupBytes(NamedTuple):
     needs its parameters (autograd saved some), so a resharded group is gathered again; ``gather_input``:
     the packed shard a gather sends, held while a backward prefetch of the group is in flight;
     ``reduce_cast``: the reduction's output in its own dtype when the gradients are then cast to the
-    parameters' dtype (mixed precision: the reduction finishes at once, and ``reduce_out`` is the cast).
+    parameters' dtype (mixed precision: the reduction finishes at once, and ``reduce_out`` is the cast);
+    ``holds_inputs``: the reduction keeps the gradients themselves until it finishes (CPU direct exchanges
+    send from them), so its finishing step (``finish_scratch``) runs while they are alive.
     """
 
     gathered: int
@@ -50,6 +52,7 @@ class GroupBytes(NamedTuple):
     regathered: bool = True
     gather_input: int = 0
     reduce_cast: int = 0
+    holds_inputs: bool = False
 
 
 def phase_peaks(
@@ -142,8 +145,9 @@ def phase_peaks(
             moments.append(Breakdown(shards, state, done + g.full_grads + pending + in_flight.finish_scratch, held + during, saved, 0))
         launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early
         moments.append(Breakdown(shards, state, done + launched, held + prefetched, saved, 0))
-        if g.finish_scratch and not g.reduce_cast:  # finished (CPU, world > 2) while its inputs are still held
-            moments.append(Breakdown(shards, state, done + launched + g.finish_scratch, held + prefetched, saved, 0))
+        if g.finish_scratch and not g.reduce_cast:  # finishing (CPU, world > 2): its sum of the peers' chunks
+            finishing = (g.full_grads if g.holds_inputs else 0) + g.packed + g.reduce_out + g.reduce_scratch + g.finish_scratch + early
+            moments.append(Breakdown(shards, state, done + finishing, held + prefetched, saved, 0))
         if g.reduce_cast:
             cast = g.packed + g.reduce_cast + g.reduce_out + g.finish_scratch + early
             moments.append(Breakdown(shards, state, done + cast, held + prefetched, saved, 0))

@@ -64,6 +64,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
             finish_scratch=padded if cpu and world > 2 else 0,
             regathered=regathered,
             gather_input=sum(lay.nbytes for lay in g.gather) + (world - 1) * gather_small,
+            holds_inputs=direct,
         )
 
     root = next((g for g in plan.groups if not g.name), None)
