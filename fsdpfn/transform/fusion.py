@@ -9,7 +9,8 @@ is regrouped in place to that choice, more fused or less than ``shard``'s (whose
 may not fit). The groups may differ in size: the last units, whose backward runs before most gradients
 exist, can afford larger ones. Every collective costs a CPU step more than its bytes (a synchronisation
 of the ranks, thread wake-ups on cores that compute), so fusing is worth what memory allows (bench
-ln_mlp, world 2: 12 groups -> 8, 0.62 -> 0.54 of torch's step at 0.99 of its peak). Every rank must choose alike (``fsdpfn.core.agree``); where they do not, or the planner cannot
+ln_mlp, world 2: 12 groups -> 8, 0.60 -> 0.55 of torch's step, under its peak; bench/RESULTS.md run24).
+Every rank must choose alike (``fsdpfn.core.agree``); where they do not, or the planner cannot
 run the forward on fake tensors, the plan stays as ``shard`` made it. Once per plan.
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-
 from collections.abc import Callable
 from typing import Any, ContextManager
 
