@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fsdpfn.core.c10d import all_gather_single, reduce_scatter_single
 from fsdpfn.core.custom import CustomComms, gather_buffers, reduce_custom
-from fsdpfn.core.exchange import PACK_BELOW, Exchange, packed_share_ok
+from fsdpfn.core.exchange import Exchange, packed_share_ok
 from fsdpfn.core.guard import CollectiveError, Fingerprint, Guard
 from fsdpfn.core.handle import Handle
 from fsdpfn.core.mesh import MeshGroups, mesh_groups
@@ -240,25 +240,26 @@ class Comm:
                 self.guard.wait(work, fp2)
 
     # --- bucket collectives from unpacked tensors --------------------------------------------------
-    def direct(self, layout: BucketLayout) -> bool:
-        """Whether ``layout``'s collectives go straight between the tensors (exchanges on CPU from
-        ``exchange_min_bytes``), with no packed buffer: see ``gather_bucket``/``reduce_bucket``."""
+    def direct(self, layout: BucketLayout, *, gather: bool) -> bool:
+        """Whether ``layout``'s all-gather (``gather``) or reduce-scatter goes straight between the tensors
+        (exchanges on CPU from ``exchange_min_bytes``), with no packed buffer, unless its small members
+        would make that hold more in flight (``packed_share_ok``): see ``gather_bucket``/``reduce_bucket``."""
         groups = self.groups
+        exchange = self.exchange if gather else self.reduce_exchange
         return (
-            self.exchange is not None and groups.device_type != "cuda" and groups.world > 1 and layout.rows_contiguous
+            exchange is not None and groups.device_type != "cuda" and groups.world > 1 and layout.rows_contiguous
             and layout.numel * groups.world * layout.dtype.itemsize >= self.exchange_min_bytes
+            and packed_share_ok(layout, groups.world, gather=gather, pack_below=exchange.pack_below)
         )  # fmt: skip
 
     def gather_bucket(
         self, layout: BucketLayout, shards: Sequence[torch.Tensor | None], *, label: str = "", custom: CustomComms | None = None
     ) -> Handle:
         """All-gather a bucket's shards. The result is ``(world, numel)`` rank-major (unpack with
-        ``layout.unpack_full``) or, when ``direct(layout)``, parameter-major (``layout.unpack_direct``):
+        ``layout.unpack_full``) or, when ``direct(layout, gather=True)``, parameter-major (``layout.unpack_direct``):
         ``Handle.direct`` says which."""
         groups = self.groups
-        if not self.direct(layout) or any(t is None for t in shards) or (custom is not None and custom.gathers) or not packed_share_ok(
-            layout, groups.world, gather=True, pack_below=self.exchange.pack_below if self.exchange else PACK_BELOW
-        ):
+        if not self.direct(layout, gather=True) or any(t is None for t in shards) or (custom is not None and custom.gathers):
             if groups.device_type != "cuda" or groups.world == 1:
                 flat = layout.pack_shards(shards, groups.rank, device=groups.device)
                 return self.all_gather(flat, label=label, custom=custom)
@@ -277,7 +278,7 @@ class Comm:
         self.stats.track(buf)
         self.stats._note("all_gathers", label, layout.numel * groups.world * layout.dtype.itemsize)
         fp = self.guard.begin("all_gather", label, buf, groups.shard_group)
-        assert self.exchange is not None  # direct() says so
+        assert self.exchange is not None  # direct(gather=True) says so
         fn, unpack = self.exchange.gather_direct(layout, shards, buf)  # type: ignore[arg-type]
         handle = self._launch("gather", fn, keep=tuple(shards), result=buf, fp=fp, finish=unpack)
         handle.direct = True
@@ -293,18 +294,18 @@ class Comm:
         custom: CustomComms | None = None,
     ) -> Handle:
         """Reduce-scatter a bucket's full gradients into this rank's padded ``(numel,)`` segment (unpack
-        with ``layout.unpack_shards``), then scale; from the gradients themselves when ``direct(layout)``
+        with ``layout.unpack_shards``), then scale; from the gradients themselves when ``direct(layout, gather=False)``
         and they are contiguous in the bucket dtype, else through ``layout.pack_full``."""
         groups = self.groups
-        if (custom is not None and custom.reduces) or not self.direct(layout) or groups.replicate_group is not None or any(
+        if (custom is not None and custom.reduces) or not self.direct(layout, gather=False) or groups.replicate_group is not None or any(
             f is None or f.dtype != layout.dtype or not f.is_contiguous() for f in fulls
-        ) or not packed_share_ok(layout, groups.world, gather=False, pack_below=self.reduce_exchange.pack_below if self.reduce_exchange else PACK_BELOW):
+        ):
             full = layout.pack_full(fulls, device=groups.device)
             return self.reduce_scatter(full, scale=scale, label=label, custom=custom)
         out = torch.empty(layout.numel, dtype=layout.dtype, device=groups.device)
         self.stats._note("reduce_scatters", label, layout.numel * groups.world * layout.dtype.itemsize)
         fp = self.guard.begin("reduce_scatter", label, out, self.reduce_group)
-        assert self.reduce_exchange is not None  # direct() says so
+        assert self.reduce_exchange is not None  # direct(gather=False) says so
         fn, add, extra = self.reduce_exchange.reduce_direct(layout, fulls, out)  # type: ignore[arg-type]
 
         def finish(result: torch.Tensor) -> torch.Tensor:
