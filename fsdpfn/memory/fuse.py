@@ -92,23 +92,11 @@ def fuse_within(
     if "min_bucket_bytes" in options:
         raise TypeError("fsdpfn.memory.fuse_within: min_bucket_bytes is what it chooses; do not pass it")
     check_world_and_budget("fsdpfn.memory.fuse_within", world, budget)
-    names = resolve_units(model, units)
-    planned = step_estimator(model, batch, units=units, **options)
-    base = planned(world, None)
-    budget = _budget(model, world, planned, budget, torch_foreach, options)
-    sizes = _unit_sizes(model, world, names, options)
-    choice = FusionChoice(None, 1, base.peak, budget)
-    positive = [s for s in sizes if s > 0]
-    if world == 1 or len(positive) < 4:
-        return choice  # nothing to gather at world 1; fewer than four units leave no two groups of two
-    smallest = min(positive)
-    for k in range(2, len(names) // 2 + 1):
-        threshold = (k - 1) * smallest + 1  # a run of equal units closes at k of them
-        got = planned(world, threshold)
-        if got.peak > budget:
-            break
-        choice = FusionChoice(threshold, k, got.peak, budget)
-    return choice
+    names, planned, base, budget, sizes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
+    if world == 1 or len(sizes) < 4:
+        return FusionChoice(None, 1, base.peak, budget)  # nothing to gather at world 1; fewer than four units leave no two groups of two
+    threshold, k, got = _largest_even(planned, world, min(sizes), len(names) // 2, budget)
+    return FusionChoice(threshold, k, got.peak if got is not None else base.peak, budget)
 
 
 @dataclass(frozen=True)
@@ -163,24 +151,14 @@ def group_sizes_within(
     if "min_bucket_bytes" in options:
         raise TypeError("fsdpfn.memory.group_sizes_within: the group sizes are what it chooses; do not pass min_bucket_bytes")
     check_world_and_budget("fsdpfn.memory.group_sizes_within", world, budget)
-    names = resolve_units(model, units)
-    planned = step_estimator(model, batch, units=units, **options)
+    _, planned, base, budget, sizes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
     n = len(planned.named)  # the units that own parameters: what the plan's groups are made of
-    base = planned(world, None)
-    budget = _budget(model, world, planned, budget, torch_foreach, options)
     unfused = GroupSizes((1,) * n, base.peak, budget)
-    sizes = [s for s in _unit_sizes(model, world, names, options) if s > 0]
     if world == 1 or len(sizes) < 4 or n < 4:
         return unfused
     # even groups first (fuse_within's search, on the same estimator)
-    even = unfused
-    smallest = min(sizes)
-    for k in range(2, n // 2 + 1):
-        got = planned(world, (k - 1) * smallest + 1)
-        if got.peak > budget:
-            break
-        runs = _run_sizes(got.groups)
-        even = GroupSizes(runs, got.peak, budget)
+    _, _, got = _largest_even(planned, world, min(sizes), n // 2, budget)
+    even = GroupSizes(_run_sizes(got.groups), got.peak, budget) if got is not None else unfused
     # groups grown from the last unit back, each while the estimate stays within the budget
     done: list[int] = []  # sizes of the groups closed so far, last group first
     current, peak = 1, base.peak
@@ -196,6 +174,32 @@ def group_sizes_within(
     done.append(current)
     grown = GroupSizes(tuple(reversed(done)), peak, budget)
     return grown if grown.groups < even.groups else even
+
+
+def _search_inputs(
+    model: nn.Module, world: int, batch: Any, units: Units, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]
+) -> tuple[list[str], Any, Any, int, list[int]]:
+    """What both searches start from: the unit names, the step's estimator (forward counted once), its
+    unfused estimate, the budget (given, or torch's peak) and the sizes of the units that gather anything."""
+    names = resolve_units(model, units)
+    planned = step_estimator(model, batch, units=units, **options)
+    base = planned(world, None)
+    budget = _budget(model, world, planned, budget, torch_foreach, options)
+    return names, planned, base, budget, [s for s in _unit_sizes(model, world, names, options) if s > 0]
+
+
+def _largest_even(planned: Any, world: int, smallest: int, most: int, budget: int) -> tuple[int | None, int, Any]:
+    """Even groups of 2, 3, ... ``most`` units: ``(threshold, k, estimate)`` of the largest whose estimate
+    stays within ``budget`` (``(None, 1, None)`` when not even pairs do). A run of equal units closes at
+    ``k`` of them under ``min_bucket_bytes=(k - 1) * smallest + 1``."""
+    best: tuple[int | None, int, Any] = (None, 1, None)
+    for k in range(2, most + 1):
+        threshold = (k - 1) * smallest + 1
+        got = planned(world, threshold)
+        if got.peak > budget:
+            break
+        best = (threshold, k, got)
+    return best
 
 
 def _run_sizes(labels: tuple[str, ...]) -> tuple[int, ...]:
