@@ -197,11 +197,12 @@ class RootContext:
         root, and every unit below it sharing one key (``UnitState.fuse_key``: resharded after forward, the
         root's mixed precision, no explicit prefetch lists or custom collectives). Only the first plan: a
         knob changed later rebuilds with ``"auto"``'s even groups."""
-        units = {keys[n] for n in states if n}
-        if self.state.min_bucket_bytes != "auto" or len(units) != 1:
+        below = [n for n in states if n]
+        if self.state.min_bucket_bytes != "auto" or len({keys[n] for n in below}) != 1:
             return False
-        reshards, mp, _, _, _, _, no_forward_list, no_backward_list, one_module, custom = next(iter(units))
-        return reshards and mp == self.state.mp_policy and no_forward_list and no_backward_list and one_module and custom is None
+        st = states[below[0]]  # every unit's knobs are its
+        return (st.reshards(False) and st.mp_policy == self.state.mp_policy and st.forward_prefetch is None
+                and st.backward_prefetch is None and len(st.modules) == 1 and st.custom is None)  # fmt: skip
 
     def _fusion_inputs(self, states: dict[str, UnitState]) -> tuple[int | None, dict[str, Any]]:
         return self.state.min_bucket_bytes, {n: st.fuse_key(st is self.state) for n, st in states.items()}
