@@ -213,7 +213,9 @@ def test_group_sizes_within_stays_under_the_budget_with_no_more_groups_than_even
         assert choice.groups <= -(-n // (n // 2))  # room for everything: groups of half the units
 
 
-def _uneven_peaks(widths, batch):
+def _linear_stack(widths, batch):
+    """On a rank of ``spmd``: a builder of the stack of ``Linear`` layers (one unit each), the units and this
+    rank's ``batch`` rows of one global batch."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -224,6 +226,11 @@ def _uneven_peaks(widths, batch):
 
     units = [str(i) for i in range(len(widths) - 1)]
     x = torch.randn(batch * world, widths[0], generator=torch.Generator().manual_seed(1))[rank * batch : (rank + 1) * batch]
+    return build, units, x, world
+
+
+def _uneven_peaks(widths, batch):
+    build, units, x, world = _linear_stack(widths, batch)
     choice = fsdpfn.memory.group_sizes_within(build(), world, x, units=units, optimizer="adamw")
     got = measured_step_peak(build(), x, units=units, min_bucket_bytes="auto")  # the first call regroups
     return choice, got
@@ -240,16 +247,7 @@ def test_a_step_grouped_as_group_sizes_within_chose_stays_within_its_budget_when
 
 
 def _fused_peaks(widths, batch):
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    def build():
-        torch.manual_seed(0)
-        return nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
-
-    units = [str(i) for i in range(len(widths) - 1)]
-    x = torch.randn(batch * world, widths[0], generator=torch.Generator().manual_seed(1))[rank * batch : (rank + 1) * batch]
+    build, units, x, world = _linear_stack(widths, batch)
     choice = fsdpfn.memory.fuse_within(build(), world, x, units=units)
     fused = measured_step_peak(build(), x, units=units, min_bucket_bytes=choice.min_bucket_bytes).peak
     return choice, fused
