@@ -84,7 +84,7 @@ def _bucket_both_ways(shapes, dtype, seed, pack_below):
     """A bucket gathered and reduced packed and direct (every parameter's rows straight between tensors)."""
     import torch.distributed as dist
 
-    from fsdpfn.core.exchange import packed_share_ok
+    from fsdpfn.core.exchange import direct_route
     from fsdpfn.layout import BucketLayout, ShardSpec, shard_tensor
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -105,7 +105,7 @@ def _bucket_both_ways(shapes, dtype, seed, pack_below):
         reduced = layout.unpack_shards(comm.reduce_bucket(layout, grads, scale=0.5).wait(), rank)
         out[name] = (h.direct, [t.clone() for t in gathered], [t.clone() for t in reduced])
     # a bucket of mostly small members would hold more in flight direct than flat: it gathers flat
-    out["direct_expected"] = packed_share_ok(layout, world, gather=True, pack_below=pack_below)
+    out["direct_expected"] = direct_route(layout, world, gather=True, device_type="cpu", min_bytes=0, pack_below=pack_below)
     return out, [f.to(torch.float64) for f in fulls], world
 
 

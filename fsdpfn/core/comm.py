@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fsdpfn.core.c10d import all_gather_single, reduce_scatter_single
 from fsdpfn.core.custom import CustomComms, gather_buffers, reduce_custom
-from fsdpfn.core.exchange import Exchange, packed_share_ok
+from fsdpfn.core.exchange import Exchange, direct_route
 from fsdpfn.core.guard import CollectiveError, Fingerprint, Guard
 from fsdpfn.core.handle import Handle
 from fsdpfn.core.mesh import MeshGroups, mesh_groups
@@ -243,13 +243,11 @@ class Comm:
     def direct(self, layout: BucketLayout, *, gather: bool) -> bool:
         """Whether ``layout``'s all-gather (``gather``) or reduce-scatter goes straight between the tensors
         (exchanges on CPU from ``exchange_min_bytes``), with no packed buffer, unless its small members
-        would make that hold more in flight (``packed_share_ok``): see ``gather_bucket``/``reduce_bucket``."""
-        groups = self.groups
+        would make that hold more in flight (``direct_route``): see ``gather_bucket``/``reduce_bucket``."""
         exchange = self.exchange if gather else self.reduce_exchange
-        return (
-            exchange is not None and groups.device_type != "cuda" and groups.world > 1 and layout.rows_contiguous
-            and layout.numel * groups.world * layout.dtype.itemsize >= self.exchange_min_bytes
-            and packed_share_ok(layout, groups.world, gather=gather, pack_below=exchange.pack_below)
+        return exchange is not None and direct_route(
+            layout, self.groups.world, gather=gather, device_type=self.groups.device_type, min_bytes=self.exchange_min_bytes,
+            pack_below=exchange.pack_below,
         )  # fmt: skip
 
     def gather_bucket(

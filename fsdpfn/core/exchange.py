@@ -26,7 +26,7 @@ import torch
 
 from fsdpfn.layout import BucketLayout
 
-__all__ = ["Exchange", "Works", "PACK_BELOW", "packed_share_ok"]
+__all__ = ["Exchange", "Works", "PACK_BELOW", "direct_route", "packed_share_ok"]
 
 _TAGS = 1 << 20
 
@@ -54,6 +54,25 @@ def packed_share_ok(layout: BucketLayout, world: int, *, gather: bool, pack_belo
     total = sum(spec.padded_numel for spec in layout.specs) * item
     small = sum(spec.padded_numel * item for spec in layout.specs if spec.padded_numel * item < pack_below)
     return world * small <= total if gather else 2 * (world - 1) * small <= world * total
+
+
+def direct_route(
+    layout: BucketLayout, world: int, *, gather: bool, device_type: str, min_bytes: int, pack_below: int = PACK_BELOW
+) -> bool:
+    """Whether ``layout``'s all-gather (``gather``) or reduce-scatter may go as direct exchanges between the
+    tensors instead of through one packed buffer: CPU, several ranks, each parameter's rows contiguous in
+    its full tensor, at least ``min_bytes`` gathered, and ``packed_share_ok``. ``Comm.direct`` decides with
+    it (given a backend with point-to-point sends), and ``fsdpfn.memory`` prices the same route.
+
+    Example:
+        >>> direct_route(layout, 2, gather=True, device_type="cpu", min_bytes=1 << 20)   # doctest: +SKIP
+        True
+    """
+    return (
+        device_type != "cuda" and world > 1 and layout.rows_contiguous
+        and layout.numel * world * layout.dtype.itemsize >= min_bytes
+        and packed_share_ok(layout, world, gather=gather, pack_below=pack_below)
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

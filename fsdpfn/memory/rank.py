@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
-from fsdpfn.core.exchange import PACK_BELOW, packed_share_ok
+from fsdpfn.core.exchange import PACK_BELOW, direct_route
 from fsdpfn.layout.autobucket import FOREACH_PARTS
 from fsdpfn.memory.phases import GroupBytes, fsdp2_backward, phase_peaks
 
@@ -49,11 +49,12 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         computed = {f: lay.dtype for lay in g.gather for f in lay.fqns}  # autograd's gradients: compute dtype
         same = all(computed[f] == lay.dtype for lay in g.reduce for f in lay.fqns)
         # sent from the gradients themselves (FSDP2 always copies them into its reduce-scatter input)
-        direct = (cpu and full >= EXCHANGE_MIN_BYTES and all(own.values()) and same and not as_fsdp2
-                  and all(packed_share_ok(lay, world, gather=False) for lay in g.reduce))
+        # (the runtime's route, fsdpfn.core.Comm.direct, per layout)
+        direct = (all(own.values()) and same and not as_fsdp2
+                  and all(direct_route(lay, world, gather=False, device_type=device_type, min_bytes=EXCHANGE_MIN_BYTES) for lay in g.reduce))
         # a direct exchange still packs its small members (PACK_BELOW): our rows to send, the peers' inboxes
-        gather_small = sum(_small(lay) for lay in g.gather if cpu and lay.nbytes * world >= EXCHANGE_MIN_BYTES and not as_fsdp2
-                           and packed_share_ok(lay, world, gather=True))
+        gather_small = sum(_small(lay) for lay in g.gather
+                           if not as_fsdp2 and direct_route(lay, world, gather=True, device_type=device_type, min_bytes=EXCHANGE_MIN_BYTES))
         return GroupBytes(
             gathered=g.gathered_bytes(world),
             full_grads=sum(math.prod(plan.specs[f].shape) * computed[f].itemsize for lay in g.reduce for f in lay.fqns),
