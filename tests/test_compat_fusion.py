@@ -1,10 +1,10 @@
 """``fsdpfn.compat``'s root plans uneven collective groups at its first forward, as ``fsdp``'s first call
-does (``fsdpfn.memory.group_sizes_within``), when every unit below it shares its settings: the same losses
-as torch's ``fully_shard``, at most torch's peak, and FSDP2's one group per unit wherever a unit's knobs
-differ or ``set_min_bucket_bytes`` fixed the groups."""
+does (``fsdpfn.memory.group_sizes_within``): the same losses as torch's ``fully_shard``, at most torch's
+peak, groups only of units with equal settings (a last block kept gathered travels alone), and FSDP2's
+one group per unit where a unit's mixed precision differs from the root's."""
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -26,14 +26,28 @@ def _batch(width, batch):
     return [torch.randn(batch * world, width, generator=g)[rank * batch : (rank + 1) * batch] for _ in range(3)]
 
 
+def _shard_blocks(fully_shard, model, knob):
+    """``fully_shard`` every block, then the root; ``knob``: ``None``, ``"kept"`` (the last block is not
+    resharded after forward, as torchtitan does) or ``"mp"`` (the last block has its own policy)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    last = len(model) - 1
+    for i, block in enumerate(model):
+        options = {}
+        if knob == "kept" and i == last:
+            options["reshard_after_forward"] = False
+        if knob == "mp" and i == last:
+            options["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # fp32 already: same numbers
+        fully_shard(block, **options)
+    fully_shard(model)
+
+
 def _train(impl, width, hidden, count, batch, knob):
     import importlib
 
     fully_shard = importlib.import_module(impl).fully_shard
     model = _blocks(width, hidden, count)
-    for i, block in enumerate(model):
-        fully_shard(block, reshard_after_forward=not (knob and i == count - 1))
-    fully_shard(model)
+    _shard_blocks(fully_shard, model, knob)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for x in _batch(width, batch):
@@ -50,11 +64,15 @@ def _train(impl, width, hidden, count, batch, knob):
     return losses, groups
 
 
-def _planned(width, hidden, count, batch, world):
+def _planned(width, hidden, count, batch, world, knob=None):
     with torch.device("meta"):
         model = _blocks(width, hidden, count)
     x = torch.zeros(batch, width)
-    sizes = fsdpfn.memory.group_sizes_within(model, world, x, units=[str(i) for i in range(count)], optimizer="none").sizes
+    kept = str(count - 1) if knob == "kept" else None
+    sizes = fsdpfn.memory.group_sizes_within(
+        model, world, x, units=[str(i) for i in range(count)], optimizer="none",
+        reshard_after_forward=lambda u: u != kept, fuse_key=lambda u: u == kept,
+    ).sizes  # fmt: skip
     names, start = [], 0
     for k in sizes:
         names.append("+".join(str(i) for i in range(start, start + k)))
@@ -74,26 +92,41 @@ def test_the_first_forward_plans_the_groups_and_trains_as_torch_does(width, hidd
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
 
 
-def test_a_unit_with_its_own_knobs_keeps_one_group_per_unit():
-    # the last block kept gathered after forward: its key differs, so nothing is planned (FSDP2's groups)
-    for _, groups in spmd(2, _train, "fsdpfn.compat", 256, 1024, 6, 8, True):
+@settings(max_examples=min(settings().max_examples, 3), deadline=None)
+@given(width=st.sampled_from([64, 256]), count=st.integers(5, 8), batch=st.sampled_from([2, 8]), world=st.integers(2, 3))
+@example(width=256, count=8, batch=2, world=2)  # planned: 0, 1, 2, 3, 4+5+6, 7
+def test_a_last_block_kept_gathered_travels_alone_and_the_rest_is_planned(width, count, batch, world):
+    ours = spmd(world, _train, "fsdpfn.compat", width, 1024, count, batch, "kept")
+    theirs = spmd(world, _train, "torch.distributed.fsdp", width, 1024, count, batch, "kept")
+    want = _planned(width, 1024, count, batch, world, "kept")
+    assert want[-1] == str(count - 1)  # the planner never fuses units whose settings differ
+    for (losses, groups), (ref, _) in zip(ours, theirs):
+        assert groups == want
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_a_unit_with_its_own_mixed_precision_keeps_one_group_per_unit():
+    # the planner's estimate assumes the root's policy everywhere: a unit with another keeps FSDP2's groups
+    for _, groups in spmd(2, _train, "fsdpfn.compat", 256, 1024, 6, 8, "mp"):
         assert groups == [str(i) for i in range(6)]
 
 
-def _peaks(width, hidden, count, batch):
+def _peaks(width, hidden, count, batch, knob):
     import fsdpfn.compat
     from fsdpfn.testing.memory import measured_fsdp2_step_peak
 
     x = _batch(width, batch)[0]
     units = [str(i) for i in range(count)]
-    ours = measured_fsdp2_step_peak(_blocks(width, hidden, count), x, units=units, fully_shard=fsdpfn.compat.fully_shard)
-    theirs = measured_fsdp2_step_peak(_blocks(width, hidden, count), x, units=units)
+    options = {units[-1]: {"reshard_after_forward": False}} if knob == "kept" else None
+    ours = measured_fsdp2_step_peak(_blocks(width, hidden, count), x, units=units, fully_shard=fsdpfn.compat.fully_shard,
+                                    unit_options=options)
+    theirs = measured_fsdp2_step_peak(_blocks(width, hidden, count), x, units=units, unit_options=options)
     return ours, theirs
 
 
 @settings(max_examples=min(settings().max_examples, 4), deadline=None)
 @given(width=st.sampled_from([64, 128, 256, 384]), hidden=st.sampled_from([256, 1024]), count=st.integers(4, 8),
-       batch=st.sampled_from([2, 8, 32]), world=st.integers(2, 3))
-def test_the_planned_groups_never_raise_the_peak_above_torchs(width, hidden, count, batch, world):
-    for ours, theirs in spmd(world, _peaks, width, hidden, count, batch):
+       batch=st.sampled_from([2, 8, 32]), world=st.integers(2, 3), knob=st.sampled_from([None, "kept"]))
+def test_the_planned_groups_never_raise_the_peak_above_torchs(width, hidden, count, batch, world, knob):
+    for ours, theirs in spmd(world, _peaks, width, hidden, count, batch, knob):
         assert ours <= theirs, (ours, theirs)

@@ -213,6 +213,28 @@ def test_group_sizes_within_stays_under_the_budget_with_no_more_groups_than_even
         assert choice.groups <= -(-n // (n // 2))  # room for everything: groups of half the units
 
 
+@settings(max_examples=min(settings().max_examples, 10))
+@given(data=st.data(), world=st.integers(2, 4))
+def test_group_sizes_within_never_fuses_units_whose_keys_differ(data, world):
+    widths = data.draw(st.lists(st.integers(4, 48), min_size=5, max_size=13))
+    n = len(widths) - 1
+    keys = data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+    units = [str(i) for i in range(n)]
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    x = torch.zeros(data.draw(st.integers(1, 64)), widths[0])
+    budget = 10**12  # room for any fusion: only the keys keep units apart
+    choice = fsdpfn.memory.group_sizes_within(model, world, x, units=units, budget=budget, fuse_key=lambda u: keys[int(u)])
+    start = 0
+    for k in choice.sizes:
+        assert len(set(keys[start : start + k])) == 1, (choice.sizes, keys)
+        start += k
+    same = fsdpfn.memory.group_sizes_within(model, world, x, units=units, budget=budget, fuse_key=lambda u: 0)
+    assert same == fsdpfn.memory.group_sizes_within(model, world, x, units=units, budget=budget)  # one key: no constraint
+    if n >= 4 and keys == sorted(keys) and len(set(keys)) > 1:
+        assert choice.groups < n  # runs of equal keys still fuse (the longest has >= 2 units when n >= 4 and keys <= 3)
+
+
 def _linear_stack(widths, batch):
     """On a rank of ``spmd``: a builder of the stack of ``Linear`` layers (one unit each), the units and this
     rank's ``batch`` rows of one global batch."""
@@ -426,6 +448,7 @@ def test_activations_are_what_the_forward_saves():
         (dict(fuse=True, min_bucket_bytes=1), TypeError, r"fuse_within: min_bucket_bytes is what it chooses"),
         (dict(groups=True, min_bucket_bytes=1), TypeError, r"group_sizes_within: the group sizes are what it chooses"),
         (dict(groups=True, budget=-1), ValueError, r"group_sizes_within: budget must be an int >= 0"),
+        (dict(groups=True, fuse_key="reshard"), TypeError, r"group_sizes_within: fuse_key must be a function of unit names"),
         (dict(units=["0", "1"], group_sizes=(1, 2)), ValueError, r"group_sizes must be ints >= 1 adding up to the 2 units"),
         (dict(units=["0", "1"], group_sizes=(2, 0)), ValueError, r"group_sizes must be ints >= 1 adding up to the 2 units"),
         (dict(units=["0", "1"], group_sizes=(2,), min_bucket_bytes=8), ValueError, r"pass min_bucket_bytes or group_sizes, not both"),

@@ -6,7 +6,7 @@ flight), units that span several modules, and ``LocalShards``, the one autograd 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -86,6 +86,12 @@ class CompatApply(Apply):
 
     def _validate(self, plan: Any) -> None:
         pass  # RootContext.params checks every DTensor parameter before each call
+
+    def fusion_rules(self) -> tuple[Callable[[str], bool], Callable[[str], Hashable]]:
+        """Each unit's own ``reshard_after_forward``, and its ``UnitState.fuse_key``: units with different
+        settings never share a group."""
+        keys = self.ctx.fuse_keys()
+        return self.ctx.reshards, keys.__getitem__
 
     @contextlib.contextmanager
     def planning(self) -> Iterator[None]:

@@ -176,7 +176,7 @@ class RootContext:
             ignored=tuple(ignored),
             transforms=transforms,
         )
-        if first and self._plans_groups(states, keys):
+        if first and self._plans_groups(states):
             object.__setattr__(self.plan, "auto_fusion", True)  # the first forward may regroup (transform/fusion.py)
         for name, st in states.items():
             st.root, st.name = self, name
@@ -192,17 +192,25 @@ class RootContext:
             self.link = measure_link(self.comm)
         return self.link
 
-    def _plans_groups(self, states: dict[str, UnitState], keys: dict[str, Any]) -> bool:
+    def _plans_groups(self, states: dict[str, UnitState]) -> bool:
         """Whether the first forward plans uneven groups, as ``fsdp``'s first call does: ``"auto"`` on the
-        root, and every unit below it sharing one key (``UnitState.fuse_key``: resharded after forward, the
-        root's mixed precision, no explicit prefetch lists or custom collectives). Only the first plan: a
-        knob changed later rebuilds with ``"auto"``'s even groups."""
-        below = [n for n in states if n]
-        if self.state.min_bucket_bytes != "auto" or len({keys[n] for n in below}) != 1:
+        root, and every unit below it with the root's mixed precision, one module, no explicit prefetch
+        lists and no custom collectives (what the planner's estimate models). Units whose other settings
+        differ (``UnitState.fuse_key``: a last block kept gathered after forward, say) are planned in runs
+        of equal keys. Only the first plan: a knob changed later rebuilds with ``"auto"``'s even groups."""
+        if self.state.min_bucket_bytes != "auto":
             return False
-        st = states[below[0]]  # every unit's knobs are its
-        return (st.reshards(False) and st.mp_policy == self.state.mp_policy and st.forward_prefetch is None
-                and st.backward_prefetch is None and len(st.modules) == 1 and st.custom is None)  # fmt: skip
+        return all(
+            st.mp_policy == self.state.mp_policy and st.forward_prefetch is None and st.backward_prefetch is None
+            and len(st.modules) == 1 and st.custom is None
+            for name, st in states.items() if name
+        )  # fmt: skip
+
+    def fuse_keys(self) -> dict[str, Any]:
+        """Each unit's ``UnitState.fuse_key`` as the current plan was built with: units fuse only where
+        their keys agree."""
+        assert self._fusion is not None
+        return self._fusion[1]
 
     def _fusion_inputs(self, states: dict[str, UnitState]) -> tuple[int | None, dict[str, Any]]:
         return self.state.min_bucket_bytes, {n: st.fuse_key(st is self.state) for n, st in states.items()}

@@ -20,6 +20,7 @@ gather still overlaps another's compute.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +129,7 @@ def group_sizes_within(
     units: Units = None,
     budget: int | None = None,
     torch_foreach: bool | None = None,
+    fuse_key: Callable[[str], Hashable] | None = None,
     **options: Any,
 ) -> GroupSizes:
     """Fuse consecutive units into groups of possibly different sizes whose step ``fsdpfn.memory.estimate``
@@ -138,7 +140,10 @@ def group_sizes_within(
     gradients exist, so they can travel in larger groups than the first units, whose backward ends the
     step with every gradient alive. The search grows groups from the last unit back (one estimate per
     unit, the forward counted once), each as large as the budget allows and at most half the units, and
-    keeps ``fuse_within``'s even groups when those are fewer.
+    keeps ``fuse_within``'s even groups when those are fewer. ``fuse_key`` (a function of unit names):
+    units whose keys differ never share a group (the compat layer's units with different ``FSDPModule``
+    settings, such as a last block kept gathered after forward); the groups then grow within each run
+    of equal keys, and no even grouping is tried.
 
     Example:
         >>> import torch
@@ -151,19 +156,23 @@ def group_sizes_within(
     if "min_bucket_bytes" in options:
         raise TypeError("fsdpfn.memory.group_sizes_within: the group sizes are what it chooses; do not pass min_bucket_bytes")
     check_world_and_budget("fsdpfn.memory.group_sizes_within", world, budget)
+    if fuse_key is not None and not callable(fuse_key):
+        raise TypeError(f"fsdpfn.memory.group_sizes_within: fuse_key must be a function of unit names or None, got {fuse_key!r}")
     _, planned, base, budget, sizes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
     n = len(planned.named)  # the units that own parameters: what the plan's groups are made of
     unfused = GroupSizes((1,) * n, base.peak, budget)
     if world == 1 or len(sizes) < 4 or n < 4:
         return unfused
-    # even groups first (fuse_within's search, on the same estimator)
-    _, _, got = _largest_even(planned, world, min(sizes), n // 2, budget)
-    even = GroupSizes(_run_sizes(got.groups), got.peak, budget) if got is not None else unfused
+    keys = [None] * n if fuse_key is None else [fuse_key(u) for u in planned.named]
+    even = unfused
+    if len(set(keys)) == 1:  # even groups first (fuse_within's search, on the same estimator)
+        _, _, got = _largest_even(planned, world, min(sizes), n // 2, budget)
+        even = GroupSizes(_run_sizes(got.groups), got.peak, budget) if got is not None else unfused
     # groups grown from the last unit back, each while the estimate stays within the budget
     done: list[int] = []  # sizes of the groups closed so far, last group first
     current, peak = 1, base.peak
     for i in range(n - 2, -1, -1):  # unit i joins the current group (units i+1 ..) or starts the next
-        if current < n // 2:
+        if current < n // 2 and keys[i] == keys[i + 1]:
             trial = (1,) * i + (current + 1,) + tuple(reversed(done))
             got = planned(world, trial)
             if got.peak <= budget:

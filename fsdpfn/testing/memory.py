@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 __all__ = ["StepPeak", "measured_fsdp2_step_peak", "measured_step_peak", "memory_tracker", "saved_bytes"]
@@ -117,14 +117,22 @@ def measured_step_peak(
 
 
 def measured_fsdp2_step_peak(
-    model: Any, x: Any, *, units: Any, lr: float = 1e-3, repeats: int = 2, fully_shard: Callable[..., Any] | None = None
+    model: Any,
+    x: Any,
+    *,
+    units: Any,
+    lr: float = 1e-3,
+    repeats: int = 2,
+    fully_shard: Callable[..., Any] | None = None,
+    unit_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> int:
     """The peak bytes one rank holds over a warm training step of ``model`` under torch's own
     ``fully_shard`` (each of ``units``, submodule FQNs, then the root; or the ``fully_shard`` given, e.g.
     ``fsdpfn.compat``'s) with ``torch.optim.AdamW`` as torch builds it by default, on the same loss
     (``output.square().mean()``) and counted as ``measured_step_peak`` counts fsdpfn's (parameters,
-    optimizer state and ``x`` resident), so the two compare. Call it on every rank (``spmd``); ``model``
-    is sharded here.
+    optimizer state and ``x`` resident), so the two compare. ``unit_options[name]``: more keyword arguments
+    of that unit's ``fully_shard`` (``{"reshard_after_forward": False}``). Call it on every rank
+    (``spmd``); ``model`` is sharded here.
 
     Example:
         >>> spmd(2, _torch_step, recipe)      # a module-level fn that builds the model and calls this  # doctest: +SKIP
@@ -139,7 +147,7 @@ def measured_fsdp2_step_peak(
         from torch.distributed.fsdp import fully_shard
     mesh = fsdpfn.init_mesh()
     for name in units:
-        fully_shard(model.get_submodule(name), mesh=mesh)
+        fully_shard(model.get_submodule(name), mesh=mesh, **(unit_options or {}).get(name, {}))
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -103,6 +103,11 @@ class Apply(UnitHooks):
         """The context the first call's fusion planner runs ``module``'s forward in (on fake tensors):
         nothing here; the compat layer turns its FSDP dispatch off there."""
         return contextlib.nullcontext()
+
+    def fusion_rules(self) -> tuple[bool | Callable[[str], bool], Callable[[str], Hashable] | None]:
+        """What the first call's fusion planner is told of the units: which are resharded after forward,
+        and a key that units sharing a group must agree on (``None``: any neighbours may)."""
+        return self.reshard_after_forward, None
 
     def new_call(self, params: Sharded[torch.Tensor], functorch: bool) -> Call:
         """The bookkeeping of one call on ``params`` (``torch.func`` transforms disable prefetch/reshard)."""
@@ -204,8 +209,10 @@ class Apply(UnitHooks):
         plan.memo.setdefault(("applies",), weakref.WeakSet()).add(self)  # what compile_step warms up
         functorch = functorch_active()
         eligible = not (functorch or traced or under_compile() or self._forward or in_backward())
-        plan_fusion(self.module, plan, args, kwargs, prefetch=self.prefetch, reshard_after_forward=self.reshard_after_forward, eligible=eligible,
-                    planning=self.planning)
+        if plan.auto_fusion:
+            reshard_rule, fuse_key = self.fusion_rules()
+            plan_fusion(self.module, plan, args, kwargs, prefetch=self.prefetch, reshard_after_forward=reshard_rule, fuse_key=fuse_key,
+                        eligible=eligible, planning=self.planning)
         if functorch and (traced or under_compile()):
             raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
         call = self.new_call(params, functorch)

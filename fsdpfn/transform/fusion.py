@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, ContextManager
 
 from torch import nn
@@ -39,6 +39,7 @@ def plan_fusion(
     *,
     prefetch: int,
     reshard_after_forward: bool | Callable[[str], bool],
+    fuse_key: Callable[[str], Hashable] | None = None,
     eligible: bool = True,
     planning: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
 ) -> None:
@@ -46,7 +47,8 @@ def plan_fusion(
     ``group_sizes_within`` chooses for this batch (``args``/``kwargs``, what ``module``'s forward takes). A
     collective on every rank; ``eligible=False`` (a call under ``torch.func`` or ``torch.compile``, where no
     fake forward can run) keeps the plan as it is. The planner runs ``module``'s forward on fake tensors
-    inside ``planning()`` (compat: with its FSDP dispatch turned off)."""
+    inside ``planning()`` (compat: with its FSDP dispatch turned off); units whose ``fuse_key`` differ
+    never share a group (compat: units with different ``FSDPModule`` settings)."""
     if not plan.auto_fusion or plan.memo.get(("fusion_planned",)):
         return
     plan.memo[("fusion_planned",)] = True
@@ -61,7 +63,7 @@ def plan_fusion(
                 sizes = group_sizes_within(
                     module, plan.world, batch, units=units, optimizer=plan.memo.get(OPTIMIZER_MEMO, "none"),
                     mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                    device=plan.comm.groups.device,
+                    fuse_key=fuse_key, device=plan.comm.groups.device,
                 ).sizes  # fmt: skip
             if sum(sizes) != len(units):  # the planner saw other units than the plan has: keep shard's groups
                 sizes = None
