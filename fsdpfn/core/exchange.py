@@ -161,8 +161,8 @@ class Exchange:
             return Works(works)
 
         def add(result: torch.Tensor) -> None:
-            if len(extra):
-                result.add_(extra.sum(0))
+            for chunk in extra:  # in place, one chunk at a time: no chunk-sized sum beside them
+                result.add_(chunk)
             result.add_(full[self.rank])
 
         return fn, add, extra
@@ -281,8 +281,8 @@ class Exchange:
                     if n:
                         target[offsets[i] : offsets[i] + n].copy_(box[pos : pos + n])
                         pos += n
-            if len(extra):
-                result.add_(extra.sum(0))
+            for chunk in extra:  # in place, one chunk at a time: no chunk-sized sum beside them
+                result.add_(chunk)
             for i, (off, f) in enumerate(zip(offsets, flat)):
                 start, stop = rows[i][me]
                 if stop > start:

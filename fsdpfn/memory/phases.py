@@ -34,13 +34,11 @@ class GroupBytes(NamedTuple):
     flat copy of them the reduction sends (0 where it sends the gradients themselves); ``reduce_out``:
     this rank's reduced gradients (they stay until the optimizer step); ``reduce_scratch``: what the
     reduction holds besides its input and output while in flight (CPU: the chunks of the peers beyond the
-    first); ``finish_scratch``: what finishing it adds (CPU: their sum); ``regathered``: whether backward
+    first, summed into the output in place); ``regathered``: whether backward
     needs its parameters (autograd saved some), so a resharded group is gathered again; ``gather_input``:
     the packed shard a gather sends, held while a backward prefetch of the group is in flight;
     ``reduce_cast``: the reduction's output in its own dtype when the gradients are then cast to the
-    parameters' dtype (mixed precision: the reduction finishes at once, and ``reduce_out`` is the cast);
-    ``holds_inputs``: the reduction keeps the gradients themselves until it finishes (CPU direct exchanges
-    send from them), so its finishing step (``finish_scratch``) runs while they are alive.
+    parameters' dtype (mixed precision: the reduction finishes at once, and ``reduce_out`` is the cast).
     """
 
     gathered: int
@@ -48,11 +46,9 @@ class GroupBytes(NamedTuple):
     packed: int
     reduce_out: int
     reduce_scratch: int = 0
-    finish_scratch: int = 0
     regathered: bool = True
     gather_input: int = 0
     reduce_cast: int = 0
-    holds_inputs: bool = False
 
 
 def phase_peaks(
@@ -141,15 +137,10 @@ def phase_peaks(
         if in_flight is not None and not finishes:
             pending += in_flight.packed + in_flight.reduce_scratch
         moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + during + mine, saved, 0))
-        if in_flight is not None and not finishes:
-            moments.append(Breakdown(shards, state, done + g.full_grads + pending + in_flight.finish_scratch, held + during, saved, 0))
         launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early
         moments.append(Breakdown(shards, state, done + launched, held + prefetched, saved, 0))
-        if g.finish_scratch and not g.reduce_cast:  # finishing (CPU, world > 2): its sum of the peers' chunks
-            finishing = (g.full_grads if g.holds_inputs else 0) + g.packed + g.reduce_out + g.reduce_scratch + g.finish_scratch + early
-            moments.append(Breakdown(shards, state, done + finishing, held + prefetched, saved, 0))
         if g.reduce_cast:
-            cast = g.packed + g.reduce_cast + g.reduce_out + g.finish_scratch + early
+            cast = g.packed + g.reduce_cast + g.reduce_out + early
             moments.append(Breakdown(shards, state, done + cast, held + prefetched, saved, 0))
         done += g.reduce_out
         in_flight = None if g.reduce_cast else g

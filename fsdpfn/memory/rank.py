@@ -62,10 +62,8 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
             reduce_out=padded if all(own.values()) else shard_grads,
             reduce_cast=0 if all(own.values()) else padded,  # reduced in another dtype, then cast
             reduce_scratch=padded * max(0, world - 2) if cpu else 0,
-            finish_scratch=padded if cpu and world > 2 else 0,
             regathered=regathered,
             gather_input=sum(lay.nbytes for lay in g.gather) + (world - 1) * gather_small,
-            holds_inputs=direct,
         )
 
     root = next((g for g in plan.groups if not g.name), None)
