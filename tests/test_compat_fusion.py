@@ -1,6 +1,7 @@
 """``fsdpfn.compat``'s root plans uneven collective groups at its first forward, as ``fsdp``'s first call
 does (``fsdpfn.memory.group_sizes_within``): the same losses as torch's ``fully_shard``, at most torch's
-peak, groups only of units with equal settings (a last block kept gathered travels alone), and FSDP2's
+peak, groups only of units with equal settings (blocks kept gathered after forward, as torchtitan keeps
+the last, travel apart from resharded ones), and FSDP2's
 one group per unit where a unit's mixed precision differs from the root's."""
 
 import torch
@@ -27,15 +28,16 @@ def _batch(width, batch):
 
 
 def _shard_blocks(fully_shard, model, knob):
-    """``fully_shard`` every block, then the root; ``knob``: ``None``, ``"kept"`` (the last block is not
-    resharded after forward, as torchtitan does) or ``"mp"`` (the last block has its own policy)."""
+    """``fully_shard`` every block, then the root; ``knob``: ``None``, a tuple of ``reshard_after_forward``
+    flags, one per block (torchtitan keeps the last block: ``(True, ..., True, False)``), or ``"mp"`` (the
+    last block has its own policy)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     last = len(model) - 1
     for i, block in enumerate(model):
         options = {}
-        if knob == "kept" and i == last:
-            options["reshard_after_forward"] = False
+        if isinstance(knob, tuple):
+            options["reshard_after_forward"] = knob[i]
         if knob == "mp" and i == last:
             options["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # fp32 already: same numbers
         fully_shard(block, **options)
@@ -68,10 +70,10 @@ def _planned(width, hidden, count, batch, world, knob=None):
     with torch.device("meta"):
         model = _blocks(width, hidden, count)
     x = torch.zeros(batch, width)
-    kept = str(count - 1) if knob == "kept" else None
+    kept = {str(i) for i, r in enumerate(knob) if not r} if isinstance(knob, tuple) else set()
     sizes = fsdpfn.memory.group_sizes_within(
         model, world, x, units=[str(i) for i in range(count)], optimizer="none",
-        reshard_after_forward=lambda u: u != kept, fuse_key=lambda u: u == kept,
+        reshard_after_forward=lambda u: u not in kept, fuse_key=lambda u: u in kept,
     ).sizes  # fmt: skip
     names, start = [], 0
     for k in sizes:
@@ -92,14 +94,17 @@ def test_the_first_forward_plans_the_groups_and_trains_as_torch_does(width, hidd
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
 
 
-@settings(max_examples=min(settings().max_examples, 3), deadline=None)
-@given(width=st.sampled_from([64, 256]), count=st.integers(5, 8), batch=st.sampled_from([2, 8]), world=st.integers(2, 3))
-@example(width=256, count=8, batch=2, world=2)  # planned: 0, 1, 2, 3, 4+5+6, 7
-def test_a_last_block_kept_gathered_travels_alone_and_the_rest_is_planned(width, count, batch, world):
-    ours = spmd(world, _train, "fsdpfn.compat", width, 1024, count, batch, "kept")
-    theirs = spmd(world, _train, "torch.distributed.fsdp", width, 1024, count, batch, "kept")
-    want = _planned(width, 1024, count, batch, world, "kept")
-    assert want[-1] == str(count - 1)  # the planner never fuses units whose settings differ
+@settings(max_examples=min(settings().max_examples, 4), deadline=None)
+@given(width=st.sampled_from([64, 256]), flags=st.lists(st.sampled_from([True, True, True, False]), min_size=5, max_size=8).map(tuple),
+       batch=st.sampled_from([2, 8]), world=st.integers(2, 3))
+@example(width=256, flags=(True,) * 7 + (False,), batch=2, world=2)  # torchtitan's: 0, 1, 2, 3, 4+5+6, 7
+def test_blocks_kept_gathered_travel_apart_and_the_runs_between_them_are_planned(width, flags, batch, world):
+    count = len(flags)
+    ours = spmd(world, _train, "fsdpfn.compat", width, 1024, count, batch, flags)
+    theirs = spmd(world, _train, "torch.distributed.fsdp", width, 1024, count, batch, flags)
+    want = _planned(width, 1024, count, batch, world, flags)
+    for group in want:  # the planner never fuses units whose settings differ
+        assert len({flags[int(u)] for u in group.split("+")}) == 1, (want, flags)
     for (losses, groups), (ref, _) in zip(ours, theirs):
         assert groups == want
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
@@ -111,13 +116,13 @@ def test_a_unit_with_its_own_mixed_precision_keeps_one_group_per_unit():
         assert groups == [str(i) for i in range(6)]
 
 
-def _peaks(width, hidden, count, batch, knob):
+def _peaks(width, hidden, count, batch, kept_last):
     import fsdpfn.compat
     from fsdpfn.testing.memory import measured_fsdp2_step_peak
 
     x = _batch(width, batch)[0]
     units = [str(i) for i in range(count)]
-    options = {units[-1]: {"reshard_after_forward": False}} if knob == "kept" else None
+    options = {units[-1]: {"reshard_after_forward": False}} if kept_last else None  # torchtitan's recipe
     ours = measured_fsdp2_step_peak(_blocks(width, hidden, count), x, units=units, fully_shard=fsdpfn.compat.fully_shard,
                                     unit_options=options)
     theirs = measured_fsdp2_step_peak(_blocks(width, hidden, count), x, units=units, unit_options=options)
@@ -126,7 +131,7 @@ def _peaks(width, hidden, count, batch, knob):
 
 @settings(max_examples=min(settings().max_examples, 4), deadline=None)
 @given(width=st.sampled_from([64, 128, 256, 384]), hidden=st.sampled_from([256, 1024]), count=st.integers(4, 8),
-       batch=st.sampled_from([2, 8, 32]), world=st.integers(2, 3), knob=st.sampled_from([None, "kept"]))
-def test_the_planned_groups_never_raise_the_peak_above_torchs(width, hidden, count, batch, world, knob):
-    for ours, theirs in spmd(world, _peaks, width, hidden, count, batch, knob):
+       batch=st.sampled_from([2, 8, 32]), world=st.integers(2, 3), kept_last=st.booleans())
+def test_the_planned_groups_never_raise_the_peak_above_torchs(width, hidden, count, batch, world, kept_last):
+    for ours, theirs in spmd(world, _peaks, width, hidden, count, batch, kept_last):
         assert ours <= theirs, (ours, theirs)
