@@ -223,7 +223,13 @@ def add_ratios(variants: dict[str, dict[str, Any]], sharded: tuple[str, ...], co
             if "cpu_s" in local and "comm_cpu_s" in r and cores_per_rank:
                 # The work itself: a rank's compute and its communication both take CPU time (gloo copies
                 # bytes on the CPU); on ``cores_per_rank`` cores they can overlap no further than this.
-                cpu_floor = max(floor, (local["cpu_s"] + r["comm_cpu_s"]) / cores_per_rank)
+                # Compute is local's forward and backward plus the variant's own optimizer update (on its
+                # shards, with its kernel), where both were timed; else local's whole step.
+                compute = local["cpu_s"]
+                if local.get("opt_cpu_s") is not None and r.get("opt_cpu_s") is not None:
+                    compute = local["cpu_s"] - local["opt_cpu_s"] + r["opt_cpu_s"]
+                r["cpu_floor_compute_s"] = compute
+                cpu_floor = max(floor, (compute + r["comm_cpu_s"]) / cores_per_rank)
                 r["cpu_floor_s"] = cpu_floor
                 r["step_vs_cpu_floor"] = r["step_s"] / cpu_floor
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -67,6 +68,10 @@ class Variant:
     # {"foreach": True} or {"fused": True}
     torch_adamw_kernel: dict[str, bool] = {}
     compile_options: dict[str, Any] | None = None  # inductor options of the traced step (bench/step.py --compile-options)
+    # CPU seconds (this thread) the last step's optimizer update took; None where the step does not
+    # separate it (a traced step compiles the update in): the CPU floor (bench_measure.add_ratios) counts
+    # each variant's own update, not local's
+    opt_cpu_s: float | None = None
 
     def __init__(self, base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, dtype: torch.dtype):
         self.spec, self.mesh, self.device, self.dtype = spec, mesh, device, dtype
@@ -99,8 +104,10 @@ class _ModuleVariant(Variant):
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = self._forward_loss(x, y)
         loss.backward()
+        t0 = time.thread_time()
         self.opt.step()
         self.opt.zero_grad()
+        self.opt_cpu_s = time.thread_time() - t0
         return loss.detach()
 
     def resident(self) -> list[torch.Tensor]:
@@ -252,7 +259,9 @@ class Functional(Variant):
             loss, self.params, self.state = self.compiled_step(self.params, self.state, x, y)
             return loss
         loss, grads = self.value_and_grad(self.params, x, y)
+        t0 = time.thread_time()
         self.params, self.state = self.opt.update(grads, self.state, self.params)
+        self.opt_cpu_s = time.thread_time() - t0
         return loss
 
     def resident(self) -> list[torch.Tensor]:

@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {n: [] for n in names}
     cpus: dict[str, list[float]] = {n: [] for n in names}  # process CPU seconds per step
     thread_cpus: dict[str, dict[str, list[float]]] = {n: {k: [] for k in THREAD_KINDS} for n in names}
+    opt_cpus: dict[str, list[float]] = {n: [] for n in names}  # CPU seconds of the optimizer update per step
     last_loss: dict[str, torch.Tensor] = {}
     ref_loss: torch.Tensor | None = None
     peaks: dict[str, float] = {}
@@ -282,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                     cpus[n].append(cpu)
                     for kind in THREAD_KINDS:
                         thread_cpus[n][kind].append(by_thread.get(kind, 0.0))
+                    if v.opt_cpu_s is not None:
+                        opt_cpus[n].append(v.opt_cpu_s)
         ref_loss = reference_step(step) if reference is not None else last_loss.get("local")
         if probe:  # collectives alone, right after the recorded step
             comm: dict[str, list[float]] = {n: [] for n in names if variants[n].sharded}
@@ -311,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         # where that CPU went, by thread (median per step, mean over ranks): main = compute + Python +
         # launching collectives (gloo's sender-side writes run here too), gloo = its transport threads
         r["cpu_by_thread_s"] = {k: statistics.median(reduce_mean(thread_cpus[n][k], world)) for k in THREAD_KINDS}
+        if len(opt_cpus[n]) == len(times[n]):  # every measured step timed its update (the same on every rank)
+            r["opt_cpu_s"] = statistics.median(reduce_max(opt_cpus[n], world))
         if breakdown[n]:
             r["peak_breakdown_mib"] = breakdown[n]  # rank 0's, by MemTracker category
         if n == "local":

@@ -47,6 +47,7 @@ def test_step_benchmark_smoke(tmp_path):
         by_thread = r["cpu_by_thread_s"]  # where the step's CPU went: the Python thread computes
         assert set(by_thread) == {"main", "gloo", "other"} and by_thread["main"] > 0
         assert sum(by_thread.values()) <= 1.5 * r["cpu_s"] + 0.01, (by_thread, r["cpu_s"])
+        assert 0 < r["opt_cpu_s"] <= by_thread["main"] + 0.01  # the update, on the main thread
     for name in ("torch", "functional"):
         assert SHARDED_KEYS <= variants[name].keys(), (name, variants[name].keys())
     assert variants["torch"]["step_vs_torch"] == 1.0
@@ -174,3 +175,26 @@ def test_emulated_link_refuses_a_real_world():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "step.py"), "--model", "overhead", "--tiny", "--device", "cpu",
                            "--emulate-link", "1"], capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert proc.returncode == 2 and "--emulate-link needs --fake-world" in proc.stderr
+
+
+def test_the_cpu_floor_counts_each_variants_own_optimizer_update(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from bench_measure import add_ratios
+
+    def variants(functional_opt):
+        local = {"step_s": 0.10, "cpu_s": 0.10, "opt_cpu_s": 0.03, "peak_mib": 10.0}
+        functional = {"step_s": 0.12, "cpu_s": 0.11, "comm_s": 0.05, "comm_cpu_s": 0.04, "peak_mib": 9.0}
+        if functional_opt is not None:
+            functional["opt_cpu_s"] = functional_opt
+        return {"local": local, "functional": functional}
+
+    timed = variants(0.01)
+    add_ratios(timed, ("functional",), cores_per_rank=1.0)
+    r = timed["functional"]
+    assert r["cpu_floor_compute_s"] == pytest.approx(0.10 - 0.03 + 0.01)  # local's forward + backward, its own update
+    assert r["cpu_floor_s"] == pytest.approx(0.08 + 0.04)
+    assert r["step_vs_cpu_floor"] == pytest.approx(0.12 / 0.12)
+    untimed = variants(None)  # a traced step compiles its update in: local's whole step stands in
+    add_ratios(untimed, ("functional",), cores_per_rank=1.0)
+    assert untimed["functional"]["cpu_floor_compute_s"] == pytest.approx(0.10)
+    assert untimed["functional"]["cpu_floor_s"] == pytest.approx(0.14)
