@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn.compat.checks import check_materialized, state_name
 from fsdpfn.compat.executor import CompatApply, LocalShards
+from fsdpfn.compat.planned import PlannedGroups, plans_groups
 from fsdpfn.compat.state import UnitState, drop_unsharded, sharded_as, state_of
 from fsdpfn.compat.tp import TPParam
 from fsdpfn.core import Comm, measure_link
@@ -50,12 +51,14 @@ class RootContext:
         self.states: dict[str, UnitState] = {}
         self.acc: dict[str, torch.Tensor] = {}  # unreduced grads of every unit (fqns are unique)
         self._fusion: Any = None  # what the plan's groups were built from
+        self.planned = PlannedGroups()  # the groups the first forward plans (compat/planned.py)
         self.planning = False  # the first forward's fusion planner is running the module on fake tensors
         self._build()
         self.apply = CompatApply(self)
 
     # --- set-up -----------------------------------------------------------------------------------
     def _build(self) -> None:
+        self.planned.note(getattr(self, "plan", None))
         """Collect the states below the root and make one plan over them."""
         if len(self.state.modules) > 1:
             raise RuntimeError(
@@ -176,8 +179,11 @@ class RootContext:
             ignored=tuple(ignored),
             transforms=transforms,
         )
-        if first and self._plans_groups(states):
+        if first and plans_groups(self.state, states):
             object.__setattr__(self.plan, "auto_fusion", True)  # the first forward may regroup (transform/fusion.py)
+            self.planned.start(self.state, states)
+        elif not first:
+            self.planned.reapply(self.plan, self.state, states, keys)
         for name, st in states.items():
             st.root, st.name = self, name
             if st.acc is not self.acc:  # one accumulator for all units: regrouping never strands a gradient
@@ -191,20 +197,6 @@ class RootContext:
             assert self.comm is not None
             self.link = measure_link(self.comm)
         return self.link
-
-    def _plans_groups(self, states: dict[str, UnitState]) -> bool:
-        """Whether the first forward plans uneven groups, as ``fsdp``'s first call does: ``"auto"`` on the
-        root, and every unit below it with the root's mixed precision, one module, no explicit prefetch
-        lists and no custom collectives (what the planner's estimate models). Units whose other settings
-        differ (``UnitState.fuse_key``: a last block kept gathered after forward, say) are planned in runs
-        of equal keys. Only the first plan: a knob changed later rebuilds with ``"auto"``'s even groups."""
-        if self.state.min_bucket_bytes != "auto":
-            return False
-        return all(
-            st.mp_policy == self.state.mp_policy and st.forward_prefetch is None and st.backward_prefetch is None
-            and len(st.modules) == 1 and st.custom is None
-            for name, st in states.items() if name
-        )  # fmt: skip
 
     def fuse_keys(self) -> dict[str, Any]:
         """Each unit's ``UnitState.fuse_key`` as the current plan was built with: units fuse only where

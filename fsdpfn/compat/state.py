@@ -85,10 +85,15 @@ class UnitState:
 
     def fuse_key(self, is_root: bool) -> tuple[Any, ...]:
         """Units fuse only with neighbours that agree on every knob a collective group shares."""
+        return (*self.plan_key(is_root), self.requires_gradient_sync, self.requires_all_reduce)
+
+    def plan_key(self, is_root: bool) -> tuple[Any, ...]:
+        """``fuse_key`` without the gradient-sync switches: the knobs a planned grouping was priced with.
+        Gradient accumulation toggles ``set_requires_gradient_sync`` on every unit alike, which keeps the
+        groups the first forward planned (``RootContext``)."""
         return (
-            self.reshards(is_root), self.mp_policy, self.divide_factor, self.requires_gradient_sync,
-            self.requires_all_reduce, self.reduce_scatter_unused, self.forward_prefetch is None,
-            self.backward_prefetch is None, len(self.modules) == 1,
+            self.reshards(is_root), self.mp_policy, self.divide_factor, self.reduce_scatter_unused,
+            self.forward_prefetch is None, self.backward_prefetch is None, len(self.modules) == 1,
             None if self.custom is None else id(self),  # custom collectives run per unit, as in FSDP2
         )  # fmt: skip
 

@@ -1,0 +1,83 @@
+"""The collective groups a compat root's first forward plans, and keeping them across rebuilds.
+
+A compat root plans uneven groups at its first forward, as ``fsdp``'s first call does
+(``fsdpfn.transform.fusion``, ``fsdpfn.memory.group_sizes_within``), when the planner's estimate models
+every unit below it: the root's mixed precision, one module per unit, no explicit prefetch lists and no
+custom collectives. Units whose other settings differ (``UnitState.fuse_key``: a last block kept gathered
+after forward, say) are planned in runs of equal keys.
+
+A knob changed later rebuilds the root's plan. Gradient accumulation toggles
+``set_requires_gradient_sync`` on every unit, every few steps: the rebuild then keeps the planned groups
+(``UnitState.plan_key``, the knobs they were priced with, is unchanged); any other change leaves
+``min_bucket_bytes="auto"``'s groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fsdpfn.compat.state import UnitState
+from fsdpfn.layout import ShardPlan
+
+__all__ = ["PlannedGroups", "plans_groups"]
+
+
+def plans_groups(root: UnitState, states: Mapping[str, UnitState]) -> bool:
+    """Whether a plan of ``states`` (unit name -> state, ``""`` the root's) under ``root`` is one the
+    first forward plans: ``"auto"`` on the root and every other unit as the planner's estimate models it.
+
+    Example:
+        >>> plans_groups(root_state, {"": root_state, "blocks.0": block_state})   # doctest: +SKIP
+        True
+    """
+    if root.min_bucket_bytes != "auto":
+        return False
+    return all(
+        st.mp_policy == root.mp_policy and st.forward_prefetch is None and st.backward_prefetch is None
+        and len(st.modules) == 1 and st.custom is None
+        for name, st in states.items() if name
+    )  # fmt: skip
+
+
+class PlannedGroups:
+    """The grouping a root's first forward planned: noted before the plan is rebuilt, applied again to
+    the rebuilt plan where only gradient-sync switches changed.
+
+    Example:
+        >>> planned = PlannedGroups()
+        >>> planned.note(old_plan)                       # before a rebuild   # doctest: +SKIP
+        >>> planned.reapply(new_plan, root, states, keys)  # after it           # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[str, Any] = {}  # each unit's plan_key when the first plan was made
+        self.groups: tuple[list[str], tuple[int, ...]] | None = None  # (unit names, group sizes)
+
+    def start(self, root: UnitState, states: Mapping[str, UnitState]) -> None:
+        """The first plan is about to be planned: remember the knobs it is priced with."""
+        self.keys = {n: st.plan_key(st is root) for n, st in states.items()}
+
+    def note(self, plan: ShardPlan | None) -> None:
+        """Before a rebuild: remember ``plan``'s groups if the first forward planned them."""
+        if self.groups is None and plan is not None and plan.auto_fusion and plan.memo.get(("fusion_planned",)):
+            names = [u.name for u in plan.units if u.name]
+            self.groups = (names, tuple(len(plan.members(g.name)) for g in plan.groups if g.name))
+
+    def reapply(self, plan: ShardPlan, root: UnitState, states: Mapping[str, UnitState], keys: Mapping[str, Any]) -> bool:
+        """Regroup the rebuilt ``plan`` as planned when its units are the same, every unit's ``plan_key``
+        is unchanged and each group's units share a ``fuse_key`` in ``keys``; returns whether it did."""
+        if self.groups is None or not plans_groups(root, states):
+            return False
+        names, sizes = self.groups
+        if [u.name for u in plan.units if u.name] != names:
+            return False
+        if any(st.plan_key(st is root) != self.keys.get(n) for n, st in states.items()):
+            return False
+        start = 0
+        for k in sizes:
+            if len({keys[u] for u in names[start : start + k]}) != 1:
+                return False
+            start += k
+        plan.regroup(sizes=sizes)
+        return True
