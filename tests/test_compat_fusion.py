@@ -183,3 +183,76 @@ def test_gradient_accumulation_keeps_the_planned_groups(count, micro, world):
         assert all(groups == want for groups in seen), (seen, want)  # toggling sync keeps them
         # another knob (what the grouping was priced with) changed: "auto"'s groups, one unit each here
         assert after == [str(i) for i in range(count)]
+
+
+class _Titan(nn.Module):
+    """torchtitan's layout: token embeddings, blocks, a final norm and the output head."""
+
+    def __init__(self, vocab, width, count):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = nn.Embedding(vocab, width)
+        self.layers = _blocks(width, 4 * width, count)
+        self.norm = nn.LayerNorm(width)
+        self.output = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx):
+        return self.output(self.norm(self.layers(self.tok(idx))))
+
+
+def _titan(impl, vocab, width, count):
+    """torchtitan's recipe: the embeddings, each block, ``[norm, output]`` kept gathered after forward, the
+    root; AdamW; the losses of 3 steps, the last step's peak and (compat) the groups."""
+    import importlib
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from fsdpfn.testing.memory import memory_tracker
+
+    fully_shard = importlib.import_module(impl).fully_shard
+    model = _Titan(vocab, width, count)
+    fully_shard(model.tok)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard([model.norm, model.output], reshard_after_forward=False)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    data = [(torch.randint(0, vocab, (4, 16), generator=g), torch.randint(0, vocab, (4, 16), generator=g)) for _ in range(3)]
+
+    def step(x, y):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    losses = [step(*data[i]) for i in range(2)]
+    tracker = memory_tracker()
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    tracker.track_external(*model.parameters(), *model.buffers(), *state)
+    with tracker:
+        losses.append(step(*data[2]))
+    peak = max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
+    groups = None
+    if impl == "fsdpfn.compat":
+        from fsdpfn.compat.state import state_of
+
+        groups = [gr.name for gr in state_of(model).root.plan.groups if gr.name]
+    return losses, peak, groups
+
+
+@settings(max_examples=min(settings().max_examples, 3), deadline=None)
+@given(vocab=st.sampled_from([500, 2000]), width=st.sampled_from([128, 192, 256]), count=st.integers(4, 8), world=st.integers(2, 3))
+@example(vocab=500, width=256, count=6, world=2)  # planned: tok+layers.0, 1, 2, 3, 4+5, norm (+output)
+def test_torchtitans_recipe_is_planned_and_trains_as_torch_within_its_peak(vocab, width, count, world):
+    ours = spmd(world, _titan, "fsdpfn.compat", vocab, width, count)
+    theirs = spmd(world, _titan, "torch.distributed.fsdp", vocab, width, count)
+    want = ["tok"] + [f"layers.{i}" for i in range(count)] + ["norm"]
+    for (losses, peak, groups), (ref, ref_peak, _) in zip(ours, theirs):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+        assert peak <= ref_peak, (peak, ref_peak)
+        assert "+".join(groups) == "+".join(want) and groups[-1] == "norm"  # the same units, in order; the kept unit alone
+        if (vocab, width, count, world) == (500, 256, 6, 2):
+            assert len(groups) < len(want)  # fused where memory allows (before: one group per unit)

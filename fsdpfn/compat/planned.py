@@ -2,9 +2,11 @@
 
 A compat root plans uneven groups at its first forward, as ``fsdp``'s first call does
 (``fsdpfn.transform.fusion``, ``fsdpfn.memory.group_sizes_within``), when the planner's estimate models
-every unit below it: the root's mixed precision, one module per unit, no explicit prefetch lists and no
-custom collectives. Units whose other settings differ (``UnitState.fuse_key``: a last block kept gathered
-after forward, say) are planned in runs of equal keys.
+every unit below it: the root's mixed precision, no explicit prefetch lists and no custom collectives.
+Units whose other settings differ (``UnitState.fuse_key``: a last block kept gathered after forward,
+units of several modules) are planned in runs of equal keys. The estimate knows units by one module's
+name: a unit of several modules counts as its first module, and the others' parameters as the root's,
+gathered for the whole step (more than they hold, never less).
 
 A knob changed later rebuilds the root's plan. Gradient accumulation toggles
 ``set_requires_gradient_sync`` on every unit, every few steps: the rebuild then keeps the planned groups
@@ -34,10 +36,9 @@ def plans_groups(root: UnitState, states: Mapping[str, UnitState]) -> bool:
     if root.min_bucket_bytes != "auto":
         return False
     return all(
-        st.mp_policy == root.mp_policy and st.forward_prefetch is None and st.backward_prefetch is None
-        and len(st.modules) == 1 and st.custom is None
+        st.mp_policy == root.mp_policy and st.forward_prefetch is None and st.backward_prefetch is None and st.custom is None
         for name, st in states.items() if name
-    )  # fmt: skip
+    )
 
 
 class PlannedGroups:
