@@ -189,3 +189,46 @@ def test_the_first_calls_groups_never_raise_the_peak_above_torchs_fully_shard(wi
     for ours, theirs, modelled in spmd(world, _against_fsdp2, width, hidden, norm, count, batch):
         assert ours.peak <= theirs, (ours, theirs)
         assert modelled <= 1.05 * theirs, (modelled, theirs)  # the activations' share is modelled alike for both
+
+
+def _kept_steps(widths, batch, kept, min_bucket_bytes):
+    """Two AdamW steps with ``fsdp(reshard_after_forward=rule)`` keeping the units in ``kept`` gathered;
+    the groups after the first call and the losses and first gradients."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _stack(widths)
+    units = [str(i) for i in range(len(widths) - 1)]
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=min_bucket_bytes)
+    opt = fsdpfn.optim.adamw(lr=1e-2)
+    state = opt.init(params)
+    apply = fsdpfn.fsdp(model, reshard_after_forward=lambda unit: unit not in kept)
+    g = torch.Generator().manual_seed(3)
+    losses, first = [], None
+    for _ in range(2):
+        x = torch.randn(batch * world, widths[0], generator=g)[rank * batch : (rank + 1) * batch]
+        loss, grads = fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())(params)
+        losses.append(loss.item())
+        first = first if first is not None else {k: v.clone() for k, v in grads.items()}
+        params, state = opt.update(grads, state, params)
+    return [u.name for u in params.plan.groups if u.name], losses, first
+
+
+@settings(max_examples=min(settings().max_examples, 4), deadline=None)
+@given(widths=st.lists(st.integers(8, 40), min_size=6, max_size=16), batch=st.integers(1, 8), world=st.integers(2, 3),
+       last=st.integers(1, 3))
+def test_the_first_call_never_fuses_a_unit_kept_gathered_with_one_that_is_not(widths, batch, world, last):
+    n = len(widths) - 1
+    kept = {str(i) for i in range(n - last, n)}  # keep_gathered's shape: the last units
+    auto = spmd(world, _kept_steps, widths, batch, kept, "auto")
+    plain = spmd(world, _kept_steps, widths, batch, kept, None)
+    rule = lambda unit: unit not in kept  # noqa: E731
+    choice = fsdpfn.memory.group_sizes_within(_stack(widths), world, torch.zeros(batch, widths[0]), units=[str(i) for i in range(n)],
+                                              reshard_after_forward=rule, fuse_key=rule)
+    for (groups, losses, grads), (_, ref_losses, ref_grads) in zip(auto, plain):
+        assert groups == _runs(choice.sizes)
+        for group in groups:
+            assert len({u in kept for u in group.split("+")}) == 1, (groups, kept)
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        for k in grads:
+            torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6)

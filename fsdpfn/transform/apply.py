@@ -106,8 +106,11 @@ class Apply(UnitHooks):
 
     def fusion_rules(self) -> tuple[bool | Callable[[str], bool], Callable[[str], Hashable] | None]:
         """What the first call's fusion planner is told of the units: which are resharded after forward,
-        and a key that units sharing a group must agree on (``None``: any neighbours may)."""
-        return self.reshard_after_forward, None
+        and a key that units sharing a group must agree on (``None``: any neighbours may). With a
+        ``reshard_after_forward`` predicate that key is the predicate: a unit kept gathered is never fused
+        with one that is not (a fused group reshards when any member does, which would drop the keep)."""
+        rule = self.reshard_after_forward
+        return rule, None if isinstance(rule, bool) else rule
 
     def new_call(self, params: Sharded[torch.Tensor], functorch: bool) -> Call:
         """The bookkeeping of one call on ``params`` (``torch.func`` transforms disable prefetch/reshard)."""
