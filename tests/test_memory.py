@@ -449,6 +449,8 @@ def test_activations_are_what_the_forward_saves():
         (dict(groups=True, min_bucket_bytes=1), TypeError, r"group_sizes_within: the group sizes are what it chooses"),
         (dict(groups=True, budget=-1), ValueError, r"group_sizes_within: budget must be an int >= 0"),
         (dict(groups=True, fuse_key="reshard"), TypeError, r"group_sizes_within: fuse_key must be a function of unit names"),
+        (dict(groups=True, fuse_key=lambda unit: [unit], units=["0", "1"]), TypeError,
+         r"fuse_key returned \['0'\] for unit '0'; it must return a hashable value"),
         (dict(units=["0", "1"], group_sizes=(1, 2)), ValueError, r"group_sizes must be ints >= 1 adding up to the 2 units"),
         (dict(units=["0", "1"], group_sizes=(2, 0)), ValueError, r"group_sizes must be ints >= 1 adding up to the 2 units"),
         (dict(units=["0", "1"], group_sizes=(2,), min_bucket_bytes=8), ValueError, r"pass min_bucket_bytes or group_sizes, not both"),

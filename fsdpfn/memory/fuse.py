@@ -160,10 +160,13 @@ def group_sizes_within(
         raise TypeError(f"fsdpfn.memory.group_sizes_within: fuse_key must be a function of unit names or None, got {fuse_key!r}")
     _, planned, base, budget, sizes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
     n = len(planned.named)  # the units that own parameters: what the plan's groups are made of
+    keys = [None] * n if fuse_key is None else [fuse_key(u) for u in planned.named]
+    for unit, key in zip(planned.named, keys):
+        if not isinstance(key, Hashable):
+            raise TypeError(f"fsdpfn.memory.group_sizes_within: fuse_key returned {key!r} for unit {unit!r}; it must return a hashable value")
     unfused = GroupSizes((1,) * n, base.peak, budget)
     if world == 1 or len(sizes) < 4 or n < 4:
         return unfused
-    keys = [None] * n if fuse_key is None else [fuse_key(u) for u in planned.named]
     even = unfused
     if len(set(keys)) == 1:  # even groups first (fuse_within's search, on the same estimator)
         _, _, got = _largest_even(planned, world, min(sizes), n // 2, budget)
