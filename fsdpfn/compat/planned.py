@@ -21,6 +21,7 @@ from typing import Any
 
 from fsdpfn.compat.state import UnitState
 from fsdpfn.layout import ShardPlan
+from fsdpfn.layout.plan import FUSION_PLANNED_MEMO
 
 __all__ = ["PlannedGroups", "plans_groups"]
 
@@ -61,7 +62,7 @@ class PlannedGroups:
 
     def note(self, plan: ShardPlan | None) -> None:
         """Before a rebuild: remember ``plan``'s groups if the first forward planned them."""
-        if self.groups is None and plan is not None and plan.auto_fusion and plan.memo.get(("fusion_planned",)):
+        if self.groups is None and plan is not None and plan.auto_fusion and plan.memo.get(FUSION_PLANNED_MEMO):
             names = [u.name for u in plan.units if u.name]
             self.groups = (names, tuple(len(plan.members(g.name)) for g in plan.groups if g.name))
 

@@ -58,8 +58,8 @@ class RootContext:
 
     # --- set-up -----------------------------------------------------------------------------------
     def _build(self) -> None:
-        self.planned.note(getattr(self, "plan", None))
         """Collect the states below the root and make one plan over them."""
+        self.planned.note(getattr(self, "plan", None))
         if len(self.state.modules) > 1:
             raise RuntimeError(
                 f"{state_name(self.state.kind)} requires a single root module but got {self.state.modules}\n"

@@ -200,8 +200,10 @@ class ShardPlan:
 # fsdpfn.optim's ``init`` notes here which optimizer updates this plan's shards ("adamw", "sgd", ...):
 # the first call's fusion plans the step's memory for it
 OPTIMIZER_MEMO = ("optimizer",)
+# set once the first call's fusion planner has run on this plan (transform/fusion.py; compat reads it)
+FUSION_PLANNED_MEMO = ("fusion_planned",)
 # memo entries that are state, not derived from the groups: kept by ``ShardPlan.regroup``
-_PLAN_STATE = frozenset({"applies", "checkpoint.world_comm", "optimizer", "fusion_planned"})
+_PLAN_STATE = frozenset({"applies", "checkpoint.world_comm", OPTIMIZER_MEMO[0], FUSION_PLANNED_MEMO[0]})
 
 
 def build_plan(

@@ -25,7 +25,7 @@ from torch import nn
 
 from fsdpfn.core import agree
 from fsdpfn.layout import ShardPlan
-from fsdpfn.layout.plan import OPTIMIZER_MEMO
+from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, OPTIMIZER_MEMO
 from fsdpfn.memory.fuse import first_call_fuses, group_sizes_within
 
 __all__ = ["plan_fusion"]
@@ -49,9 +49,9 @@ def plan_fusion(
     fake forward can run) keeps the plan as it is. The planner runs ``module``'s forward on fake tensors
     inside ``planning()`` (compat: with its FSDP dispatch turned off); units whose ``fuse_key`` differ
     never share a group (compat: units with different ``FSDPModule`` settings)."""
-    if not plan.auto_fusion or plan.memo.get(("fusion_planned",)):
+    if not plan.auto_fusion or plan.memo.get(FUSION_PLANNED_MEMO):
         return
-    plan.memo[("fusion_planned",)] = True
+    plan.memo[FUSION_PLANNED_MEMO] = True
     units = [u.name for u in plan.units if u.name]
     if not eligible or plan.tp or plan.transforms or plan.comm is None or not first_call_fuses(plan.world, plan.replicas, len(units)):
         return  # the same on every rank: no agreement needed
