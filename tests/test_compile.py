@@ -510,6 +510,12 @@ _R = ModelRecipe("transformer", (4, 6, 3, 5, 7), seed=3, seq=3)
 @given(cfg=func_configs())
 @example(cfg=FuncCfg(2, _R, ("blocks.0", "blocks.1"), "loss+before", fuse=10**6, mp=True, ckpt="unit"))
 @example(cfg=FuncCfg(3, _R, ("inp", "blocks.0.qkv", "blocks.1", "head"), "after", False, prefetch=2, ckpt="inside"))
+@example(  # a random draw found the torch.nn unit in checkpointed blocks of two widths (test above, narrowed)
+    cfg=FuncCfg(
+        1, ModelRecipe("transformer", (4, 5, 4, 5, 4), seed=0, seq=2),
+        ("inp", "blocks.0", "blocks.0.qkv", "blocks.0.proj", "blocks.0.up"), "before", False, 0, ckpt="unit",
+    )
+)  # fmt: skip
 def test_functional_compiled_training_matches_eager(cfg):
     _check_func(cfg)
 
@@ -538,6 +544,15 @@ CKPT_NESTED = ModelRecipe("transformer", (4, 8, 6, 4, 8, 9), seed=4, seq=3)
 
 def test_functional_checkpoint_around_a_compiled_block_holding_a_unit():
     _check_func(FuncCfg(2, CKPT_NESTED, ("blocks.0.qkv",), "before", ckpt="unit"))
+
+
+# A unit of one of torch's own classes (the up projection, an nn.Linear) inside checkpointed compiled blocks of
+# two hidden widths: dynamo compiles a hooked nn.Linear's forward as its own frame, and stops compiling that
+# code for good when it meets the other block's hookless Linear of another shape, which happens between the
+# first block's forward and its recompute; fsdpfn keeps such a unit's forward eager from the start.
+def test_functional_checkpoint_around_a_compiled_block_holding_a_torch_nn_unit():
+    recipe = ModelRecipe("transformer", (4, 5, 4, 7, 4), seed=0, seq=2)
+    _check_func(FuncCfg(2, recipe, ("blocks.0.up",), "before", reshard=False, prefetch=0, ckpt="unit"))
 
 
 def test_compat_checkpoint_around_a_compiled_block_holding_a_unit():

@@ -15,8 +15,9 @@ from types import FrameType
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
-__all__ = ["REASON", "caller_frame", "eager", "functorch_active", "in_backward", "on_stack", "stable_graph_choice", "under_compile"]
+__all__ = ["REASON", "caller_frame", "eager", "functorch_active", "in_backward", "on_stack", "stable_graph_choice", "under_compile", "uncompiled_forward"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -89,6 +90,35 @@ def stable_graph_choice() -> None:
     if setter is not None:
         setter(False)
 
+
+_INBUILT = ("torch.nn.", "torch.ao.")
+
+
+def uncompiled_forward(module: nn.Module) -> None:
+    """Have dynamo never compile ``module``'s forward as a frame of its own: a unit that is one of torch's
+    own module classes then runs eagerly between the compiled pieces around it, in every forward and in
+    every activation-checkpoint recompute alike (torch's ``fully_shard`` units do the same: their classes
+    are not ``torch.nn``'s).
+
+    Dynamo compiles the forward of a ``torch.nn`` class as its own frame only when that module has hooks
+    (a unit does), and stops compiling that code for good the first time it meets an instance without
+    hooks (every ``nn.Linear`` shares one ``forward``). Between a forward and its recompute that switch
+    can flip, and the recompute then saves other tensors than the forward did: torch's CheckpointError.
+    Marking the code skipped from the start makes the choice the same every time. Other classes' forwards
+    are left alone (they compile whether hooked or not). Process-wide and idempotent, as dynamo's own mark.
+
+    Example:
+        >>> uncompiled_forward(torch.nn.Linear(2, 2))
+    """
+    cls = type(module)
+    if not cls.__module__.startswith(_INBUILT) or _skip_code is None:
+        return
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    if code is not None:
+        _skip_code(code)
+
+
+_skip_code = getattr(torch._dynamo.eval_frame, "skip_code", None)
 
 _INTERNAL = tuple(
     os.path.dirname(os.path.abspath(f)) + os.sep for f in (os.path.dirname(__file__), torch._dynamo.__file__)

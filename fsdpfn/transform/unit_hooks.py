@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.transform.casting import cast_inputs, cast_output
-from fsdpfn.transform.eager import eager, functorch_active, in_backward, stable_graph_choice
+from fsdpfn.transform.eager import eager, functorch_active, in_backward, stable_graph_choice, uncompiled_forward
 from fsdpfn.transform.traced import enter_unit, exit_unit
 
 if TYPE_CHECKING:
@@ -116,7 +116,8 @@ class UnitHooks:
 
     def _pre_hook(self, name: str) -> Callable[..., Any]:
         @eager  # the eager executor: compiled code breaks around it
-        def eager_pre(_mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        def eager_pre(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            uncompiled_forward(mod)  # every time: torch._dynamo.reset() forgets the mark
             if self._remat_depth or (self._forward and name in self._forward[-1].call.remat_units):
                 self._unit_swaps.setdefault(name, []).append([])  # remat gathers and swaps itself
                 return None
