@@ -165,6 +165,43 @@ def _live_bytes():
     return before, during, still, stats.live_gathered_bytes, stats.peak_gathered_bytes
 
 
+def _flat_gather_peak(shapes, exchange_min_bytes):
+    """Peak bytes held while a bucket is gathered flat (rank-major), with the shards; and what the shards and
+    the result alone take."""
+    import torch.distributed as dist
+
+    from fsdpfn.layout import BucketLayout, ShardSpec, shard_tensor
+    from fsdpfn.testing.memory import memory_tracker
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    specs = [ShardSpec(s, world) for s in shapes]
+    layout = BucketLayout.build([f"p{i}" for i in range(len(shapes))], specs, torch.float32)
+    fulls = [torch.arange(sp.numel, dtype=torch.float32).reshape(s) + 100 * i for i, (s, sp) in enumerate(zip(shapes, specs))]
+    shards = [shard_tensor(f, sp, rank) for f, sp in zip(fulls, specs)]
+    comm = Comm(fsdpfn.init_mesh())
+    comm.exchange_min_bytes = exchange_min_bytes
+    comm.exchange.pack_below = 1 << 62  # every member small: a direct exchange would hold more, so it goes flat
+    tracker = memory_tracker()
+    tracker.track_external(*shards)
+    with tracker:
+        h = comm.gather_bucket(layout, shards)
+        buf = h.wait()
+    peak = max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
+    got = layout.unpack_full(buf)
+    alone = sum(t.untyped_storage().nbytes() for t in shards) + buf.untyped_storage().nbytes()
+    return peak, alone, h.direct, all(torch.equal(g, f) for g, f in zip(got, fulls))
+
+
+@pytest.mark.parametrize("exchange_min_bytes", [0, 1 << 62])  # point-to-point exchange, gloo's all_gather
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_flat_gather_sends_from_its_own_result(world, exchange_min_bytes):
+    # FSDP2 gathers in place (our shards packed into our row of the result); so does fsdpfn: a gather in
+    # flight holds its result and nothing else (no packed send buffer of 1/world of the bucket beside it)
+    for peak, alone, direct, equal in spmd(world, _flat_gather_peak, [(7, 3), (5,), (2, 9)], exchange_min_bytes):
+        assert not direct and equal
+        assert peak == alone, (peak, alone)
+
+
 def _link_worker(shape):
     from fsdpfn.core import measure_link
 

@@ -6,8 +6,9 @@ result. On CPU the collective is gloo async work running on gloo's own thread, s
 while it is in flight. On CUDA it runs on a side stream: the side stream first waits for the current
 stream (inputs ready), the result is handed back through an event, and the input buffer is kept alive by
 the handle until the waiting stream is ordered after the event — no ``record_stream``. A bucket's copy-in
-(``gather_bucket``: packing the shards, with their cast) runs on that side stream too, into a buffer
-allocated on the current stream; the handle keeps the shards alive as well.
+(``gather_bucket``: packing the shards, with their cast) runs on that side stream too, straight into
+this rank's row of the result (in place, as FSDP2 gathers: no send buffer beside it), allocated on the
+current stream; the handle keeps the shards alive as well.
 
 All-gathers move raw bytes (any dtype, bool and complex included). Reduce-scatters sum in the buffer's
 dtype and scale afterwards, since gloo has no ``PREMUL_SUM``: NCCL's reduce-scatter (complex as pairs of
@@ -173,6 +174,12 @@ class Comm:
             fp = self.guard.begin("all_gather", label, flat, self.groups.shard_group)
             return self._launch("gather", fn, keep=(flat,), result=out, fp=fp)
         out = flat.new_empty((world, *flat.shape))
+        return self._all_gather_into(out, flat, label=label, keep=(flat,))
+
+    def _all_gather_into(self, out: torch.Tensor, flat: torch.Tensor, *, label: str, keep: tuple) -> Handle:
+        """All-gather ``flat`` into ``out`` (``(world, *flat.shape)``); ``flat`` may be ``out[rank]`` itself
+        (in place: no send buffer beside the result, as FSDP2 gathers)."""
+        world = self.groups.world
         self.stats.track(out)
         self.stats._note("all_gathers", label, out.numel() * out.element_size())
         if flat.numel() == 0:
@@ -182,9 +189,9 @@ class Comm:
         send, recv = _as_bytes(flat), _as_bytes(out)
         if self.exchange is not None and flat.device.type != "cuda" and out.nbytes >= self.exchange_min_bytes:
             fn = self.exchange.gather_flat(send, recv.view(world, -1))
-            return self._launch("gather", fn, keep=(flat,), result=out, fp=fp)
+            return self._launch("gather", fn, keep=keep, result=out, fp=fp)
         return self._launch(
-            "gather", lambda a: all_gather_single(recv, send, group=group, async_op=a), keep=(flat,), result=out, fp=fp
+            "gather", lambda a: all_gather_single(recv, send, group=group, async_op=a), keep=keep, result=out, fp=fp
         )
 
     def reduce_scatter(
@@ -258,20 +265,24 @@ class Comm:
         ``Handle.direct`` says which."""
         groups = self.groups
         if not self.direct(layout, gather=True) or any(t is None for t in shards) or (custom is not None and custom.gathers):
-            if groups.device_type != "cuda" or groups.world == 1:
+            if groups.world == 1 or (custom is not None and custom.all_gather is not None):
                 flat = layout.pack_shards(shards, groups.rank, device=groups.device)
                 return self.all_gather(flat, label=label, custom=custom)
+            # In place, as FSDP2 gathers: our shards are packed straight into our row of the result, so
+            # no send buffer sits beside it (1/world of the bucket less per gather in flight).
+            out = torch.empty((groups.world, layout.numel), dtype=layout.dtype, device=groups.device)
+            mine = out[groups.rank]
+            if groups.device_type != "cuda":
+                layout.pack_shards(shards, groups.rank, out=mine)
+                return self._all_gather_into(out, mine, label=label, keep=())
             # CUDA: the copy-in (and its cast) runs on the gather stream, off the compute stream, like the
-            # collective after it. The buffer is allocated on the current stream, which frees it after
-            # waiting for the gather (no record_stream); the shards are kept as long as the buffer.
-            flat = torch.empty(layout.numel, dtype=layout.dtype, device=groups.device)
+            # collective after it. The result is allocated on the current stream, which frees it after
+            # waiting for the gather (no record_stream); the shards are kept until then.
             stream = self._stream("gather")
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                layout.pack_shards(shards, groups.rank, out=flat)
-            handle = self.all_gather(flat, label=label, custom=custom)
-            handle.keep_also(tuple(shards))
-            return handle
+                layout.pack_shards(shards, groups.rank, out=mine)
+            return self._all_gather_into(out, mine, label=label, keep=tuple(shards))
         buf = torch.empty(layout.full_numel, dtype=layout.dtype, device=groups.device)
         self.stats.track(buf)
         self.stats._note("all_gathers", label, layout.numel * groups.world * layout.dtype.itemsize)

@@ -135,13 +135,15 @@ class Exchange:
 
     # --- rank-major buffers (the layout's packed form) --------------------------------------------
     def gather_flat(self, send: torch.Tensor, rows: torch.Tensor) -> Callable[[bool], Works]:
-        """Fill ``rows`` (``(world, n)`` raw bytes) with every rank's ``send`` (``n`` raw bytes)."""
+        """Fill ``rows`` (``(world, n)`` raw bytes) with every rank's ``send`` (``n`` raw bytes; may be
+        ``rows[rank]`` itself)."""
         tag = self.tags()
 
         def fn(_async: bool) -> Works:
             works = [self._recv(rows[j], j, tag) for j in self.others]
             works += [self._send(send, j, tag) for j in self.others]
-            rows[self.rank].copy_(send)
+            if rows[self.rank].data_ptr() != send.data_ptr():  # else gathered in place
+                rows[self.rank].copy_(send)
             return Works(works)
 
         return fn

@@ -36,7 +36,9 @@ class GroupBytes(NamedTuple):
     reduction holds besides its input and output while in flight (CPU: the chunks of the peers beyond the
     first, summed into the output in place); ``regathered``: whether backward
     needs its parameters (autograd saved some), so a resharded group is gathered again; ``gather_input``:
-    the packed shard a gather sends, held while a backward prefetch of the group is in flight;
+    what a gather holds besides its result while a backward prefetch of the group is in flight (a CPU
+    direct exchange's small members packed: our rows and the peers' inboxes; the others send from
+    their own result, as FSDP2's gathers do);
     ``reduce_cast``: the reduction's output in its own dtype when the gradients are then cast to the
     parameters' dtype (mixed precision: the reduction finishes at once, and ``reduce_out`` is the cast).
     """

@@ -52,7 +52,9 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         # (the runtime's route, fsdpfn.core.Comm.direct, per layout)
         direct = (all(own.values()) and same and not as_fsdp2
                   and all(direct_route(lay, world, gather=False, device_type=device_type, min_bytes=EXCHANGE_MIN_BYTES) for lay in g.reduce))
-        # a direct exchange still packs its small members (PACK_BELOW): our rows to send, the peers' inboxes
+        # A gather sends from its own result (flat: our row, packed in place, as FSDP2 does; direct: our rows
+        # of each member) except a direct exchange's small members (PACK_BELOW): our rows of them packed
+        # to send and the peers' inboxes, world times a rank's small rows.
         gather_small = sum(_small(lay) for lay in g.gather
                            if not as_fsdp2 and direct_route(lay, world, gather=True, device_type=device_type, min_bytes=EXCHANGE_MIN_BYTES))
         return GroupBytes(
@@ -63,7 +65,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
             reduce_cast=0 if all(own.values()) else padded,  # reduced in another dtype, then cast
             reduce_scratch=padded * max(0, world - 2) if cpu else 0,
             regathered=regathered,
-            gather_input=sum(lay.nbytes for lay in g.gather) + (world - 1) * gather_small,
+            gather_input=world * gather_small,
         )
 
     root = next((g for g in plan.groups if not g.name), None)
