@@ -154,8 +154,10 @@ def _accumulate(impl, width, count, batch, micro):
         if impl != "fsdpfn.compat":
             return None
         from fsdpfn.compat.state import state_of
+        from fsdpfn.layout.plan import FORWARD_SPANS_MEMO
 
-        return [g.name for g in state_of(model).root.plan.groups if g.name]
+        plan = state_of(model).root.plan
+        return [g.name for g in plan.groups if g.name], plan.memo.get(FORWARD_SPANS_MEMO, ())
 
     for step in range(2):
         for i in range(micro):
@@ -178,11 +180,14 @@ def test_gradient_accumulation_keeps_the_planned_groups(count, micro, world):
     ours = spmd(world, _accumulate, "fsdpfn.compat", 256, count, 2, micro)
     theirs = spmd(world, _accumulate, "torch.distributed.fsdp", 256, count, 2, micro)
     want = _planned(256, 1024, count, 2, world)
+    with torch.device("meta"):
+        spans = fsdpfn.memory.group_sizes_within(_blocks(256, 1024, count), world, torch.zeros(2, 256),
+                                                 units=[str(i) for i in range(count)], optimizer="none").forward_spans
     for (losses, seen, after), (ref, _, _) in zip(ours, theirs):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
-        assert all(groups == want for groups in seen), (seen, want)  # toggling sync keeps them
-        # another knob (what the grouping was priced with) changed: "auto"'s groups, one unit each here
-        assert after == [str(i) for i in range(count)]
+        assert all(got == (want, spans) for got in seen), (seen, want, spans)  # toggling sync keeps groups and spans
+        # another knob (what the grouping was priced with) changed: "auto"'s groups, one unit each here, no spans
+        assert after == ([str(i) for i in range(count)], ())
 
 
 class _Titan(nn.Module):

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fsdpfn
@@ -200,6 +200,44 @@ def test_a_flat_gather_sends_from_its_own_result(world, exchange_min_bytes):
     for peak, alone, direct, equal in spmd(world, _flat_gather_peak, [(7, 3), (5,), (2, 9)], exchange_min_bytes):
         assert not direct and equal
         assert peak == alone, (peak, alone)
+
+
+def _shared_gather(buckets, dtype, seed):
+    """Several buckets gathered in one collective (Comm.gather_buckets) and each on its own."""
+    import torch.distributed as dist
+
+    from fsdpfn.layout import BucketLayout, ShardSpec, shard_tensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed)
+    layouts, shards, fulls = [], [], []
+    for b, shapes in enumerate(buckets):
+        specs = [ShardSpec(s, world) for s in shapes]
+        layouts.append(BucketLayout.build([f"b{b}.p{i}" for i in range(len(shapes))], specs, dtype))
+        full = [(torch.randn(s, generator=g) * 4).round().to(dtype) for s in shapes]
+        fulls.append(full)
+        shards.append([shard_tensor(f, sp, rank) for f, sp in zip(full, specs)])
+    comm = Comm(fsdpfn.init_mesh())
+    parts = comm.gather_buckets(layouts, shards, label="shared")
+    shared = [lay.unpack_full(p.wait()) for lay, p in zip(reversed(layouts), reversed(parts))][::-1]  # any order
+    alone = [lay.unpack_full(comm.gather_bucket(lay, ts).wait()) for lay, ts in zip(layouts, shards)]
+    return shared, alone, fulls, comm.stats.all_gathers
+
+
+@settings(max_examples=min(settings().max_examples, 25), deadline=None)
+@given(
+    buckets=st.lists(st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple), min_size=1, max_size=3), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+    world=st.integers(2, 4),
+    seed=st.integers(0, 99),
+)
+def test_buckets_sharing_one_gather_get_what_each_gathers_alone(buckets, dtype, world, seed):
+    for shared, alone, fulls, gathers in spmd(world, _shared_gather, buckets, dtype, seed):
+        assert gathers == 1 + len(buckets)  # one collective for all of them, then one per bucket
+        for got, ref, want in zip(shared, alone, fulls):
+            for a, b, f in zip(got, ref, want):
+                assert a.dtype == b.dtype == dtype and torch.equal(a, b) and torch.equal(a, f)
+                assert a.numel() == 0 or (a.data_ptr() != b.data_ptr() and a.is_contiguous())  # its own copy
 
 
 def _link_worker(shape):

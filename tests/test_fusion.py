@@ -232,3 +232,54 @@ def test_the_first_call_never_fuses_a_unit_kept_gathered_with_one_that_is_not(wi
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
         for k in grads:
             torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6)
+
+
+def _spans(cuts, n):
+    """The sizes of the runs ``cuts`` (positions) make of ``n`` groups."""
+    edges = [0, *sorted(c for c in cuts if c < n), n]
+    return tuple(b - a for a, b in zip(edges, edges[1:]))
+
+
+def _spanned_steps(widths, batch, cuts, prefetch, fused):
+    """Two SGD steps over the stack with ``spans`` of its groups gathered together in forward; the losses,
+    each step's gradients and the all-gathers the second step issued."""
+    import torch.distributed as dist
+
+    from fsdpfn.layout.plan import FORWARD_SPANS_MEMO
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _stack(widths)
+    units = [str(i) for i in range(len(widths) - 1)]
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=fused)
+    groups = [g.name for g in params.plan.groups if g.name]
+    if cuts is not None:
+        params.plan.memo[FORWARD_SPANS_MEMO] = _spans(cuts, len(groups))
+    opt = fsdpfn.optim.sgd(1e-2)
+    state = opt.init(params)
+    apply = fsdpfn.fsdp(model, prefetch=prefetch)
+    g = torch.Generator().manual_seed(3)
+    losses, grads, gathers = [], [], 0
+    for _ in range(2):
+        x = torch.randn(batch * world, widths[0], generator=g)[rank * batch : (rank + 1) * batch]
+        before = params.plan.comm.stats.all_gathers
+        loss, got = fsdpfn.value_and_grad(lambda p: apply(p, x).tanh().square().mean())(params)
+        gathers = params.plan.comm.stats.all_gathers - before
+        losses.append(loss.item())
+        grads.append({k: v.clone() for k, v in got.items()})
+        params, state = opt.update(got, state, params)
+    return losses, grads, gathers, groups
+
+
+@settings(max_examples=min(settings().max_examples, 8), deadline=None)
+@given(widths=st.lists(st.integers(1, 24), min_size=3, max_size=12), batch=st.integers(1, 5), world=st.integers(2, 4),
+       prefetch=st.integers(0, 2), fused=st.sampled_from([None, 300]), cuts=st.sets(st.integers(1, 10)))
+def test_groups_gathered_together_in_forward_compute_exactly_what_they_compute_apart(widths, batch, world, prefetch, fused, cuts):
+    # a forward span: one collective for several groups, each unpacked into its own buffer; backward still
+    # gathers and reduces group by group. Bit-identical losses and gradients; one forward gather per span.
+    spanned = spmd(world, _spanned_steps, widths, batch, cuts, prefetch, fused)
+    apart = spmd(world, _spanned_steps, widths, batch, None, prefetch, fused)
+    for (losses, grads, gathers, groups), (ref_losses, ref_grads, ref_gathers, _) in zip(spanned, apart):
+        assert losses == ref_losses
+        for got, ref in zip(grads, ref_grads):
+            assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in got)
+        assert ref_gathers - gathers == len(groups) - len(_spans(cuts, len(groups)))

@@ -202,8 +202,10 @@ def test_group_sizes_within_stays_under_the_budget_with_no_more_groups_than_even
     even = fsdpfn.memory.fuse_within(build(), world, x, units=units, optimizer=optimizer, budget=budget)
     assert choice.budget == even.budget  # the same default budget: torch's peak for the step
     assert sum(choice.sizes) == n and all(1 <= k <= max(1, n // 2) for k in choice.sizes)
-    planned = fsdpfn.memory.estimate(build(), world, x, units=units, optimizer=optimizer, group_sizes=choice.sizes)
+    planned = fsdpfn.memory.estimate(build(), world, x, units=units, optimizer=optimizer, group_sizes=choice.sizes,
+                                     forward_spans=choice.forward_spans)
     assert choice.peak == planned.peak
+    assert not choice.forward_spans or sum(choice.forward_spans) == choice.groups
     assert planned.peak <= choice.budget or choice.sizes == (1,) * n  # unfused may itself be over a given budget
     even_groups = fsdpfn.memory.estimate(build(), world, x, units=units, optimizer=optimizer, min_bucket_bytes=even.min_bucket_bytes).groups
     assert choice.groups <= len(even_groups)  # never more collectives than fuse_within's even groups

@@ -97,3 +97,44 @@ def test_window_is_the_nearest_names_on_one_side(order, size, data):
     i = data.draw(st.integers(0, len(order) - 1))
     assert window(order, order[i], size, ahead=True) == tuple(order[i + 1 : i + 1 + size])
     assert window(order, order[i], size, ahead=False) == tuple(order[max(0, i - size) : i][::-1])
+
+
+def _partition(draw, n):
+    """Random sizes >= 1 adding up to ``n``."""
+    sizes, left = [], n
+    while left:
+        sizes.append(draw(st.integers(1, left)))
+        left -= sizes[-1]
+    return sizes
+
+
+@settings(max_examples=200)
+@given(plan=plans(), data=st.data(), reshard=st.booleans())
+def test_forward_spans_name_runs_of_consecutive_resharding_groups(plan, data, reshard):
+    named = [g.name for g in plan.groups if g.name]
+    sizes = _partition(data.draw, len(named))
+    s = build_schedule(plan, reshard=reshard, forward_spans=sizes)
+    at, want = 0, {}
+    for size in sizes:  # a span of several groups that all reshard begins at its first group
+        span = tuple(named[at : at + size])
+        at += size
+        if size > 1 and plan.world > 1 and all(s.reshards(n) for n in span):
+            want[span[0]] = span
+    assert dict(s.spans) == want
+    for name in [g.name for g in plan.groups]:
+        assert s.forward_span(name) == want.get(name, ())
+    assert s.counts() == build_schedule(plan, reshard=reshard).counts()  # spans change when, not what, is gathered
+    # another forward order that splits a span drops it; explicit prefetch lists drop them all
+    if want:
+        first = next(iter(want))
+        order = [want[first][1]] + [n for n in [g.name for g in plan.groups] if n != want[first][1]]
+        assert first not in build_schedule(plan, reshard=reshard, forward_spans=sizes, order=order).spans
+        assert not build_schedule(plan, reshard=reshard, forward_spans=sizes, forward_prefetch={first: []}).spans
+
+
+@pytest.mark.parametrize("sizes", [(1,), (0, 3), (5, 5)])
+def test_forward_spans_must_partition_the_named_groups(sizes):
+    infos = [ParamInfo(f"u{i}.w", (4,), torch.float32, True, f"u{i}") for i in range(3)]
+    plan = build_plan(infos, [], ["", "u0", "u1", "u2"], rank=0, world=2)
+    with pytest.raises(ValueError, match="forward_spans"):
+        build_schedule(plan, forward_spans=sizes)

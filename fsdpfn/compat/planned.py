@@ -10,8 +10,8 @@ gathered for the whole step (more than they hold, never less).
 
 A knob changed later rebuilds the root's plan. Gradient accumulation toggles
 ``set_requires_gradient_sync`` on every unit, every few steps: the rebuild then keeps the planned groups
-(``UnitState.plan_key``, the knobs they were priced with, is unchanged); any other change leaves
-``min_bucket_bytes="auto"``'s groups.
+(``UnitState.plan_key``, the knobs they were priced with, is unchanged), and its forward spans when every
+unit's settings still agree; any other change leaves ``min_bucket_bytes="auto"``'s groups.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from fsdpfn.compat.state import UnitState
 from fsdpfn.layout import ShardPlan
-from fsdpfn.layout.plan import FUSION_PLANNED_MEMO
+from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSION_PLANNED_MEMO
 
 __all__ = ["PlannedGroups", "plans_groups"]
 
@@ -55,6 +55,7 @@ class PlannedGroups:
     def __init__(self) -> None:
         self.keys: dict[str, Any] = {}  # each unit's plan_key when the first plan was made
         self.groups: tuple[list[str], tuple[int, ...]] | None = None  # (unit names, group sizes)
+        self.spans: tuple[int, ...] = ()  # the forward spans planned over those groups
 
     def start(self, root: UnitState, states: Mapping[str, UnitState]) -> None:
         """The first plan is about to be planned: remember the knobs it is priced with."""
@@ -65,6 +66,7 @@ class PlannedGroups:
         if self.groups is None and plan is not None and plan.auto_fusion and plan.memo.get(FUSION_PLANNED_MEMO):
             names = [u.name for u in plan.units if u.name]
             self.groups = (names, tuple(len(plan.members(g.name)) for g in plan.groups if g.name))
+            self.spans = tuple(plan.memo.get(FORWARD_SPANS_MEMO, ()))
 
     def reapply(self, plan: ShardPlan, root: UnitState, states: Mapping[str, UnitState], keys: Mapping[str, Any]) -> bool:
         """Regroup the rebuilt ``plan`` as planned when its units are the same, every unit's ``plan_key``
@@ -82,4 +84,6 @@ class PlannedGroups:
                 return False
             start += k
         plan.regroup(sizes=sizes)
+        if self.spans and len({keys[u] for u in names}) == 1:  # spans were planned with every unit alike
+            plan.memo[FORWARD_SPANS_MEMO] = self.spans
         return True

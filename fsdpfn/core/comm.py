@@ -32,7 +32,7 @@ from fsdpfn.core.c10d import all_gather_single, reduce_scatter_single
 from fsdpfn.core.custom import CustomComms, gather_buffers, reduce_custom
 from fsdpfn.core.exchange import Exchange, direct_route
 from fsdpfn.core.guard import CollectiveError, Fingerprint, Guard
-from fsdpfn.core.handle import Handle
+from fsdpfn.core.handle import ColumnsHandle, Handle
 from fsdpfn.core.mesh import MeshGroups, mesh_groups
 from fsdpfn.core.stats import CommStats
 from fsdpfn.layout import BucketLayout
@@ -292,6 +292,45 @@ class Comm:
         handle = self._launch("gather", fn, keep=tuple(shards), result=buf, fp=fp, finish=unpack)
         handle.direct = True
         return handle
+
+    def gather_buckets(
+        self, layouts: Sequence[BucketLayout], shards: Sequence[Sequence[torch.Tensor]], *, label: str = ""
+    ) -> list[ColumnsHandle]:
+        """All-gather several buckets in one collective (flat, in place): every bucket's shards are packed
+        side by side into our row of one ``(world, sum of numels)`` result; one handle per bucket gives its
+        columns, rank-major (unpack with ``layout.unpack_full``). One synchronisation of the ranks instead
+        of one per bucket, for buckets that would each gather flat (several ranks, one dtype, no custom
+        gather). Every rank must pass the same layouts in the same order.
+
+        Example:
+            >>> parts = comm.gather_buckets([lay_a, lay_b], [shards_a, shards_b])    # doctest: +SKIP
+            >>> full_b = lay_b.unpack_full(parts[1].wait())                          # doctest: +SKIP
+        """
+        groups = self.groups
+        dtypes = {lay.dtype for lay in layouts}
+        if groups.world == 1 or len(dtypes) != 1 or len(layouts) != len(shards):
+            raise ValueError(
+                f"gather_buckets: needs several shard ranks (world {groups.world}), one dtype (got {sorted(map(str, dtypes))}) "
+                f"and one list of shards per layout ({len(shards)} for {len(layouts)})"
+            )
+        starts = [0]
+        for lay in layouts:
+            starts.append(starts[-1] + lay.numel)
+        out = torch.empty((groups.world, starts[-1]), dtype=layouts[0].dtype, device=groups.device)
+        mine = out[groups.rank]
+        keep: tuple = ()
+        if groups.device_type == "cuda":  # the copy-in on the gather stream, as in gather_bucket
+            stream = self._stream("gather")
+            stream.wait_stream(torch.cuda.current_stream())
+            keep = tuple(t for ts in shards for t in ts)
+            with torch.cuda.stream(stream):
+                for lay, ts, a, b in zip(layouts, shards, starts, starts[1:]):
+                    lay.pack_shards(ts, groups.rank, out=mine[a:b])
+        else:
+            for lay, ts, a, b in zip(layouts, shards, starts, starts[1:]):
+                lay.pack_shards(ts, groups.rank, out=mine[a:b])
+        whole = self._all_gather_into(out, mine, label=label, keep=keep)
+        return [ColumnsHandle(whole, a, b) for a, b in zip(starts, starts[1:])]
 
     def reduce_bucket(
         self,

@@ -8,7 +8,7 @@ import torch
 
 from fsdpfn.core.guard import Fingerprint, Guard
 
-__all__ = ["Handle"]
+__all__ = ["ColumnsHandle", "Handle"]
 
 
 class Handle:
@@ -71,3 +71,25 @@ class Handle:
                 self.wait()
             except Exception:  # pragma: no cover - interpreter shutdown
                 pass
+
+
+class ColumnsHandle:
+    """Columns ``[start, stop)`` of a rank-major ``(world, n)`` collective shared by several buckets
+    (``Comm.gather_buckets``): ``wait()`` waits for the shared one and returns a view of its result, so
+    the shared buffer lives as long as some part's result does.
+
+    Example:
+        >>> part = ColumnsHandle(Handle(torch.arange(6).view(2, 3)), 1, 3)
+        >>> part.wait().tolist()
+        [[1, 2], [4, 5]]
+    """
+
+    __slots__ = ("_whole", "_start", "_stop", "direct")
+
+    def __init__(self, whole: Handle, start: int, stop: int):
+        self._whole, self._start, self._stop = whole, start, stop
+        self.direct = False  # rank-major: unpack with BucketLayout.unpack_full
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the shared collective; this part's ``(world, stop - start)`` columns (a view)."""
+        return self._whole.wait()[:, self._start : self._stop]

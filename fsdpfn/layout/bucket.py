@@ -164,13 +164,14 @@ class BucketLayout:
     def unpack_full(self, gathered: torch.Tensor, *, batch_ndim: int = 0) -> list[torch.Tensor]:
         """Full tensors from the all-gather output ``(world, *batch, numel)``.
 
-        A one-member unbatched bucket gives a view of ``gathered``; otherwise one copy-out per call.
+        A one-member unbatched bucket gives a view of ``gathered`` (when contiguous: not columns of a
+        gather shared with other buckets); otherwise one copy-out per call.
         """
         nb = batch_ndim
         world = self.world
         if nb == 0:
             g = gathered.view(world, self.numel)
-            if len(self.specs) == 1:
+            if len(self.specs) == 1 and g.is_contiguous():  # (columns of a shared gather are copied out)
                 return [_full_view(g, self.specs[0], 0)]
             # one buffer for every member's copy (one allocation, one thing to account for)
             whole = g.new_empty(world * self.numel)

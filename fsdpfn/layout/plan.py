@@ -202,6 +202,10 @@ class ShardPlan:
 OPTIMIZER_MEMO = ("optimizer",)
 # set once the first call's fusion planner has run on this plan (transform/fusion.py; compat reads it)
 FUSION_PLANNED_MEMO = ("fusion_planned",)
+# the first call's fusion planner's forward spans (sizes over the named groups, in plan order): consecutive
+# groups gathered in one collective in forward (fsdpfn.layout.schedule); derived from the groups, so a
+# regroup forgets them
+FORWARD_SPANS_MEMO = ("forward_spans",)
 # memo entries that are state, not derived from the groups: kept by ``ShardPlan.regroup``
 _PLAN_STATE = frozenset({"applies", "checkpoint.world_comm", OPTIMIZER_MEMO[0], FUSION_PLANNED_MEMO[0]})
 

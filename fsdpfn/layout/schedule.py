@@ -15,10 +15,10 @@ prefetch lists) with no communication and no tensors, and both executors read it
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fsdpfn.layout.bucket import BucketLayout
-from fsdpfn.layout.plan import ShardPlan
+from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, ShardPlan
 
 __all__ = ["CollectiveCounts", "GroupStep", "Schedule", "build_schedule", "window"]
 
@@ -67,6 +67,13 @@ class Schedule:
     prefetch: int
     world: int = 1  # shard ranks
     replicas: int = 1  # replicate ranks (HSDP)
+    spans: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # first group -> its forward span
+
+    def forward_span(self, name: str) -> tuple[str, ...]:
+        """The groups gathered in one collective with group ``name`` in forward, ``name`` first, when it
+        begins a forward span of several groups (each is still re-gathered and reduced on its own in
+        backward); ``()`` otherwise."""
+        return self.spans.get(name, ())
 
     def step(self, name: str) -> GroupStep:
         """Group ``name``'s step."""
@@ -134,6 +141,7 @@ def build_schedule(
     prefetch: int = 1,
     forward_prefetch: Mapping[str, Sequence[str]] | None = None,
     backward_prefetch: Mapping[str, Sequence[str]] | None = None,
+    forward_spans: Sequence[int] | None = None,
 ) -> Schedule:
     """The schedule of ``plan``'s collective groups.
 
@@ -143,6 +151,10 @@ def build_schedule(
     the group name. Nothing reshards where gathering copies nothing (one shard rank, no cast).
     ``prefetch`` groups ahead are launched with each gather, unless ``forward_prefetch`` /
     ``backward_prefetch`` name the groups to launch explicitly (FSDP2's ``set_modules_to_*_prefetch``).
+    ``forward_spans``: sizes of runs of consecutive named groups (plan order, summing to their number)
+    that forward gathers in one collective each (``None``: what the first call's planner chose, if
+    anything); a span is kept only where its groups run consecutively in ``order``, each reshards, and
+    nothing is prefetched explicitly.
 
     Example:
         >>> s = build_schedule(plan, prefetch=2)   # doctest: +SKIP
@@ -174,7 +186,30 @@ def build_schedule(
             forward_prefetch=tuple(explicit_fwd[g.name]) if g.name in explicit_fwd else window(order, g.name, prefetch, ahead=True),
             backward_prefetch=tuple(bwd) if bwd is not None else None,
         )
-    return Schedule(tuple(order), steps, prefetch, plan.world, plan.replicas)
+    spans = _spans(plan, order, steps, plan.memo.get(FORWARD_SPANS_MEMO) if forward_spans is None else forward_spans)
+    if explicit_fwd or explicit_bwd:
+        spans = {}
+    return Schedule(tuple(order), steps, prefetch, plan.world, plan.replicas, spans)
+
+
+def _spans(plan: ShardPlan, order: Sequence[str], steps: Mapping[str, GroupStep], sizes: Sequence[int] | None) -> dict[str, tuple[str, ...]]:
+    named = [g.name for g in plan.groups if g.name]
+    if not sizes or plan.world == 1:
+        return {}
+    if sum(sizes) != len(named) or any(s < 1 for s in sizes):
+        raise ValueError(f"build_schedule: forward_spans {tuple(sizes)} must be sizes >= 1 summing to the {len(named)} named groups")
+    out: dict[str, tuple[str, ...]] = {}
+    at = 0
+    position = {n: i for i, n in enumerate(order)}
+    for size in sizes:
+        span = tuple(named[at : at + size])
+        at += size
+        if size < 2 or not all(steps[n].reshard for n in span):
+            continue
+        first = position[span[0]]
+        if all(position.get(n) == first + i for i, n in enumerate(span)):  # consecutive in the order run
+            out[span[0]] = span
+    return out
 
 
 def _moves(plan: ShardPlan) -> bool:

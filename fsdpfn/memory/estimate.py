@@ -54,6 +54,7 @@ def estimate(
     loss_fn: Callable[[Any], Any] | None = None,
     device: str | torch.device | None = None,
     group_sizes: Sequence[int] | None = None,
+    forward_spans: Sequence[int] = (),
 ) -> MemoryEstimate | list[MemoryEstimate]:
     """Predict the per-rank peak memory of one training step of ``model`` sharded over ``world`` ranks.
 
@@ -71,8 +72,10 @@ def estimate(
     planner assumes the memory cap is reached (the largest groups ``"auto"`` can pick: the worst case
     for memory). ``group_sizes`` (instead of ``min_bucket_bytes``) fuses the units with parameters, in
     order, into consecutive groups of that many units each, as ``fsdp``'s first call may (see
-    ``group_sizes_within``). The result is a ``MemoryEstimate``: ``peak``, ``per_rank``, ``phase`` and
-    ``breakdown``.
+    ``group_sizes_within``); ``forward_spans`` (with ``group_sizes``) gathers runs of that many consecutive
+    groups in one collective each in forward, as the first call may too (``GroupSizes.forward_spans``;
+    with ``"auto"``, what the first call would choose). The result is a ``MemoryEstimate``: ``peak``,
+    ``per_rank``, ``phase`` and ``breakdown``.
 
     Example:
         >>> with torch.device("meta"):
@@ -95,20 +98,31 @@ def estimate(
                 f"fsdpfn.memory.estimate: group_sizes must be ints >= 1 adding up to the {len(named)} units that own "
                 f"parameters (in order: {named}), got {group_sizes!r}"
             )
+        spans = list(forward_spans) if isinstance(forward_spans, (list, tuple)) else None
+        if spans is None or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in spans) or (spans and sum(spans) != len(sizes)):
+            raise ValueError(
+                f"fsdpfn.memory.estimate: forward_spans must be ints >= 1 adding up to the {len(sizes)} groups of group_sizes "
+                f"(or empty), got {forward_spans!r}"
+            )
+    elif forward_spans:
+        raise ValueError("fsdpfn.memory.estimate: forward_spans are runs of the groups group_sizes makes; pass group_sizes too")
 
-    def fusion(w: int) -> Any:
+    def fusion(w: int) -> tuple[Any, tuple[int, ...]]:
         # "auto": what fsdp's first call regroups the plan to (transform/fusion.py) where it plans at all
         from fsdpfn.memory.fuse import first_call_fuses, group_sizes_within  # they plan with this function
 
         if group_sizes is not None:
-            return tuple(group_sizes)
+            return tuple(group_sizes), tuple(forward_spans)
         if min_bucket_bytes != "auto" or not first_call_fuses(w, replicate, len(named)):
-            return min_bucket_bytes
-        # as the first call does: the units that own parameters, the module's forward alone (no loss_fn)
-        return group_sizes_within(model, w, batch, units=named, optimizer=optimizer, mp_policy=mp_policy, prefetch=prefetch,
-                                  reshard_after_forward=reshard_after_forward, device=one.device).sizes
+            return min_bucket_bytes, ()
+        # as the first call does: the units that own parameters, the module's forward alone (no loss_fn), and a
+        # reshard_after_forward predicate as the fuse key too (fsdp never fuses a kept unit with a resharded one)
+        fuse_key = reshard_after_forward if callable(reshard_after_forward) else None
+        got = group_sizes_within(model, w, batch, units=named, optimizer=optimizer, mp_policy=mp_policy, prefetch=prefetch,
+                                 reshard_after_forward=reshard_after_forward, fuse_key=fuse_key, device=one.device)
+        return got.sizes, got.forward_spans
 
-    out = [one(w, fusion(w)) for w in worlds]
+    out = [one(w, *fusion(w)) for w in worlds]
     return out if not isinstance(world, int) else out[0]
 
 
@@ -119,10 +133,11 @@ class _StepEstimator:
     def __init__(self, one: Callable[..., MemoryEstimate], named: list[str], device: torch.device):
         self._one, self.named, self.device = one, named, device
 
-    def __call__(self, world: int, fusion: Any) -> MemoryEstimate:
+    def __call__(self, world: int, fusion: Any, forward_spans: tuple[int, ...] = ()) -> MemoryEstimate:
         """The estimate at ``world`` ranks with ``fusion``: ``min_bucket_bytes`` (an int, ``None`` or
-        ``"auto"``) or a tuple of group sizes."""
-        return self._one(world, fusion)
+        ``"auto"``) or a tuple of group sizes; ``forward_spans``: sizes of the runs of groups forward
+        gathers in one collective each (``fsdpfn.layout.schedule``)."""
+        return self._one(world, fusion, False, forward_spans)
 
     def fsdp2_backward(self, world: int) -> int:
         """A lower bound of the backward peak of torch's ``fully_shard`` on the same step with one group
@@ -193,10 +208,10 @@ def step_estimator(
     scratch = scratch and dev.type not in FUSED_DEVICES
     named = [n for n in unit_names if n and any(i.unit == n for i in infos)]  # units that own parameters
 
-    def one(w: int, fusion: Any, fsdp2: bool = False) -> MemoryEstimate:
+    def one(w: int, fusion: Any, fsdp2: bool = False, spans: tuple[int, ...] = ()) -> MemoryEstimate:
         return _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
                              fusion, link, buffer_bytes, batch_bytes, fwd.saved, fwd.output_grad, dev.type, fwd.last_unit_before,
-                             fwd.saved_params, fwd.saved_before, fsdp2)
+                             fwd.saved_params, fwd.saved_before, fsdp2, spans)
 
     return _StepEstimator(one, named, dev)
 
@@ -222,6 +237,7 @@ def _estimate_one(
     saved_params: frozenset[str],
     saved_before: dict[str, int],
     fsdp2: bool = False,
+    forward_spans: tuple[int, ...] = (),
 ) -> MemoryEstimate:
     plan = build_plan(
         infos,
@@ -248,7 +264,7 @@ def _estimate_one(
         if layout not in by_layout:
             by_layout[layout] = rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
                                              buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before,
-                                             fsdp2)
+                                             fsdp2, forward_spans)
             if fsdp2:  # only FSDP2's backward bound: the other phases are fsdpfn's
                 by_layout[layout] = {"backward": by_layout[layout]["fsdp2"]}
         per_rank.append(max(b.total for b in by_layout[layout].values()))

@@ -114,6 +114,7 @@ class GroupSizes:
     sizes: tuple[int, ...]
     peak: int
     budget: int
+    forward_spans: tuple[int, ...] = ()  # runs of groups forward gathers in one collective (empty: none)
 
     @property
     def groups(self) -> int:
@@ -185,7 +186,33 @@ def group_sizes_within(
         current = 1
     done.append(current)
     grown = GroupSizes(tuple(reversed(done)), peak, budget)
-    return grown if grown.groups < even.groups else even
+    chosen = grown if grown.groups < even.groups else even
+    if len(set(keys)) == 1:  # (units with other settings, e.g. kept gathered, are never in a span)
+        chosen = _with_forward_spans(planned, world, chosen)
+    return chosen
+
+
+def _with_forward_spans(planned: Any, world: int, chosen: GroupSizes) -> GroupSizes:
+    """``chosen`` with runs of its groups that forward gathers in one collective each, grown from the first
+    group on, each as long as the estimate stays within the budget (forward has room that backward does
+    not: its activations are still being made). Backward still gathers and reduces group by group."""
+    n = chosen.groups
+    if n < 2:
+        return chosen
+    done: list[int] = []
+    current = 1
+    for k in range(1, n):  # group k joins the current span or starts the next
+        trial = (*done, current + 1, *(1,) * (n - k - 1))
+        if planned(world, chosen.sizes, trial).peak <= chosen.budget:
+            current += 1
+            continue
+        done.append(current)
+        current = 1
+    done.append(current)
+    if all(s == 1 for s in done):
+        return chosen
+    spans = tuple(done)
+    return GroupSizes(chosen.sizes, planned(world, chosen.sizes, spans).peak, chosen.budget, spans)
 
 
 def _search_inputs(

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 from fsdpfn.memory.result import Breakdown
 
-__all__ = ["GroupBytes", "fsdp2_backward", "phase_peaks"]
+__all__ = ["GroupBytes", "forward_with_spans", "fsdp2_backward", "phase_peaks"]
 
 
 class GroupBytes(NamedTuple):
@@ -69,6 +69,7 @@ def phase_peaks(
     saved_until: Sequence[int] = (),
     enclosing: Sequence[Sequence[int]] = (),
     prefetch_at_release: bool = False,
+    forward_spans: Sequence[int] = (),
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
@@ -90,6 +91,9 @@ def phase_peaks(
     ``prefetch_at_release``: backward's prefetch of the groups before ``k`` starts when ``k``'s reduction
     does (CPU) rather than when ``k`` is re-gathered (CUDA): while ``k``'s gradients are made only the
     ``prefetch - 1`` nearest are in flight (launched at the release before), all of them from ``k``'s.
+    ``forward_spans``: sizes of runs of groups that forward gathers in one shared collective each; the
+    forward is then priced group by group (``forward_with_spans``) instead of as every activation beside
+    the largest window.
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -109,6 +113,9 @@ def phase_peaks(
         live |= set(enclosing[k]) if k < len(enclosing) else set()
         gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in live))
     forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, activations + batch, 0)
+    if any(size > 1 for size in forward_spans):
+        forward = forward_with_spans(shards=shards, state=state, batch=batch, activations=activations, root=root, groups=groups,
+                                     prefetch=prefetch, reshard=rs, saved_until=saved_until, enclosing=enclosing, spans=forward_spans)
 
     # backward's start: the output's gradient is made, no group has been gathered again yet
     held0 = root.gathered + sum(g.gathered for g, r in zip(groups, rs) if not r)
@@ -192,3 +199,57 @@ def fsdp2_backward(
         done += g.reduce_out
         held_input = g.packed
     return max(moments, key=lambda b: b.total)
+
+
+def forward_with_spans(
+    *,
+    shards: int,
+    state: int,
+    batch: int,
+    activations: int,
+    root: GroupBytes,
+    groups: Sequence[GroupBytes],
+    prefetch: int,
+    reshard: Sequence[bool],
+    saved_until: Sequence[int],
+    enclosing: Sequence[Sequence[int]] = (),
+    spans: Sequence[int],
+) -> Breakdown:
+    """The forward's largest moment when runs of groups (``spans``, sizes summing to ``len(groups)``) are
+    gathered in one shared collective each, priced group by group: while group ``k`` runs, the groups kept
+    since their forward, its enclosing groups, its own copy, the shared buffer of its span (alive until
+    its last group is unpacked, which happens before that group's prefetch starts) and every span the
+    prefetch window reaches beyond it (whole), beside what forward saved up to the end of the group after
+    ``k`` (``saved_until``; without it, every activation).
+
+    Example:
+        >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
+        >>> forward_with_spans(shards=8, state=16, batch=0, activations=0, root=GroupBytes(0, 0, 0, 0), groups=[g, g],
+        ...                    prefetch=1, reshard=[True, True], saved_until=[0, 0, 0], spans=[2]).total
+        48
+    """
+    n = len(groups)
+    if sum(spans) != n or any(s < 1 for s in spans):
+        raise ValueError(f"forward_with_spans: spans {tuple(spans)} must be sizes >= 1 summing to the {n} groups")
+    span_of: list[tuple[int, int]] = []
+    for size in spans:
+        start = len(span_of)
+        span_of += [(start, start + size)] * size
+    worst = Breakdown(shards, state, 0, root.gathered, batch, 0)
+    for k in range(n):
+        start, stop = span_of[k]
+        live = {j for j in range(k) if not reshard[j]} | ({k} if stop - start == 1 else set())
+        live |= set(enclosing[k]) if k < len(enclosing) else set()
+        held = sum(groups[j].gathered for j in live)
+        reached = {span_of[j] for j in range(k + 1, min(n, k + 1 + prefetch))} - {(start, stop)}
+        ahead = sum(sum(groups[j].gathered for j in range(a, b)) + (groups[a].gathered if b - a > 1 else 0) for a, b in reached)
+        if stop - start > 1:  # the shared buffer and our own copy out of it
+            shared = sum(groups[j].gathered for j in range(start, stop)) + groups[k].gathered
+            # the last group's unpacking drops the shared buffer before its prefetch starts the next span
+            held += max(shared, groups[k].gathered + ahead) if k == stop - 1 else shared + ahead
+        else:
+            held += ahead
+        saved = saved_until[min(k + 1, n - 1)] if saved_until else activations
+        moment = Breakdown(shards, state, 0, root.gathered + held, saved + batch, 0)
+        worst = max(worst, moment, key=lambda b: b.total)
+    return worst

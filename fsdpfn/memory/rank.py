@@ -23,7 +23,7 @@ __all__ = ["rank_phases"]
 def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainable: set[str], world: int, slots: int,
                  device_type: str, scratch: bool, prefetch: int, reshard: bool | Callable[[str], bool], buffer_bytes: int, batch_bytes: int, activations: int,
                  output_grad: int, last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int],
-                 fsdp2: bool = False) -> Any:
+                 fsdp2: bool = False, forward_spans: tuple[int, ...] = ()) -> Any:
     """The phase peaks (``phase_peaks``'s dict) of one rank whose local shards have ``numel`` elements
     each, or with ``fsdp2`` ``{"fsdp2": Breakdown}``, FSDP2's backward on the same groups.
 
@@ -114,6 +114,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         enclosing=enclosing,
         saved_until=_saved_until(others, saved_before, activations),
         prefetch_at_release=cpu,
+        forward_spans=forward_spans,
     )
     # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
 

@@ -26,6 +26,7 @@ from fsdpfn.layout.schedule import Schedule
 from fsdpfn.transform.eager import eager
 from fsdpfn.ops.functions import Buckets, CallInfo, apply_buckets
 from fsdpfn.ops.api import check_shards, gather_collective
+from fsdpfn.ops.shared import launch_shared, shares_gather
 
 __all__ = ["Call", "GradMode", "OpenCall", "Packed"]
 
@@ -121,6 +122,8 @@ class Call:
         unit = self.plan.group(name)
         b = self._collective(unit)
         shards = self._shards(b)
+        if name not in self.pending and name not in self.gathered:
+            self._launch_span(name)  # the first group of a forward span (not prefetched): its span now
         info = self.info(name)
         if info.deferred is not None:
             if self.deferral_needs_leaves and any(t.grad_fn is not None for t in shards):
@@ -171,8 +174,21 @@ class Call:
 
     def _prefetch_forward(self, name: str) -> None:
         for nxt in self.forward_prefetch(name):
-            if nxt not in self.pending and nxt not in self.gathered:
+            if nxt not in self.pending and nxt not in self.gathered and not self._launch_span(nxt):
                 self.pending[nxt] = self._launch(nxt)
+
+    def _launch_span(self, name: str) -> bool:
+        """Launch the forward span group ``name`` begins (``Schedule.forward_span``) as one collective,
+        when none of its groups was launched yet and each can share it; whether it did."""
+        span = self.schedule.forward_span(name)
+        if len(span) < 2 or not self.in_forward or any(n in self.pending or n in self.gathered for n in span):
+            return False
+        bs = [self._collective(self.plan.group(n)) for n in span]
+        if not all(shares_gather(b) for b in bs) or len({b.layouts[0].dtype for b in bs}) != 1:
+            return False
+        pending = launch_shared(bs, [[t.detach() for t in self._shards(b)] for b in bs])
+        self.pending.update(zip(span, pending))
+        return True
 
     def unit_done(self, group: str, unit: str) -> bool:
         """Note that unit ``unit`` of group ``group`` finished its forward; true once every unit of the

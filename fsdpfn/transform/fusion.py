@@ -25,7 +25,7 @@ from torch import nn
 
 from fsdpfn.core import agree
 from fsdpfn.layout import ShardPlan
-from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, OPTIMIZER_MEMO
+from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSION_PLANNED_MEMO, OPTIMIZER_MEMO
 from fsdpfn.memory.fuse import first_call_fuses, group_sizes_within
 
 __all__ = ["plan_fusion"]
@@ -57,25 +57,29 @@ def plan_fusion(
         return  # the same on every rank: no agreement needed
     batch = args if not kwargs else kwargs if not args else None
     sizes: tuple[int, ...] | None = None  # nothing planned: shard's groups stay (on every rank, if any rank could not plan)
+    spans: tuple[int, ...] = ()
     if batch is not None:
         try:
             with planning():
-                sizes = group_sizes_within(
+                choice = group_sizes_within(
                     module, plan.world, batch, units=units, optimizer=plan.memo.get(OPTIMIZER_MEMO, "none"),
                     mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                     fuse_key=fuse_key, device=plan.comm.groups.device,
-                ).sizes  # fmt: skip
+                )  # fmt: skip
+            sizes, spans = choice.sizes, choice.forward_spans
             if sum(sizes) != len(units):  # the planner saw other units than the plan has: keep shard's groups
-                sizes = None
+                sizes, spans = None, ()
         except Exception:  # a forward fake tensors cannot run: every rank learns it below
             pass
-    if agree(plan.comm, _code(sizes)) and sizes is not None:
+    if agree(plan.comm, _code(sizes, spans)) and sizes is not None:
         plan.regroup(sizes=sizes)  # a no-op where shard's groups are already the choice
+        if spans and sum(spans) == sum(1 for g in plan.groups if g.name):
+            plan.memo[FORWARD_SPANS_MEMO] = spans  # (after regroup, which forgets the groups' derived memo)
 
 
-def _code(sizes: tuple[int, ...] | None) -> int:
+def _code(sizes: tuple[int, ...] | None, spans: tuple[int, ...] = ()) -> int:
     """One int64 that is equal on two ranks when their choices are (-1: nothing planned)."""
     if sizes is None:
         return -1
-    digest = hashlib.sha256(",".join(map(str, sizes)).encode()).digest()
+    digest = hashlib.sha256((",".join(map(str, sizes)) + "|" + ",".join(map(str, spans))).encode()).digest()
     return int.from_bytes(digest[:7], "little")  # 56 bits: the ranks' sum stays within int64
