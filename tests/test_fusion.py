@@ -4,7 +4,7 @@ the user fixed ``min_bucket_bytes``, and no hang when ranks see different batche
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -182,6 +182,7 @@ def _against_fsdp2(width, hidden, norm, count, batch):
 @settings(max_examples=min(settings().max_examples, 5), deadline=None)
 @given(width=st.sampled_from([64, 128, 256, 384]), hidden=st.sampled_from([128, 512, 1024]), norm=st.booleans(),
        count=st.integers(4, 9), batch=st.sampled_from([2, 8, 32]), world=st.integers(2, 3))
+@example(width=64, hidden=256, norm=True, count=9, batch=32, world=2)  # small blocks: forward spans, as bench overhead
 def test_the_first_calls_groups_never_raise_the_peak_above_torchs_fully_shard(width, hidden, norm, count, batch, world):
     # both measured alike (MemTracker, parameters, optimizer state and batch resident; torch's AdamW as
     # torch builds it by default); the budget the first call fuses within is the planner's model of
@@ -240,7 +241,7 @@ def _spans(cuts, n):
     return tuple(b - a for a, b in zip(edges, edges[1:]))
 
 
-def _spanned_steps(widths, batch, cuts, prefetch, fused):
+def _spanned_steps(widths, batch, cuts, prefetch, fused, mp=False):
     """Two SGD steps over the stack with ``spans`` of its groups gathered together in forward; the losses,
     each step's gradients and the all-gathers the second step issued."""
     import torch.distributed as dist
@@ -250,7 +251,8 @@ def _spanned_steps(widths, batch, cuts, prefetch, fused):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _stack(widths)
     units = [str(i) for i in range(len(widths) - 1)]
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=fused)
+    policy = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=fused, mp_policy=policy)
     groups = [g.name for g in params.plan.groups if g.name]
     if cuts is not None:
         params.plan.memo[FORWARD_SPANS_MEMO] = _spans(cuts, len(groups))
@@ -272,12 +274,13 @@ def _spanned_steps(widths, batch, cuts, prefetch, fused):
 
 @settings(max_examples=min(settings().max_examples, 8), deadline=None)
 @given(widths=st.lists(st.integers(1, 24), min_size=3, max_size=12), batch=st.integers(1, 5), world=st.integers(2, 4),
-       prefetch=st.integers(0, 2), fused=st.sampled_from([None, 300]), cuts=st.sets(st.integers(1, 10)))
-def test_groups_gathered_together_in_forward_compute_exactly_what_they_compute_apart(widths, batch, world, prefetch, fused, cuts):
+       prefetch=st.integers(0, 2), fused=st.sampled_from([None, 300]), cuts=st.sets(st.integers(1, 10)), mp=st.booleans())
+def test_groups_gathered_together_in_forward_compute_exactly_what_they_compute_apart(widths, batch, world, prefetch, fused, cuts, mp):
     # a forward span: one collective for several groups, each unpacked into its own buffer; backward still
-    # gathers and reduces group by group. Bit-identical losses and gradients; one forward gather per span.
-    spanned = spmd(world, _spanned_steps, widths, batch, cuts, prefetch, fused)
-    apart = spmd(world, _spanned_steps, widths, batch, None, prefetch, fused)
+    # gathers and reduces group by group. Bit-identical losses and gradients (also gathering bf16 copies of
+    # fp32 shards, mixed precision); one forward gather per span.
+    spanned = spmd(world, _spanned_steps, widths, batch, cuts, prefetch, fused, mp)
+    apart = spmd(world, _spanned_steps, widths, batch, None, prefetch, fused, mp)
     for (losses, grads, gathers, groups), (ref_losses, ref_grads, ref_gathers, _) in zip(spanned, apart):
         assert losses == ref_losses
         for got, ref in zip(grads, ref_grads):

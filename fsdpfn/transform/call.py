@@ -179,9 +179,10 @@ class Call:
 
     def _launch_span(self, name: str) -> bool:
         """Launch the forward span group ``name`` begins (``Schedule.forward_span``) as one collective,
-        when none of its groups was launched yet and each can share it; whether it did."""
+        when none of its groups was launched or has run in this call yet (a unit run twice gathers alone
+        the second time) and each can share it; whether it did."""
         span = self.schedule.forward_span(name)
-        if len(span) < 2 or not self.in_forward or any(n in self.pending or n in self.gathered for n in span):
+        if len(span) < 2 or not self.in_forward or any(n in self.pending or n in self.gathered or n in self.order for n in span):
             return False
         bs = [self._collective(self.plan.group(n)) for n in span]
         if not all(shares_gather(b) for b in bs) or len({b.layouts[0].dtype for b in bs}) != 1:
