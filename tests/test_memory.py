@@ -164,22 +164,26 @@ def test_fuse_within_fuses_the_most_units_per_group_under_the_budget(data, world
         foreach = fsdpfn.memory.fuse_within(recipe.build(), world, x, units=units, optimizer=optimizer, torch_foreach=True)
         scratch = step.gradients if optimizer == "adamw" else 0
         assert foreach.budget == max(base.peak, step.total - step.temporaries + scratch, fsdp2)
+    # sizes as min_bucket_bytes counts them: padded shards (output rows rounded up to world) times world
+    smallest = min(-(-b // world) * world * (a + 1) * 4 for a, b in zip(widths, widths[1:]))
     k = choice.units_per_group
-    assert 1 <= k <= max(1, len(units) // 2)
+    # the search tried groups of `searched` equal smallest units; unequal units may make fewer per group
+    searched = (choice.min_bucket_bytes - 1) // smallest + 1 if choice.min_bucket_bytes is not None else 1
+    assert 1 <= k <= searched <= max(1, len(units) // 2)
     if k == 1:
         assert choice.min_bucket_bytes is None and choice.peak == base.peak
     else:
-        assert choice.peak == planned(choice.min_bucket_bytes).peak <= limit
+        got = planned(choice.min_bucket_bytes)
+        assert choice.peak == got.peak <= limit
+        assert max(len(g.split("+")) for g in got.groups if g != "<root>") == k  # what the threshold makes
     if world == 1:
         assert k == 1  # nothing is gathered at world 1: fusing saves nothing
     elif budget == 10**12:
-        assert k == len(units) // 2  # room for everything: groups of half the units
+        assert searched == len(units) // 2 or k == 1  # room for everything: groups of half the units
     elif budget is None and optimizer == "sgd" and fsdp2 <= base.peak:
         assert choice.peak <= base.peak  # nothing to spend: fused only where it is free
-    elif k < len(units) // 2:  # one unit more per group would pass the budget
-        # sizes as min_bucket_bytes counts them: padded shards (output rows rounded up to world) times world
-        smallest = min(-(-b // world) * world * (a + 1) * 4 for a, b in zip(widths, widths[1:]))
-        assert planned(k * smallest + 1).peak > limit
+    elif searched < len(units) // 2 and k > 1:  # one unit more per group would pass the budget
+        assert planned(searched * smallest + 1).peak > limit
 
 
 @settings(max_examples=min(settings().max_examples, 15))

@@ -47,7 +47,8 @@ def first_call_fuses(world: int, replicas: int, units: int) -> bool:
 @dataclass(frozen=True)
 class FusionChoice:
     """What ``fuse_within`` chose: ``min_bucket_bytes`` to give ``shard`` (``None``: do not fuse),
-    ``units_per_group`` (1 when unfused), the planner's ``peak`` with it and the ``budget`` (bytes).
+    ``units_per_group`` (the most units that threshold puts in one group; 1 when unfused), the planner's
+    ``peak`` with it and the ``budget`` (bytes).
 
     Example:
         >>> FusionChoice(min_bucket_bytes=None, units_per_group=1, peak=0, budget=0).min_bucket_bytes is None
@@ -97,7 +98,12 @@ def fuse_within(
     if world == 1 or len(sizes) < 4:
         return FusionChoice(None, 1, base.peak, budget)  # nothing to gather at world 1; fewer than four units leave no two groups of two
     threshold, k, got = _largest_even(planned, world, min(sizes), len(names) // 2, budget)
-    return FusionChoice(threshold, k, got.peak if got is not None else base.peak, budget)
+    if got is None:
+        return FusionChoice(None, 1, base.peak, budget)
+    made = _run_sizes(got.groups)  # what the threshold really makes of unequal units
+    if all(m == 1 for m in made):
+        return FusionChoice(None, 1, base.peak, budget)
+    return FusionChoice(threshold, max(made), got.peak, budget)
 
 
 @dataclass(frozen=True)
