@@ -240,6 +240,35 @@ def test_buckets_sharing_one_gather_get_what_each_gathers_alone(buckets, dtype, 
                 assert a.numel() == 0 or (a.data_ptr() != b.data_ptr() and a.is_contiguous())  # its own copy
 
 
+def _shared_gather_refused():
+    """The errors of gather_buckets given two dtypes, a missing list of shards, and (world 1) one rank."""
+    from fsdpfn.layout import BucketLayout, ShardSpec
+
+    comm = Comm(fsdpfn.init_mesh())
+    a = BucketLayout.build(["a"], [ShardSpec((4,), comm.world)], torch.float32)
+    b = BucketLayout.build(["b"], [ShardSpec((4,), comm.world)], torch.bfloat16)
+    shards = {lay.dtype: [torch.zeros(lay.specs[0].local_shape(comm.rank), dtype=lay.dtype)] for lay in (a, b)}
+    calls = {"dtypes": ([a, b], [shards[a.dtype], shards[b.dtype]]), "shards": ([a, a], [shards[a.dtype]])}
+    errors = {}
+    for what, (layouts, given) in calls.items():
+        try:
+            comm.gather_buckets(layouts, given)
+        except ValueError as e:
+            errors[what] = str(e)
+    return comm.world, errors
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sharing_one_gather_refuses_mixed_dtypes_missing_shards_and_one_rank(world):
+    for w, errors in spmd(world, _shared_gather_refused):
+        assert errors.keys() == {"dtypes", "shards"}
+        assert all(e.startswith("gather_buckets: needs several shard ranks") for e in errors.values())
+        if w == 1:
+            assert "world 1" in errors["dtypes"]
+        else:
+            assert "bfloat16" in errors["dtypes"] and "(1 for 2)" in errors["shards"]
+
+
 def _link_worker(shape):
     from fsdpfn.core import measure_link
 

@@ -48,7 +48,7 @@ def launch_shared(buckets: Sequence[Buckets], shards: Sequence[Sequence[torch.Te
         >>> outs1 = b1.finish(pending[1])                                         # doctest: +SKIP
     """
     if len(buckets) != len(shards) or not all(shares_gather(b) for b in buckets):
-        raise ValueError("launch_shared: every bucket must share_gather, with one list of shards each")
+        raise ValueError("launch_shared: every bucket must be one shares_gather accepts (a flat gather in one dtype), with one list of shards each")
     parts = buckets[0].comm.gather_buckets(
         [b.layouts[0] for b in buckets], [list(s) for s in shards], label="+".join(b.label for b in buckets)
     )
