@@ -268,21 +268,7 @@ class Comm:
             if groups.world == 1 or (custom is not None and custom.all_gather is not None):
                 flat = layout.pack_shards(shards, groups.rank, device=groups.device)
                 return self.all_gather(flat, label=label, custom=custom)
-            # In place, as FSDP2 gathers: our shards are packed straight into our row of the result, so
-            # no send buffer sits beside it (1/world of the bucket less per gather in flight).
-            out = torch.empty((groups.world, layout.numel), dtype=layout.dtype, device=groups.device)
-            mine = out[groups.rank]
-            if groups.device_type != "cuda":
-                layout.pack_shards(shards, groups.rank, out=mine)
-                return self._all_gather_into(out, mine, label=label, keep=())
-            # CUDA: the copy-in (and its cast) runs on the gather stream, off the compute stream, like the
-            # collective after it. The result is allocated on the current stream, which frees it after
-            # waiting for the gather (no record_stream); the shards are kept until then.
-            stream = self._stream("gather")
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                layout.pack_shards(shards, groups.rank, out=mine)
-            return self._all_gather_into(out, mine, label=label, keep=tuple(shards))
+            return self._gather_in_place([layout], [shards], label)[0]
         buf = torch.empty(layout.full_numel, dtype=layout.dtype, device=groups.device)
         self.stats.track(buf)
         self.stats._note("all_gathers", label, layout.numel * groups.world * layout.dtype.itemsize)
@@ -313,24 +299,39 @@ class Comm:
                 f"gather_buckets: needs several shard ranks (world {groups.world}), one dtype (got {sorted(map(str, dtypes))}) "
                 f"and one list of shards per layout ({len(shards)} for {len(layouts)})"
             )
+        whole, starts = self._gather_in_place(layouts, shards, label)
+        return [ColumnsHandle(whole, a, b) for a, b in zip(starts, starts[1:])]
+
+    def _gather_in_place(
+        self, layouts: Sequence[BucketLayout], shards: Sequence[Sequence[torch.Tensor | None]], label: str
+    ) -> tuple[Handle, list[int]]:
+        """One flat all-gather of ``layouts`` (one dtype) into a new ``(world, sum of numels)`` result, in
+        place as FSDP2 gathers: each bucket's shards are packed straight into its columns of our row, so no
+        send buffer sits beside the result (1/world of the buckets less per gather in flight). Returns the
+        handle and where each bucket's columns start (and, last, end)."""
+        groups = self.groups
         starts = [0]
         for lay in layouts:
             starts.append(starts[-1] + lay.numel)
         out = torch.empty((groups.world, starts[-1]), dtype=layouts[0].dtype, device=groups.device)
         mine = out[groups.rank]
-        keep: tuple = ()
-        if groups.device_type == "cuda":  # the copy-in on the gather stream, as in gather_bucket
-            stream = self._stream("gather")
-            stream.wait_stream(torch.cuda.current_stream())
-            keep = tuple(t for ts in shards for t in ts)
-            with torch.cuda.stream(stream):
-                for lay, ts, a, b in zip(layouts, shards, starts, starts[1:]):
-                    lay.pack_shards(ts, groups.rank, out=mine[a:b])
-        else:
+
+        def pack() -> None:
             for lay, ts, a, b in zip(layouts, shards, starts, starts[1:]):
                 lay.pack_shards(ts, groups.rank, out=mine[a:b])
-        whole = self._all_gather_into(out, mine, label=label, keep=keep)
-        return [ColumnsHandle(whole, a, b) for a, b in zip(starts, starts[1:])]
+
+        if groups.device_type != "cuda":
+            pack()
+            return self._all_gather_into(out, mine, label=label, keep=()), starts
+        # CUDA: the copy-in (and its cast) runs on the gather stream, off the compute stream, like the
+        # collective after it. The result is allocated on the current stream, which frees it after waiting
+        # for the gather (no record_stream); the shards are kept until then.
+        stream = self._stream("gather")
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            pack()
+        keep = tuple(t for ts in shards for t in ts if t is not None)
+        return self._all_gather_into(out, mine, label=label, keep=keep), starts
 
     def reduce_bucket(
         self,

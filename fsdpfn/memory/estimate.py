@@ -92,16 +92,15 @@ def estimate(
                          device=device)
     named = one.named
     if group_sizes is not None:
-        sizes = list(group_sizes) if isinstance(group_sizes, (list, tuple)) else None
-        if sizes is None or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in sizes) or sum(sizes) != len(named):
+        if not _partitions(group_sizes, len(named)):
             raise ValueError(
                 f"fsdpfn.memory.estimate: group_sizes must be ints >= 1 adding up to the {len(named)} units that own "
                 f"parameters (in order: {named}), got {group_sizes!r}"
             )
-        spans = list(forward_spans) if isinstance(forward_spans, (list, tuple)) else None
-        if spans is None or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in spans) or (spans and sum(spans) != len(sizes)):
+        none = isinstance(forward_spans, (list, tuple)) and not forward_spans
+        if not none and not _partitions(forward_spans, len(group_sizes)):
             raise ValueError(
-                f"fsdpfn.memory.estimate: forward_spans must be ints >= 1 adding up to the {len(sizes)} groups of group_sizes "
+                f"fsdpfn.memory.estimate: forward_spans must be ints >= 1 adding up to the {len(group_sizes)} groups of group_sizes "
                 f"(or empty), got {forward_spans!r}"
             )
     elif forward_spans:
@@ -283,6 +282,13 @@ def _estimate_one(
         groups=tuple(g.label for g in plan.groups),
         bucket_bytes=plan.bucket_bytes,
     )
+
+
+def _partitions(sizes: Any, total: int) -> bool:
+    """Whether ``sizes`` is a list or tuple of ints >= 1 adding up to ``total``."""
+    return isinstance(sizes, (list, tuple)) and all(
+        isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in sizes
+    ) and sum(sizes) == total
 
 
 def _check_worlds(world: Any) -> list[int]:
