@@ -394,6 +394,48 @@ def fake_bucket_pack_keeps_its_shards() -> None:
     _twice(_bucket_pack_keeps_its_shards)
 
 
+def _flat_gather_waits_for_shards(comm, spin: int, value: float) -> None:
+    layout, shards = _bucket(comm.groups.world, 1 << 12)
+    want = layout.pack_shards([torch.full_like(s, value) for s in shards], 0, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(spin)  # the current stream is busy ...
+    for s in shards:
+        s.fill_(value)  # ... so these writes are still pending when the copy-in is queued
+    out = comm.gather_bucket(layout, shards).wait()  # flat and in place: packed into our row of the result
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], want), f"the in-place copy-in read the shards before the writes ordered before it: {out[0].unique()[:8]}"
+
+
+def fake_flat_gather_waits_for_shards() -> None:
+    """A flat bucket gather packs the shards straight into our row of its result (in place), on the gather
+    stream: it starts only after the current stream's pending writes to the shards (the fake group moves
+    nothing, so our row is exactly what was packed)."""
+    _twice(_flat_gather_waits_for_shards)
+
+
+def _span_gather_keeps_its_shards(comm, spin: int, value: float) -> None:
+    (lay_a, shards_a), (lay_b, shards_b) = _bucket(comm.groups.world, 1 << 12), _bucket(comm.groups.world, 1 << 11)
+    [t.fill_(value) for t in (*shards_a, *shards_b)]  # no loop variable left holding a shard
+    want = [lay.pack_shards(ts, 0, device="cuda") for lay, ts in ((lay_a, shards_a), (lay_b, shards_b))]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(comm._stream("gather")):
+        torch.cuda._sleep(spin)  # the gather stream is busy, so the copy-in waits behind this
+    parts = comm.gather_buckets([lay_a, lay_b], [shards_a, shards_b])
+    del shards_a, shards_b
+    junk = [torch.full((1 << 18,), 1e6, device="cuda") for _ in range(8)]  # would take the freed blocks
+    got = [p.wait()[0].clone() for p in parts]
+    torch.cuda.synchronize()
+    del junk
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), f"a forward span's copy-in read shards freed before it was done: {g.unique()[:8]}"
+
+
+def fake_span_gather_keeps_its_shards() -> None:
+    """A forward span (``Comm.gather_buckets``: several buckets in one in-place gather) keeps every shard
+    its copy-in reads on the gather stream until that copy is done."""
+    _twice(_span_gather_keeps_its_shards)
+
+
 def fake_step_memory() -> None:
     """A fake world of 8 on one GPU: after ``shard`` a rank holds an eighth of the parameters; steps with
     prefetch 1 and 2 leave no growing residue (every gathered buffer and reduction input is released)."""
@@ -426,7 +468,8 @@ def fake_step_memory() -> None:
 CHECKS = {f.__name__: f for f in (
     step_world1, mixed_precision_world1, checkpoint_world1, compat_world1, gloo_world2_step,
     fake_gather_waits_for_inputs, fake_result_waits_for_gather, fake_reduce_keeps_its_input,
-    fake_bucket_pack_waits_for_shards, fake_bucket_pack_keeps_its_shards, fake_step_memory,
+    fake_bucket_pack_waits_for_shards, fake_bucket_pack_keeps_its_shards, fake_flat_gather_waits_for_shards,
+    fake_span_gather_keeps_its_shards, fake_step_memory,
 )}  # fmt: skip
 
 
@@ -468,6 +511,8 @@ MUTANTS = {
     "fake_reduce_keeps_its_input": _inputs_dropped_at_launch,
     "fake_bucket_pack_waits_for_shards": _no_wait_stream,
     "fake_bucket_pack_keeps_its_shards": _shards_dropped_at_launch,
+    "fake_flat_gather_waits_for_shards": _no_wait_stream,
+    "fake_span_gather_keeps_its_shards": _inputs_dropped_at_launch,
 }
 
 
