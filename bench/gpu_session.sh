@@ -16,17 +16,18 @@
 # Prepare once, here (the GPU machine has no optree and no internet):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl optree==0.20.0
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl optree==0.20.0 expecttest==0.3.0
 # then call the device tool with carry [".whl"], timeout_s 600 and command `bash bench/gpu_session.sh all`.
 set -u -o pipefail
 stage=${1:-tests}
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if ! python3 -c "import optree" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/optree-*.whl \
-        || { echo "gpu_session.sh: no optree and no .whl/optree-*.whl to install (see the header)"; exit 2; }
+if ! python3 -c "import optree, expecttest" 2>/dev/null; then  # expecttest: torch.testing._internal (test_compat_threads)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "gpu_session.sh: optree or expecttest missing and no .whl/*.whl to install (see the header)"; exit 2; }
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    python3 -c "import optree, expecttest" || { echo "gpu_session.sh: .whl lacks optree or expecttest (see the header)"; exit 2; }
 fi
 export PYTHONPATH=$PWD:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}  # the checkout itself, not an install
 {
@@ -108,7 +109,8 @@ suite() {
     # (pytest-xdist is there), GPU hidden: ~4 minutes
     CUDA_VISIBLE_DEVICES= timeout 320 python3 -m pytest -q -n 8 -p no:cacheprovider --timeout 170 --tb=short \
         tests > "$OUT/cpu_suite.log" 2>&1
-    echo "CPU suite (torch $(python3 -c 'import torch; print(torch.__version__)')) exit $?"; tail -25 "$OUT/cpu_suite.log"
+    local rc=$?  # before the version's command substitution resets $?
+    echo "CPU suite (torch $(python3 -c 'import torch; print(torch.__version__)')) exit $rc"; tail -25 "$OUT/cpu_suite.log"
 }
 case "$stage" in
 tests) tests_half ;;

@@ -290,6 +290,27 @@ def test_measured_link_cost_is_agreed_by_every_rank(shape):
         assert 0.0 <= latency < 1.0 and 0.0 < bandwidth < float("inf")
 
 
+def _link_once_worker():
+    import fsdpfn.core.link as link
+
+    measured = []
+    measure = link.measure_link
+    link.measure_link = lambda comm, **kw: measured.append(comm) or measure(comm, **kw)
+    try:
+        comm = Comm(fsdpfn.init_mesh())
+        first, again = link.link_of(comm), link.link_of(comm)
+        link.link_of(Comm(fsdpfn.init_mesh()))  # another Comm: measured for itself
+    finally:
+        link.measure_link = measure
+    return first is again, len(measured), measured[0] is comm
+
+
+def test_a_comms_link_is_measured_once_and_kept():
+    # shard's "auto" and fsdp's first call on a GPU both read the link: one measurement (a collective) per Comm
+    for same, count, first in spmd(2, _link_once_worker):
+        assert same and count == 2 and first
+
+
 def test_live_gathered_bytes_follow_the_buffer_lifetime():
     for before, during, still, after, peak in spmd(2, _live_bytes):
         assert before == 0 and during == 8000 and still == 8000 and after == 0 and peak == 8000

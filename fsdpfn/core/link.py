@@ -15,12 +15,26 @@ import torch
 from fsdpfn.core.comm import Comm
 from fsdpfn.layout.autobucket import LinkCost
 
-__all__ = ["measure_link"]
+__all__ = ["link_of", "measure_link"]
 
 SMALL_BYTES = 1 << 10  # gathered bytes of the latency probe
 # gathered bytes of the bandwidth probe: at 1 MiB its time differed from the small probe's by less than the
 # scheduler's noise on a loaded 2-core machine, and two of three measurements gave ~1e15 bytes/s
 LARGE_BYTES = 4 << 20
+
+
+def link_of(comm: Comm) -> LinkCost:
+    """``comm``'s all-gather cost, measured (``measure_link``) on the first call and kept on ``comm``: a
+    collective the first time, so every rank of the mesh must call it then.
+
+    Example:
+        >>> comm = Comm(fsdpfn.init_mesh())                       # doctest: +SKIP
+        >>> link_of(comm) is link_of(comm)                        # doctest: +SKIP
+        True
+    """
+    if comm._link_cost is None:
+        comm._link_cost = measure_link(comm)
+    return comm._link_cost
 
 
 def measure_link(comm: Comm, *, repeats: int = 5) -> LinkCost:

@@ -50,6 +50,18 @@ class LinkCost(NamedTuple):
         """Predicted time of one all-gather that gathers ``nbytes`` bytes in all."""
         return self.latency_s + nbytes / self.bytes_per_s
 
+    def target_bytes(self) -> int | None:
+        """The gathered bytes at which the latency is ``1 / LATENCY_SHARE`` of the transfer: past it,
+        fusing saves little (``None`` for a link with no transfer time, such as one rank's).
+
+        Example:
+            >>> LinkCost(latency_s=1e-4, bytes_per_s=2e9).target_bytes()
+            800000
+        """
+        if self.bytes_per_s == float("inf"):
+            return None
+        return max(1, int(LATENCY_SHARE * self.latency_s * self.bytes_per_s))
+
 
 def auto_bucket_bytes(
     units: Sequence["UnitPlan"], world: int, link: LinkCost | Callable[[], LinkCost], device_type: str | None = None
@@ -80,6 +92,6 @@ def auto_bucket_bytes(
         return None
     if not isinstance(link, LinkCost):
         link = link()
-    target = int(LATENCY_SHARE * link.latency_s * link.bytes_per_s) if link.bytes_per_s != float("inf") else cap
-    chosen = min(target, cap)
+    target = link.target_bytes()
+    chosen = cap if target is None else min(target, cap)
     return chosen if chosen >= smallest_pair else None

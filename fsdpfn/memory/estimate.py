@@ -70,7 +70,8 @@ def estimate(
 
     ``min_bucket_bytes="auto"`` fuses as ``shard`` would on a link of cost ``link``; without one the
     planner assumes the memory cap is reached (the largest groups ``"auto"`` can pick: the worst case
-    for memory). ``group_sizes`` (instead of ``min_bucket_bytes``) fuses the units with parameters, in
+    for memory). Off CPU, the first call's groups (predicted at world > 1) also stay within
+    ``link.target_bytes()``, as ``fsdp`` caps them with the link it measures. ``group_sizes`` (instead of ``min_bucket_bytes``) fuses the units with parameters, in
     order, into consecutive groups of that many units each, as ``fsdp``'s first call may (see
     ``group_sizes_within``); ``forward_spans`` (with ``group_sizes``) gathers runs of that many consecutive
     groups in one collective each in forward, as the first call may too (``GroupSizes.forward_spans``;
@@ -117,8 +118,11 @@ def estimate(
         # as the first call does: the units that own parameters, the module's forward alone (no loss_fn), and a
         # reshard_after_forward predicate as the fuse key too (fsdp never fuses a kept unit with a resharded one)
         fuse_key = reshard_after_forward if callable(reshard_after_forward) else None
+        # and, where collectives overlap compute (not FUSED_DEVICES), no group past the link's target, if given
+        overlaps = link is not None and torch.device(one.device).type not in FUSED_DEVICES
         got = group_sizes_within(model, w, batch, units=named, optimizer=optimizer, mp_policy=mp_policy, prefetch=prefetch,
-                                 reshard_after_forward=reshard_after_forward, fuse_key=fuse_key, device=one.device)
+                                 reshard_after_forward=reshard_after_forward, fuse_key=fuse_key, device=one.device,
+                                 max_group_bytes=link.target_bytes() if overlaps else None)  # type: ignore[union-attr]
         return got.sizes, got.forward_spans
 
     out = [one(w, *fusion(w)) for w in worlds]

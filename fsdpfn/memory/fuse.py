@@ -20,7 +20,7 @@ gather still overlaps another's compute.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +137,7 @@ def group_sizes_within(
     budget: int | None = None,
     torch_foreach: bool | None = None,
     fuse_key: Callable[[str], Hashable] | None = None,
+    max_group_bytes: int | None = None,
     **options: Any,
 ) -> GroupSizes:
     """Fuse consecutive units into groups of possibly different sizes whose step ``fsdpfn.memory.estimate``
@@ -150,7 +151,10 @@ def group_sizes_within(
     keeps ``fuse_within``'s even groups when those are fewer. ``fuse_key`` (a function of unit names):
     units whose keys differ never share a group (the compat layer's units with different ``FSDPModule``
     settings, such as a last block kept gathered after forward); the groups then grow within each run
-    of equal keys, and no even grouping is tried.
+    of equal keys, and no even grouping is tried. ``max_group_bytes``: no group, and no forward span,
+    gathers more than that many bytes (a unit larger than it travels alone): where collectives overlap
+    compute (GPUs), a group past the link's latency-bound size only delays the compute that waits for it;
+    ``fsdp``'s first call passes the mesh's measured target there (``fsdpfn.layout.autobucket.link_target``).
 
     Example:
         >>> import torch
@@ -165,8 +169,11 @@ def group_sizes_within(
     check_world_and_budget("fsdpfn.memory.group_sizes_within", world, budget)
     if fuse_key is not None and not callable(fuse_key):
         raise TypeError(f"fsdpfn.memory.group_sizes_within: fuse_key must be a function of unit names or None, got {fuse_key!r}")
-    _, planned, base, budget, sizes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
+    if max_group_bytes is not None and (not isinstance(max_group_bytes, int) or isinstance(max_group_bytes, bool) or max_group_bytes < 1):
+        raise ValueError(f"fsdpfn.memory.group_sizes_within: max_group_bytes must be an int >= 1 or None, got {max_group_bytes!r}")
+    names, planned, base, budget, sizes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
     n = len(planned.named)  # the units that own parameters: what the plan's groups are made of
+    fits = _fits_within(model, world, names, planned.named, max_group_bytes, options)
     keys = [None] * n if fuse_key is None else [fuse_key(u) for u in planned.named]
     for unit, key in zip(planned.named, keys):
         if not isinstance(key, Hashable):
@@ -176,13 +183,14 @@ def group_sizes_within(
         return unfused
     even = unfused
     if len(set(keys)) == 1:  # even groups first (fuse_within's search, on the same estimator)
-        _, _, got = _largest_even(planned, world, min(sizes), n // 2, budget)
+        most = n // 2 if max_group_bytes is None else min(n // 2, max_group_bytes // max(sizes))
+        _, _, got = _largest_even(planned, world, min(sizes), most, budget)
         even = GroupSizes(_run_sizes(got.groups), got.peak, budget) if got is not None else unfused
     # groups grown from the last unit back, each while the estimate stays within the budget
     done: list[int] = []  # sizes of the groups closed so far, last group first
     current, peak = 1, base.peak
     for i in range(n - 2, -1, -1):  # unit i joins the current group (units i+1 ..) or starts the next
-        if current < n // 2 and keys[i] == keys[i + 1]:
+        if current < n // 2 and keys[i] == keys[i + 1] and fits(i, i + current + 1):
             trial = (1,) * i + (current + 1,) + tuple(reversed(done))
             got = planned(world, trial)
             if got.peak <= budget:
@@ -194,22 +202,40 @@ def group_sizes_within(
     grown = GroupSizes(tuple(reversed(done)), peak, budget)
     chosen = grown if grown.groups < even.groups else even
     if len(set(keys)) == 1:  # (units with other settings, e.g. kept gathered, are never in a span)
-        chosen = _with_forward_spans(planned, world, chosen)
+        chosen = _with_forward_spans(planned, world, chosen, fits)
     return chosen
 
 
-def _with_forward_spans(planned: Any, world: int, chosen: GroupSizes) -> GroupSizes:
+def _fits_within(
+    model: nn.Module, world: int, names: list[str], named: Sequence[str], most: int | None, options: dict[str, Any]
+) -> Callable[[int, int], bool]:
+    """``fits(a, b)``: whether units ``named[a:b]`` gather at most ``most`` bytes together (always, without
+    ``most``; a single unit always fits)."""
+    if most is None:
+        return lambda a, b: True
+    nbytes = dict(zip(names, _unit_sizes(model, world, names, options)))
+    starts = [0]
+    for name in named:
+        starts.append(starts[-1] + nbytes.get(name, 0))
+    return lambda a, b: b - a <= 1 or starts[b] - starts[a] <= most
+
+
+def _with_forward_spans(planned: Any, world: int, chosen: GroupSizes, fits: Callable[[int, int], bool]) -> GroupSizes:
     """``chosen`` with runs of its groups that forward gathers in one collective each, grown from the first
     group on, each as long as the estimate stays within the budget (forward has room that backward does
-    not: its activations are still being made). Backward still gathers and reduces group by group."""
+    not: its activations are still being made) and its units ``fits``. Backward still gathers and reduces
+    group by group."""
     n = chosen.groups
     if n < 2:
         return chosen
+    first = [0]  # the first unit of each group, and the end
+    for size in chosen.sizes:
+        first.append(first[-1] + size)
     done: list[int] = []
     current = 1
     for k in range(1, n):  # group k joins the current span or starts the next
         trial = (*done, current + 1, *(1,) * (n - k - 1))
-        if planned(world, chosen.sizes, trial).peak <= chosen.budget:
+        if fits(first[k - current], first[k + 1]) and planned(world, chosen.sizes, trial).peak <= chosen.budget:
             current += 1
             continue
         done.append(current)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdpfn.core import Comm, measure_link
+from fsdpfn.core import Comm, link_of
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
 from fsdpfn.ops.extension import AllGatherTransform, extension_of, shard_mesh, subclass_transform
 from fsdpfn.ops.materialize import is_meta, materialize_and_shard
@@ -277,7 +277,7 @@ def shard(
         transforms=transforms,
         min_bucket_bytes=min_bucket_bytes,
         tp=tp,
-        link=lambda: measure_link(comm),
+        link=lambda: link_of(comm),
         transient_buffers=frozenset(
             f"{prefix}.{name}" if prefix else name
             for prefix, mod in module.named_modules()

@@ -8,8 +8,12 @@ each group's gradients, and on CUDA torch's foreach AdamW a temporary, that fsdp
 is regrouped in place to that choice, more fused or less than ``shard``'s (whose cap, without the batch,
 may not fit). The groups may differ in size: the last units, whose backward runs before most gradients
 exist, can afford larger ones. Every collective costs a CPU step more than its bytes (a synchronisation
-of the ranks, thread wake-ups on cores that compute), so fusing is worth what memory allows (bench
+of the ranks, thread wake-ups on cores that compute), so on CPU fusing is worth what memory allows (bench
 ln_mlp, world 2: 12 groups -> 8, 0.60 -> 0.55 of torch's step, under its peak; bench/RESULTS.md run24).
+On GPUs, whose collectives overlap compute on streams of their own, no group or forward span grows past
+the mesh's latency-bound size (``LinkCost.target_bytes``): a larger one only delays the compute that
+waits for it (gpt1b over an emulated 100 GB/s link: 0.84-0.88 of torch's step before uneven groups and
+spans, 1.00-1.15 with groups of up to four 1B-model blocks and a 12-block span; bench/RESULTS.md).
 Every rank must choose alike (``fsdpfn.core.agree``); where they do not, or the planner cannot
 run the forward on fake tensors, the plan stays as ``shard`` made it. Once per plan.
 """
@@ -23,8 +27,9 @@ from typing import Any, ContextManager
 
 from torch import nn
 
-from fsdpfn.core import agree
+from fsdpfn.core import agree, link_of
 from fsdpfn.layout import ShardPlan
+from fsdpfn.layout.autobucket import FUSED_DEVICES
 from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSION_PLANNED_MEMO, OPTIMIZER_MEMO
 from fsdpfn.memory.fuse import first_call_fuses, group_sizes_within
 
@@ -55,6 +60,11 @@ def plan_fusion(
     units = [u.name for u in plan.units if u.name]
     if not eligible or plan.tp or plan.transforms or plan.comm is None or not first_call_fuses(plan.world, plan.replicas, len(units)):
         return  # the same on every rank: no agreement needed
+    # Where collectives overlap compute (GPUs: their own streams), a group or forward span past the link's
+    # latency-bound size only delays the compute waiting for it; on CPU, gloo shares the cores with compute
+    # and each collective's synchronisation is the cost, so memory alone bounds the groups there.
+    overlaps = plan.comm.groups.device_type not in FUSED_DEVICES
+    max_group_bytes = link_of(plan.comm).target_bytes() if overlaps else None  # a collective, on every rank
     batch = args if not kwargs else kwargs if not args else None
     sizes: tuple[int, ...] | None = None  # nothing planned: shard's groups stay (on every rank, if any rank could not plan)
     spans: tuple[int, ...] = ()
@@ -64,7 +74,7 @@ def plan_fusion(
                 choice = group_sizes_within(
                     module, plan.world, batch, units=units, optimizer=plan.memo.get(OPTIMIZER_MEMO, "none"),
                     mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                    fuse_key=fuse_key, device=plan.comm.groups.device,
+                    fuse_key=fuse_key, max_group_bytes=max_group_bytes, device=plan.comm.groups.device,
                 )  # fmt: skip
             sizes, spans = choice.sizes, choice.forward_spans
             if sum(sizes) != len(units):  # the planner saw other units than the plan has: keep shard's groups
