@@ -180,11 +180,26 @@ def cores_per_rank(device: torch.device, world: int) -> float:
     return len(os.sched_getaffinity(0)) / max(local, 1)
 
 
+def _plan_of(v: Variant) -> Any:
+    params = getattr(v, "params", None)
+    return params.plan if params is not None else getattr(v, "_root_plan", lambda: None)()
+
+
 def chosen_bucket_bytes(v: Variant) -> int | None:
     """The fusion threshold a functional or compat variant's plan uses (what ``"auto"`` chose)."""
-    params = getattr(v, "params", None)
-    plan = params.plan if params is not None else getattr(v, "_root_plan", lambda: None)()
-    return getattr(plan, "bucket_bytes", None)
+    return getattr(_plan_of(v), "bucket_bytes", None)
+
+
+def chosen_groups(v: Variant) -> dict[str, list[int]] | None:
+    """The collective groups a functional or compat variant's plan travels in after its first call: units
+    per group, in order, and the forward spans (runs of groups gathered in one collective in forward)."""
+    from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSED
+
+    plan = _plan_of(v)
+    if plan is None or not hasattr(plan, "groups"):
+        return None
+    units = [len(g.name.split(FUSED)) for g in plan.groups if g.name]
+    return {"units_per_group": units, "forward_spans": list(plan.memo.get(FORWARD_SPANS_MEMO, ()))}
 
 
 def _model_name(text: str) -> str:
@@ -328,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             r["comm_cpu_s"] = sorted(reduce_max([c for _, c in comm[n]], world))[len(comm[n]) // 2]
             log = logs[n]
             r["bucket_bytes"] = chosen_bucket_bytes(variants[n])
+            r["groups"] = chosen_groups(variants[n])
             r["collectives"] = {
                 "all_gather": sum(c.kind == "all_gather" for c in log),
                 "reduce_scatter": sum(c.kind == "reduce_scatter" for c in log),
