@@ -137,7 +137,8 @@ class Apply(UnitHooks):
 
     def schedule(self, plan: ShardPlan, *, functorch: bool = False) -> Schedule:
         """The schedule of a call on ``plan``: groups in the order the last call ran them (the plan's
-        order at first), this ``fsdp``'s resharding and prefetch (neither under ``torch.func``)."""
+        order at first, without forward spans), this ``fsdp``'s resharding and prefetch (neither under
+        ``torch.func``)."""
         order = plan.memo.get(("order", id(self)))
         key = ("schedule", id(self), functorch)
         hit = plan.memo.get(key)
@@ -147,7 +148,12 @@ class Apply(UnitHooks):
                 reshard = False
             elif not isinstance(reshard, bool):
                 reshard = functools.partial(self.reshards_group, plan)
-            hit = plan.memo[key] = (order, build_schedule(plan, order=order, reshard=reshard, prefetch=0 if functorch else self.prefetch))
+            # forward spans only once a call has shown the order the groups run in: spanned in the plan's
+            # order, a model that runs its units otherwise would hold a span's buffer longer than priced
+            spans = () if order is None else None
+            hit = plan.memo[key] = (
+                order, build_schedule(plan, order=order, reshard=reshard, prefetch=0 if functorch else self.prefetch, forward_spans=spans)
+            )
         return hit[1]
 
     def reshards_unit(self, name: str) -> bool:
