@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.torch_version import TorchVersion
 
 from fsdpfn.core.traced import Collectives
 from fsdpfn.layout import Sharded, ShardPlan
@@ -25,11 +26,6 @@ from fsdpfn.transform.call import GradMode
 from fsdpfn.transform.grad import _scale, finish, grad_inputs, shard_grads, split_value, value_and_grad
 
 __all__ = ["compile_step"]
-
-
-def _torch_minor() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
 
 
 # The unit hooks swap parameters in and out (Python side effects). Inside a checkpointed region dynamo
@@ -90,7 +86,7 @@ def compile_step(
         raise TypeError(
             f"compile_step: optimizer must be an fsdpfn.optim transformation (with init/update), got {type(optimizer).__name__}"
         )
-    if _torch_minor() < (2, 13):
+    if TorchVersion(torch.__version__) < (2, 13):
         warnings.warn(
             f"compile_step on torch {torch.__version__}: on torch 2.11 its third step was measured 0.8% off the eager "
             "step's loss (tests/test_traced.py, world 1; plain torch.compile of the same model matched exactly); it "
