@@ -154,7 +154,7 @@ def group_sizes_within(
     of equal keys, and no even grouping is tried. ``max_group_bytes``: no group, and no forward span,
     gathers more than that many bytes (a unit larger than it travels alone): where collectives overlap
     compute (GPUs), a group past the link's latency-bound size only delays the compute that waits for it;
-    ``fsdp``'s first call passes the mesh's measured target there (``fsdpfn.layout.autobucket.link_target``).
+    ``fsdp``'s first call passes the mesh's measured target there (``LinkCost.target_bytes()``).
 
     Example:
         >>> import torch
