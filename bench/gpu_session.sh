@@ -58,18 +58,26 @@ bench_half() {
     # 4. speed and memory against FSDP2 in the same run: world 1 (NCCL; each variant holds the whole
     #    model, gradients and AdamW state, ~16 GiB in fp32 master weights: four variants one after the
     #    other, `local` doubling as the loss reference), then rank 0 of a fake world of 8 (collectives are
-    #    no-ops: streams, memory and per-unit overhead are real, compat included), with profiler traces
+    #    no-ops: streams, memory and per-unit overhead are real, compat included)
     timeout 170 python3 bench/step.py --model gpt1b --variants torch,functional,compat,local --steps 8 --warmup 3 \
         --json "$OUT/gpt1b_w1.json" --check 2>&1 | grep -v Warning | tail -9
     timeout 130 python3 bench/step.py --model gpt1b --fake-world 8 --steps 8 --warmup 3 \
-        --json "$OUT/gpt1b_fake8.json" --trace /tmp/traces 2>&1 | grep -v Warning | tail -9
+        --json "$OUT/gpt1b_fake8.json" 2>&1 | grep -v Warning | tail -9
     # 4b. the same fake world over an emulated link (bench/emulate_link.py: each collective first occupies its
     #     stream for a ring's time at 100 GB/s + 20 us): how much of the communication each library hides
     #     (off CPU the first call caps groups and forward spans at the measured link's target: gpt1b's
     #     blocks should travel alone here, as the printed groups show)
-    timeout 120 python3 bench/step.py --model gpt1b --fake-world 8 --emulate-link 100,20 --steps 8 --warmup 3 \
-        --json /tmp/emulated.json 2>&1 | grep -v Warning | tail -6
-    python3 -c "import json; [print(n, v.get('groups')) for n, v in json.load(open('/tmp/emulated.json'))['variants'].items() if v.get('groups')]"
+    #     The profiler traces come from this run: the emulated collectives hold their streams, so the traces
+    #     show how much of the all-gather stream's time overlaps compute (printed per variant)
+    timeout 150 python3 bench/step.py --model gpt1b --fake-world 8 --emulate-link 100,20 --steps 8 --warmup 3 \
+        --json /tmp/emulated.json --trace /tmp/traces 2>&1 | grep -v Warning | tail -6
+    python3 -c "
+import json
+for n, v in json.load(open('/tmp/emulated.json'))['variants'].items():
+    t = v.get('trace') or {}
+    side = {s: (round(x['busy_ms'], 1), round(x['overlap_ms'], 1)) for s, x in (t.get('side') or {}).items()}
+    print(n, 'groups', v.get('groups'), '| compute ms', round(t.get('compute_ms', 0), 1), '| side streams (busy, overlapped ms)', side)
+"
     # 5. per-unit CPU overhead where the GPU is fast: 48 small blocks, fake world of 8
     timeout 60 python3 bench/step.py --model overhead --fake-world 8 --steps 20 --json "$OUT/overhead_fake8.json" 2>&1 | grep -v Warning | tail -7
     tar czf "$OUT/traces.tgz" -C /tmp/traces . 2>/dev/null || true  # every variant's trace, one file
