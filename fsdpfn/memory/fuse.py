@@ -94,7 +94,7 @@ def fuse_within(
     if "min_bucket_bytes" in options:
         raise TypeError("fsdpfn.memory.fuse_within: min_bucket_bytes is what it chooses; do not pass it")
     check_world_and_budget("fsdpfn.memory.fuse_within", world, budget)
-    names, planned, base, budget, sizes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
+    names, planned, base, budget, sizes, _ = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
     if world == 1 or len(sizes) < 4:
         return FusionChoice(None, 1, base.peak, budget)  # nothing to gather at world 1; fewer than four units leave no two groups of two
     threshold, k, got = _largest_even(planned, world, min(sizes), len(names) // 2, budget)
@@ -171,9 +171,9 @@ def group_sizes_within(
         raise TypeError(f"fsdpfn.memory.group_sizes_within: fuse_key must be a function of unit names or None, got {fuse_key!r}")
     if max_group_bytes is not None and (not isinstance(max_group_bytes, int) or isinstance(max_group_bytes, bool) or max_group_bytes < 1):
         raise ValueError(f"fsdpfn.memory.group_sizes_within: max_group_bytes must be an int >= 1 or None, got {max_group_bytes!r}")
-    names, planned, base, budget, sizes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
+    _, planned, base, budget, sizes, unit_bytes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
     n = len(planned.named)  # the units that own parameters: what the plan's groups are made of
-    fits = _fits_within(model, world, names, planned.named, max_group_bytes, options)
+    fits = _fits_within(unit_bytes, planned.named, max_group_bytes)
     keys = [None] * n if fuse_key is None else [fuse_key(u) for u in planned.named]
     for unit, key in zip(planned.named, keys):
         if not isinstance(key, Hashable):
@@ -206,17 +206,14 @@ def group_sizes_within(
     return chosen
 
 
-def _fits_within(
-    model: nn.Module, world: int, names: list[str], named: Sequence[str], most: int | None, options: dict[str, Any]
-) -> Callable[[int, int], bool]:
-    """``fits(a, b)``: whether units ``named[a:b]`` gather at most ``most`` bytes together (always, without
-    ``most``; a single unit always fits)."""
+def _fits_within(unit_bytes: dict[str, int], named: Sequence[str], most: int | None) -> Callable[[int, int], bool]:
+    """``fits(a, b)``: whether units ``named[a:b]`` gather at most ``most`` bytes together (``unit_bytes``
+    each; always, without ``most``; a single unit always fits)."""
     if most is None:
         return lambda a, b: True
-    nbytes = dict(zip(names, _unit_sizes(model, world, names, options)))
     starts = [0]
     for name in named:
-        starts.append(starts[-1] + nbytes.get(name, 0))
+        starts.append(starts[-1] + unit_bytes.get(name, 0))
     return lambda a, b: b - a <= 1 or starts[b] - starts[a] <= most
 
 
@@ -249,14 +246,16 @@ def _with_forward_spans(planned: Any, world: int, chosen: GroupSizes, fits: Call
 
 def _search_inputs(
     model: nn.Module, world: int, batch: Any, units: Units, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]
-) -> tuple[list[str], Any, Any, int, list[int]]:
+) -> tuple[list[str], Any, Any, int, list[int], dict[str, int]]:
     """What both searches start from: the unit names, the step's estimator (forward counted once), its
-    unfused estimate, the budget (given, or torch's peak) and the sizes of the units that gather anything."""
+    unfused estimate, the budget (given, or torch's peak), the sizes of the units that gather anything and
+    every unit's gathered bytes by name."""
     names = resolve_units(model, units)
     planned = step_estimator(model, batch, units=units, **options)
     base = planned(world, None)
     budget = _budget(model, world, planned, budget, torch_foreach, options)
-    return names, planned, base, budget, [s for s in _unit_sizes(model, world, names, options) if s > 0]
+    unit_bytes = dict(zip(names, _unit_sizes(model, world, names, options)))
+    return names, planned, base, budget, [s for s in unit_bytes.values() if s > 0], unit_bytes
 
 
 def _largest_even(planned: Any, world: int, smallest: int, most: int, budget: int) -> tuple[int | None, int, Any]:
