@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -290,10 +290,7 @@ class Comm:
         stream, as the user's gather does, into a buffer allocated on the current stream (which frees it
         after waiting for the gather; no record_stream); the handle keeps the shards until then."""
         flat = torch.empty(layout.numel, dtype=layout.dtype, device=self.groups.device)
-        stream = self._stream("gather")
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            layout.pack_shards(shards, self.groups.rank, out=flat)
+        self._copy_in(lambda: layout.pack_shards(shards, self.groups.rank, out=flat))
         handle = self.all_gather(flat, label=label, custom=custom)
         handle.keep_also(tuple(t for t in shards if t is not None))
         return handle
@@ -339,18 +336,22 @@ class Comm:
             for lay, ts, a, b in zip(layouts, shards, starts, starts[1:]):
                 lay.pack_shards(ts, groups.rank, out=mine[a:b])
 
-        if groups.device_type != "cuda":
+        self._copy_in(pack)
+        # CUDA: the result is allocated on the current stream, which frees it after waiting for the gather
+        # (no record_stream); the shards the copy-in reads on the gather stream are kept until then.
+        keep = tuple(t for ts in shards for t in ts if t is not None) if groups.device_type == "cuda" else ()
+        return self._all_gather_into(out, mine, label=label, keep=keep), starts
+
+    def _copy_in(self, pack: Callable[[], Any]) -> None:
+        """Run a gather's copy-in (packing the shards, with their cast): on CUDA on the gather stream, after
+        the current stream's pending work, off the compute stream like the collective after it; on CPU here."""
+        if self.groups.device_type != "cuda":
             pack()
-            return self._all_gather_into(out, mine, label=label, keep=()), starts
-        # CUDA: the copy-in (and its cast) runs on the gather stream, off the compute stream, like the
-        # collective after it. The result is allocated on the current stream, which frees it after waiting
-        # for the gather (no record_stream); the shards are kept until then.
+            return
         stream = self._stream("gather")
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             pack()
-        keep = tuple(t for ts in shards for t in ts if t is not None)
-        return self._all_gather_into(out, mine, label=label, keep=keep), starts
 
     def reduce_bucket(
         self,
