@@ -130,6 +130,16 @@ def test_forward_spans_name_runs_of_consecutive_resharding_groups(plan, data, re
         order = [want[first][1]] + [n for n in [g.name for g in plan.groups] if n != want[first][1]]
         assert first not in build_schedule(plan, reshard=reshard, forward_spans=sizes, order=order).spans
         assert not build_schedule(plan, reshard=reshard, forward_spans=sizes, forward_prefetch={first: []}).spans
+        # the first call's planned spans (the plan's memo) apply once a call has shown the order it runs in
+        from fsdpfn.layout.plan import FORWARD_SPANS_MEMO
+
+        plan.memo[FORWARD_SPANS_MEMO] = tuple(sizes)
+        try:
+            assert not build_schedule(plan, reshard=reshard).spans
+            ran = [g.name for g in plan.groups]
+            assert dict(build_schedule(plan, reshard=reshard, order=ran).spans) == want
+        finally:
+            del plan.memo[FORWARD_SPANS_MEMO]
 
 
 @pytest.mark.parametrize("sizes", [(1,), (0, 3), (5, 5)])

@@ -119,7 +119,6 @@ class CompatApply(Apply):
                 order=order,
                 reshard=ctx.reshards,
                 prefetch=1,
-                forward_spans=() if order is None else None,  # spans once a forward has shown the order (see fsdp)
                 forward_prefetch={g: ctx.names_of(st.forward_prefetch) for g, st in knobs if st.forward_prefetch is not None},
                 backward_prefetch={g: ctx.names_of(st.backward_prefetch) for g, st in knobs if st.backward_prefetch is not None},
             )

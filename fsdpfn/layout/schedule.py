@@ -152,9 +152,10 @@ def build_schedule(
     ``prefetch`` groups ahead are launched with each gather, unless ``forward_prefetch`` /
     ``backward_prefetch`` name the groups to launch explicitly (FSDP2's ``set_modules_to_*_prefetch``).
     ``forward_spans``: sizes of runs of consecutive named groups (plan order, summing to their number)
-    that forward gathers in one collective each (``None``: what the first call's planner chose, if
-    anything); a span is kept only where its groups run consecutively in ``order``, each reshards, and
-    nothing is prefetched explicitly.
+    that forward gathers in one collective each (``None``: what the first call's planner chose, once
+    ``order`` is given, the order a call ran: spanned in the plan's order, a model that runs its units
+    otherwise would hold a span's buffer longer than priced); a span is kept only where its groups run
+    consecutively in ``order``, each reshards, and nothing is prefetched explicitly.
 
     Example:
         >>> s = build_schedule(plan, prefetch=2)   # doctest: +SKIP
@@ -163,6 +164,7 @@ def build_schedule(
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"build_schedule: prefetch must be an int >= 0, got {prefetch!r}")
     names = [g.name for g in plan.groups]
+    ran_order = order is not None
     if order is None:
         order = names
     else:
@@ -186,7 +188,9 @@ def build_schedule(
             forward_prefetch=tuple(explicit_fwd[g.name]) if g.name in explicit_fwd else window(order, g.name, prefetch, ahead=True),
             backward_prefetch=tuple(bwd) if bwd is not None else None,
         )
-    spans = _spans(plan, order, steps, plan.memo.get(FORWARD_SPANS_MEMO) if forward_spans is None else forward_spans)
+    if forward_spans is None:
+        forward_spans = plan.memo.get(FORWARD_SPANS_MEMO) if ran_order else None
+    spans = _spans(plan, order, steps, forward_spans)
     if explicit_fwd or explicit_bwd:
         spans = {}
     return Schedule(tuple(order), steps, prefetch, plan.world, plan.replicas, spans)

@@ -148,12 +148,7 @@ class Apply(UnitHooks):
                 reshard = False
             elif not isinstance(reshard, bool):
                 reshard = functools.partial(self.reshards_group, plan)
-            # forward spans only once a call has shown the order the groups run in: spanned in the plan's
-            # order, a model that runs its units otherwise would hold a span's buffer longer than priced
-            spans = () if order is None else None
-            hit = plan.memo[key] = (
-                order, build_schedule(plan, order=order, reshard=reshard, prefetch=0 if functorch else self.prefetch, forward_spans=spans)
-            )
+            hit = plan.memo[key] = (order, build_schedule(plan, order=order, reshard=reshard, prefetch=0 if functorch else self.prefetch))
         return hit[1]
 
     def reshards_unit(self, name: str) -> bool:
