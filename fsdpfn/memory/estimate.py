@@ -71,8 +71,9 @@ def estimate(
     ``min_bucket_bytes="auto"`` fuses as ``shard`` would on a link of cost ``link``; without one the
     planner assumes the memory cap is reached (the largest groups ``"auto"`` can pick: the worst case
     for memory). Off CPU, the first call's groups (predicted at world > 1) also stay within
-    ``link.target_bytes()``, as ``fsdp`` caps them with the link it measures. ``group_sizes`` (instead of ``min_bucket_bytes``) fuses the units with parameters, in
-    order, into consecutive groups of that many units each, as ``fsdp``'s first call may (see
+    ``link.target_bytes()``, as ``fsdp`` caps them with the link it measures. ``group_sizes`` (instead of
+    ``min_bucket_bytes``) fuses the units with parameters, in order, into consecutive groups of that many
+    units each, as ``fsdp``'s first call may (see
     ``group_sizes_within``); ``forward_spans`` (with ``group_sizes``) gathers runs of that many consecutive
     groups in one collective each in forward, as the first call may too (``GroupSizes.forward_spans``;
     with ``"auto"``, what the first call would choose). The result is a ``MemoryEstimate``: ``peak``,
