@@ -16,12 +16,23 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.common_fsdp import FSDPTestMultiThread
+
+from fsdpfn.testing import torch_version
+
+# torch 2.11's threaded process group is broken as a harness (seen on the GPU machine, 2026-11-26): its own
+# teardown raises in every test (`ThreadLocalWorld` has no `comms`), and one run crashed the process with a
+# segfault inside DTensor's sharding propagation (FakeTensorMode.__enter__, from nn.Parameter(DTensor), the
+# call torch's fully_shard makes too). The same comparisons run on torch >= 2.13 (CI's torch).
+pytestmark = pytest.mark.skipif(
+    torch_version() < (2, 13), reason="torch < 2.13: its threaded process group harness fails in its own teardown and sharding propagation"
+)
 
 IMPLS = {"torch": "torch.distributed.fsdp", "fsdpfn": "fsdpfn.compat"}
 WORLDS = (1, 2, 4, 8)
