@@ -463,6 +463,7 @@ def fake_step_memory() -> None:
             torch.cuda.synchronize()
             resident.append(torch.cuda.memory_allocated())
         assert resident[-1] == resident[1], f"prefetch={prefetch}: resident bytes grow step to step: {resident}"
+        print(f"fake_step_memory: prefetch={prefetch} resident bytes after each step {resident}")
 
 
 CHECKS = {f.__name__: f for f in (
