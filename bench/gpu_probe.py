@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
+PROBES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather_list", "all_to_all_single", "send_recv", "broadcast")
 
 
 def _probes(rank: int, queue: Any) -> None:
@@ -67,7 +69,9 @@ def _probes(rank: int, queue: Any) -> None:
 
     # each verdict is sent as soon as it is known: a collective that breaks the gloo pair (torch 2.11 on an
     # H200: a 'Bad address' writev) leaves the verdicts before it, and later ones name the broken pair
-    for fn in (all_gather_into_tensor, reduce_scatter_tensor, all_reduce, all_gather_list, all_to_all_single, send_recv, broadcast):
+    probes = (all_gather_into_tensor, reduce_scatter_tensor, all_reduce, all_gather_list, all_to_all_single, send_recv, broadcast)
+    assert [fn.__name__ for fn in probes] == list(PROBES)
+    for fn in probes:
         try:
             verdict = "ok" if fn() else "wrong"
         except Exception as e:  # the point of the probe: which ones the backend refuses, and how
@@ -99,18 +103,30 @@ def main(argv: list[str] | None = None) -> int:
         for proc in procs:
             proc.start()
         results: dict[int, dict[str, str]] = {0: {}, 1: {}}
-        try:
-            for _ in range(WORLD * 7):
-                rank, name, verdict = queue.get(timeout=60)
+        # A collective can kill a rank's process (torch 2.11: gloo's 'Bad address' writev aborts it): stop
+        # waiting once a rank is dead and the queue is quiet, instead of waiting out every missing verdict.
+        deadline = time.monotonic() + 45
+        while sum(map(len, results.values())) < WORLD * len(PROBES) and time.monotonic() < deadline:
+            try:
+                rank, name, verdict = queue.get(timeout=1)
                 results[rank][name] = verdict
-        except Exception:  # queue.Empty: a rank died or hung; report what came
-            pass
-        for proc in procs:
+            except Exception:  # queue.Empty
+                if any(proc.exitcode not in (None, 0) for proc in procs):
+                    break
+        killed = set()
+        for rank, proc in enumerate(procs):
             proc.join(timeout=10)
-            if proc.is_alive():
+            if proc.is_alive():  # blocked in a collective with a dead peer
                 proc.kill()
-    names = list(dict.fromkeys([*results[0], *results[1]]))
-    verdicts = {k: (results[0].get(k, "no answer"), results[1].get(k, "no answer")) for k in names}
+                proc.join()
+                killed.add(rank)
+    for rank, proc in enumerate(procs):
+        missing = [name for name in PROBES if name not in results[rank]]
+        if missing and proc.exitcode not in (None, 0):  # verdicts come in order: the first missing one stopped it
+            why = "hung (killed)" if rank in killed else f"crashed the process (exit code {proc.exitcode})"
+            results[rank][missing[0]] = why
+    names = [name for name in PROBES if name in results[0] or name in results[1]]
+    verdicts = {k: (results[0].get(k, "not run"), results[1].get(k, "not run")) for k in names}
     summary = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "backend": "gloo", "world": WORLD,
                "collectives": {k: a if a == b else f"rank0 {a} / rank1 {b}" for k, (a, b) in verdicts.items()}}
     for name, verdict in summary["collectives"].items():

@@ -47,7 +47,7 @@ tests_half() {
         tests/test_cuda.py "tests/test_core.py::test_cuda_gather_and_reduce_world_one" > "$OUT/tests.log" 2>&1 &
     local tests_pid=$!
     # 2. which real collectives two ranks can run on one GPU (gloo on CUDA tensors)
-    timeout 60 python3 bench/gpu_probe.py --json /tmp/probe.json 2>&1 | grep -v Warning | tail -12
+    timeout 90 python3 bench/gpu_probe.py --json /tmp/probe.json 2>&1 | grep -v Warning | tail -12
     # 3. the example GPT trains on CUDA through both layers (the loss must fall as on CPU)
     timeout 60 python3 examples/train.py --device cuda --steps 150 --no-progress --json /tmp/train_functional.json 2>&1 | tail -4
     timeout 90 python3 examples/train_compat.py --device cuda --steps 150 --mp --compare 2>&1 | tail -8
