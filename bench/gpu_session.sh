@@ -61,7 +61,7 @@ bench_half() {
     #    no-ops: streams, memory and per-unit overhead are real, compat included)
     timeout 170 python3 bench/step.py --model gpt1b --variants torch,functional,compat,local --steps 8 --warmup 3 \
         --json "$OUT/gpt1b_w1.json" --check 2>&1 | grep -v Warning | tail -9
-    timeout 130 python3 bench/step.py --model gpt1b --fake-world 8 --steps 8 --warmup 3 \
+    timeout 130 python3 bench/step.py --model gpt1b --fake-world 8 --steps 24 --warmup 3 \
         --json "$OUT/gpt1b_fake8.json" 2>&1 | grep -v Warning | tail -9
     # 4b. the same fake world over an emulated link (bench/emulate_link.py: each collective first occupies its
     #     stream for a ring's time at 100 GB/s + 20 us): how much of the communication each library hides
@@ -69,7 +69,7 @@ bench_half() {
     #     blocks should travel alone here, as the printed groups show)
     #     The profiler traces come from this run: the emulated collectives hold their streams, so the traces
     #     show how much of the all-gather stream's time overlaps compute (printed per variant)
-    timeout 150 python3 bench/step.py --model gpt1b --fake-world 8 --emulate-link 100,20 --steps 8 --warmup 3 \
+    timeout 150 python3 bench/step.py --model gpt1b --fake-world 8 --emulate-link 100,20 --steps 24 --warmup 3 \
         --json /tmp/emulated.json --trace /tmp/traces 2>&1 | grep -v Warning | tail -6
     python3 -c "
 import json
