@@ -380,3 +380,42 @@ def test_where_collectives_overlap_compute_the_first_call_fuses_no_group_past_th
         for span in spans:  # a forward span of several groups gathers within it as well
             assert span == 1 or sum(gathered[at : at + span]) <= target, (spans, gathered, target)
             at += span
+
+
+
+_SIMULATED = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import fsdpfn
+from fsdpfn.core import Comm, agree, measure_link
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+from test_fusion import _first_call, _headed, _runs
+n, width, head, batch = 16, 64, 2048, 256
+link = measure_link(Comm(fsdpfn.init_mesh()))
+shards = [u.name for u in fsdpfn.shard(_headed(n, width, head), fsdpfn.init_mesh(), units=[str(i) for i in range(n)]).plan.groups if u.name]
+choice = fsdpfn.memory.group_sizes_within(_headed(n, width, head), 2, torch.zeros(batch, width), units=[str(i) for i in range(n)])
+print(json.dumps({"agree": agree(Comm(fsdpfn.init_mesh()), 7), "link": [link.latency_s, link.bytes_per_s], "shard": shards,
+                  "first_call": _first_call(n, width, head, batch, "adamw"), "planned": _runs(choice.sizes)}))
+"""
+
+
+def test_a_simulated_world_plans_its_first_call_as_a_real_one():
+    # torch's fake backend: one process stands for rank 0 of a larger world (bench/step.py --fake-world, the
+    # GPU sessions' world of 8) and collectives move nothing. The ranks' agreement on the first call's
+    # groups must not read the fake group's unchanged sum as a disagreement (until 2026-11-26 fake worlds
+    # kept shard's groups), nor the link probe's sum as the timings of W ranks. The model is
+    # test_fusion_that_costs_no_memory_is_taken_on_the_first_call's, where the planner fuses more than shard.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", _SIMULATED, str(Path(__file__).parent)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["agree"] is True
+    assert got["link"][0] >= 0 and got["link"][1] > 0
+    assert got["planned"] != got["shard"], got  # (what makes this a test of the first call)
+    assert got["first_call"] == got["planned"], got

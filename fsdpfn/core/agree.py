@@ -3,7 +3,8 @@
 A plan chosen on each rank from its own inputs (``fsdp``'s first call fuses units from the batch it sees)
 must be the same on every rank, or their collectives stop matching: a hang. Two sums settle it without a
 MIN/MAX reduction, which not every backend has: the values (every rank checks that the total is ``W``
-times its own) and then the checks themselves. Like ``measure_link``, it runs ``comm.untracked()``.
+times its own) and then the checks themselves. Like ``measure_link``, it runs ``comm.untracked()``. In a
+simulated world (torch's ``fake`` backend, ``MeshGroups.simulated``) the one real rank agrees with itself.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ def agree(comm: Comm, value: int) -> bool:
         True
     """
     ranks = comm.dp_world
-    if ranks == 1:
+    if ranks == 1 or comm.groups.simulated:
+        # In a fake world this process stands for every rank, and each would reach the same value from the
+        # same inputs; the fake group's sum moves nothing (it would read as a disagreement).
         return True
     with comm.untracked():
         total = torch.tensor([value], dtype=torch.int64, device=comm.groups.device)

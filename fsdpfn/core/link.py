@@ -74,6 +74,6 @@ def _measure(comm: Comm, repeats: int) -> LinkCost:
         fastest.append(min(samples))  # the least disturbed repetition: noise only ever adds time
     agreed = torch.tensor(fastest, dtype=torch.float64, device=device)
     comm.all_reduce_sum(agreed, label="fsdpfn:link probe").wait()
-    small, large = (agreed / comm.dp_world).tolist()
+    small, large = (agreed / (1 if comm.groups.simulated else comm.dp_world)).tolist()  # a fake group's sum is ours
     bytes_per_s = (LARGE_BYTES - SMALL_BYTES) / max(large - small, 1e-9)
     return LinkCost(latency_s=max(small - SMALL_BYTES / bytes_per_s, 0.0), bytes_per_s=bytes_per_s)

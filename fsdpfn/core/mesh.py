@@ -116,6 +116,14 @@ class MeshGroups:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type)
 
+    @property
+    def simulated(self) -> bool:
+        """Whether the other ranks are simulated: torch's ``fake`` backend, where one process stands for
+        rank 0 of a larger world and collectives return at once, moving nothing (memory and host-overhead
+        studies of a world the machine does not have)."""
+        group = self.shard_group if self.shard_group is not None else self.replicate_group
+        return group is not None and dist.get_backend(group) == "fake"
+
 
 def mesh_groups(mesh: DeviceMesh, *, replicate_only: bool = False) -> MeshGroups:
     """The shard and replicate groups of a 1-D (FSDP) or 2-D (HSDP, ``(replicate, shard)``) mesh.
