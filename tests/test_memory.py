@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fsdpfn
+from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
 from fsdpfn.layout.autobucket import LinkCost
 from fsdpfn.testing import spmd
 from fsdpfn.testing import strategies as fst
@@ -270,6 +271,32 @@ def test_group_sizes_within_keeps_groups_and_spans_within_max_group_bytes(data, 
     assert choice.groups >= free.groups  # a cap only ever splits
     if cap >= sum(gathered):
         assert choice == free  # a cap nothing reaches changes nothing
+
+
+
+@settings(max_examples=min(settings().max_examples, 12))
+@given(data=st.data(), world=st.integers(2, 4), device=st.sampled_from(["cpu", "cuda"]))
+def test_group_sizes_within_spans_no_group_the_runtime_gathers_alone(data, world, device):
+    # on CPU a group of EXCHANGE_MIN_BYTES (1 MiB) or more gathers as direct exchanges between the tensors,
+    # which never share a forward collective (fsdpfn.ops.shares_gather): the planner must not price such a
+    # span (it did until 2026-11-26: ln_mlp was planned spans (3, 2, 1) that never ran); GPUs gather flat
+    widths = data.draw(st.lists(st.sampled_from([16, 64, 384, 768]), min_size=5, max_size=9))
+    n = len(widths) - 1
+    units = [str(i) for i in range(n)]
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    x = torch.zeros(data.draw(st.integers(1, 32)), widths[0])
+    choice = fsdpfn.memory.group_sizes_within(model, world, x, units=units, budget=10**12, device=torch.device(device))
+    gathered = [sum(fsdpfn.ShardSpec(shape, world).padded_numel * world * 4 for shape in ((b, a), (b,))) for a, b in zip(widths, widths[1:])]
+    starts = [0]
+    for k in choice.sizes:
+        starts.append(starts[-1] + k)
+    groups = [sum(gathered[a:b]) for a, b in zip(starts, starts[1:])]
+    at = 0
+    for span in choice.forward_spans:
+        if span > 1:
+            assert device == "cuda" or all(g < EXCHANGE_MIN_BYTES for g in groups[at : at + span]), (choice, groups)
+        at += span
 
 
 def _linear_stack(widths, batch):

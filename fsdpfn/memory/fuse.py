@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
+from fsdpfn.core.exchange import direct_route
 from fsdpfn.layout import build_plan
 from fsdpfn.layout.plan import FUSED
 from fsdpfn.memory.estimate import OPTIMIZERS, _device_of, _infos, step_estimator
@@ -171,7 +173,7 @@ def group_sizes_within(
         raise TypeError(f"fsdpfn.memory.group_sizes_within: fuse_key must be a function of unit names or None, got {fuse_key!r}")
     if max_group_bytes is not None and (not isinstance(max_group_bytes, int) or isinstance(max_group_bytes, bool) or max_group_bytes < 1):
         raise ValueError(f"fsdpfn.memory.group_sizes_within: max_group_bytes must be an int >= 1 or None, got {max_group_bytes!r}")
-    _, planned, base, budget, sizes, unit_bytes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
+    names, planned, base, budget, sizes, unit_bytes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
     n = len(planned.named)  # the units that own parameters: what the plan's groups are made of
     fits = _fits_within(unit_bytes, planned.named, max_group_bytes)
     keys = [None] * n if fuse_key is None else [fuse_key(u) for u in planned.named]
@@ -202,7 +204,7 @@ def group_sizes_within(
     grown = GroupSizes(tuple(reversed(done)), peak, budget)
     chosen = grown if grown.groups < even.groups else even
     if len(set(keys)) == 1:  # (units with other settings, e.g. kept gathered, are never in a span)
-        chosen = _with_forward_spans(planned, world, chosen, fits)
+        chosen = _with_forward_spans(planned, world, chosen, fits, _gathers_alone(model, world, names, chosen.sizes, options))
     return chosen
 
 
@@ -217,11 +219,31 @@ def _fits_within(unit_bytes: dict[str, int], named: Sequence[str], most: int | N
     return lambda a, b: b - a <= 1 or starts[b] - starts[a] <= most
 
 
-def _with_forward_spans(planned: Any, world: int, chosen: GroupSizes, fits: Callable[[int, int], bool]) -> GroupSizes:
+def _gathers_alone(model: nn.Module, world: int, names: list[str], sizes: tuple[int, ...], options: dict[str, Any]) -> list[bool]:
+    """For each group of ``sizes``: whether the runtime gathers it alone, never in a forward span
+    (``fsdpfn.ops.shares_gather``): several bucket dtypes, nothing to gather, or a direct exchange between
+    the tensors (CPU, from ``EXCHANGE_MIN_BYTES`` gathered: large groups, which gain nothing from sharing)."""
+    policy = options.get("mp_policy") or MixedPrecisionPolicy()
+    device = torch.device(options["device"]) if options.get("device") is not None else _device_of(model)
+    infos, _ = _infos(model, [""] + names)
+    plan = build_plan(infos, [], [""] + names, rank=0, world=world, gather_dtype=policy.gather_dtype)
+    if sum(sizes) != sum(1 for u in plan.units if u.name):
+        return [False] * len(sizes)  # (the estimator's units are the plan's: not reached)
+    plan.regroup(sizes=sizes)
+    return [
+        len(g.gather) != 1
+        or direct_route(g.gather[0], world, gather=True, device_type=device.type, min_bytes=EXCHANGE_MIN_BYTES)
+        for g in plan.groups if g.name
+    ]  # fmt: skip
+
+
+def _with_forward_spans(
+    planned: Any, world: int, chosen: GroupSizes, fits: Callable[[int, int], bool], alone: Sequence[bool]
+) -> GroupSizes:
     """``chosen`` with runs of its groups that forward gathers in one collective each, grown from the first
     group on, each as long as the estimate stays within the budget (forward has room that backward does
-    not: its activations are still being made) and its units ``fits``. Backward still gathers and reduces
-    group by group."""
+    not: its activations are still being made) and its units ``fits``; a group the runtime gathers
+    ``alone`` is in no span. Backward still gathers and reduces group by group."""
     n = chosen.groups
     if n < 2:
         return chosen
@@ -232,7 +254,8 @@ def _with_forward_spans(planned: Any, world: int, chosen: GroupSizes, fits: Call
     current = 1
     for k in range(1, n):  # group k joins the current span or starts the next
         trial = (*done, current + 1, *(1,) * (n - k - 1))
-        if fits(first[k - current], first[k + 1]) and planned(world, chosen.sizes, trial).peak <= chosen.budget:
+        shared = not alone[k] and (current > 1 or not alone[k - 1])  # (a span's groups joined it only so)
+        if shared and fits(first[k - current], first[k + 1]) and planned(world, chosen.sizes, trial).peak <= chosen.budget:
             current += 1
             continue
         done.append(current)
