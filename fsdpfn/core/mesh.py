@@ -118,11 +118,21 @@ class MeshGroups:
 
     @property
     def simulated(self) -> bool:
-        """Whether the other ranks are simulated: torch's ``fake`` backend, where one process stands for
-        rank 0 of a larger world and collectives return at once, moving nothing (memory and host-overhead
-        studies of a world the machine does not have)."""
+        """Whether the other ranks are simulated (``simulated_group``)."""
         group = self.shard_group if self.shard_group is not None else self.replicate_group
-        return group is not None and dist.get_backend(group) == "fake"
+        return group is not None and simulated_group(group)
+
+
+def simulated_group(group: dist.ProcessGroup) -> bool:
+    """Whether ``group``'s other ranks are simulated: torch's ``fake`` backend, where one process stands
+    for rank 0 of a larger world and collectives return at once, moving nothing (memory and host-overhead
+    studies of a world the machine does not have).
+
+    Example:
+        >>> simulated_group(dist.group.WORLD)   # doctest: +SKIP
+        False
+    """
+    return dist.get_backend(group) == "fake"
 
 
 def mesh_groups(mesh: DeviceMesh, *, replicate_only: bool = False) -> MeshGroups:
