@@ -24,14 +24,13 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
 from fsdpfn.core.exchange import direct_route
-from fsdpfn.layout import build_plan
+from fsdpfn.layout import ShardPlan, build_plan
 from fsdpfn.layout.plan import FUSED
-from fsdpfn.memory.estimate import OPTIMIZERS, _device_of, _infos, step_estimator
+from fsdpfn.memory.estimate import OPTIMIZERS, _infos, step_estimator
 from fsdpfn.memory.keep import check_world_and_budget
 from fsdpfn.ops.shard import Units, resolve_units
 from fsdpfn.policy import MixedPrecisionPolicy
@@ -96,7 +95,7 @@ def fuse_within(
     if "min_bucket_bytes" in options:
         raise TypeError("fsdpfn.memory.fuse_within: min_bucket_bytes is what it chooses; do not pass it")
     check_world_and_budget("fsdpfn.memory.fuse_within", world, budget)
-    names, planned, base, budget, sizes, _ = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
+    names, planned, base, budget, sizes, _, _ = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
     if world == 1 or len(sizes) < 4:
         return FusionChoice(None, 1, base.peak, budget)  # nothing to gather at world 1; fewer than four units leave no two groups of two
     threshold, k, got = _largest_even(planned, world, min(sizes), len(names) // 2, budget)
@@ -173,7 +172,7 @@ def group_sizes_within(
         raise TypeError(f"fsdpfn.memory.group_sizes_within: fuse_key must be a function of unit names or None, got {fuse_key!r}")
     if max_group_bytes is not None and (not isinstance(max_group_bytes, int) or isinstance(max_group_bytes, bool) or max_group_bytes < 1):
         raise ValueError(f"fsdpfn.memory.group_sizes_within: max_group_bytes must be an int >= 1 or None, got {max_group_bytes!r}")
-    names, planned, base, budget, sizes, unit_bytes = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
+    names, planned, base, budget, sizes, unit_bytes, unit_plan = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
     n = len(planned.named)  # the units that own parameters: what the plan's groups are made of
     fits = _fits_within(unit_bytes, planned.named, max_group_bytes)
     keys = [None] * n if fuse_key is None else [fuse_key(u) for u in planned.named]
@@ -204,7 +203,7 @@ def group_sizes_within(
     grown = GroupSizes(tuple(reversed(done)), peak, budget)
     chosen = grown if grown.groups < even.groups else even
     if len(set(keys)) == 1:  # (units with other settings, e.g. kept gathered, are never in a span)
-        chosen = _with_forward_spans(planned, world, chosen, fits, _gathers_alone(model, world, names, chosen.sizes, options))
+        chosen = _with_forward_spans(planned, world, chosen, fits, _gathers_alone(unit_plan, world, chosen.sizes, planned.device.type))
     return chosen
 
 
@@ -219,20 +218,17 @@ def _fits_within(unit_bytes: dict[str, int], named: Sequence[str], most: int | N
     return lambda a, b: b - a <= 1 or starts[b] - starts[a] <= most
 
 
-def _gathers_alone(model: nn.Module, world: int, names: list[str], sizes: tuple[int, ...], options: dict[str, Any]) -> list[bool]:
-    """For each group of ``sizes``: whether the runtime gathers it alone, never in a forward span
-    (``fsdpfn.ops.shares_gather``): several bucket dtypes, nothing to gather, or a direct exchange between
-    the tensors (CPU, from ``EXCHANGE_MIN_BYTES`` gathered: large groups, which gain nothing from sharing)."""
-    policy = options.get("mp_policy") or MixedPrecisionPolicy()
-    device = torch.device(options["device"]) if options.get("device") is not None else _device_of(model)
-    infos, _ = _infos(model, [""] + names)
-    plan = build_plan(infos, [], [""] + names, rank=0, world=world, gather_dtype=policy.gather_dtype)
+def _gathers_alone(plan: ShardPlan, world: int, sizes: tuple[int, ...], device_type: str) -> list[bool]:
+    """For each group of ``sizes`` (``plan``'s units regrouped so, in place): whether the runtime gathers
+    it alone, never in a forward span (``fsdpfn.ops.shares_gather``): several bucket dtypes, nothing to
+    gather, or a direct exchange between the tensors (CPU, from ``EXCHANGE_MIN_BYTES`` gathered: large
+    groups, which gain nothing from sharing)."""
     if sum(sizes) != sum(1 for u in plan.units if u.name):
         return [False] * len(sizes)  # (the estimator's units are the plan's: not reached)
     plan.regroup(sizes=sizes)
     return [
         len(g.gather) != 1
-        or direct_route(g.gather[0], world, gather=True, device_type=device.type, min_bytes=EXCHANGE_MIN_BYTES)
+        or direct_route(g.gather[0], world, gather=True, device_type=device_type, min_bytes=EXCHANGE_MIN_BYTES)
         for g in plan.groups if g.name
     ]  # fmt: skip
 
@@ -269,16 +265,18 @@ def _with_forward_spans(
 
 def _search_inputs(
     model: nn.Module, world: int, batch: Any, units: Units, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]
-) -> tuple[list[str], Any, Any, int, list[int], dict[str, int]]:
+) -> tuple[list[str], Any, Any, int, list[int], dict[str, int], ShardPlan]:
     """What both searches start from: the unit names, the step's estimator (forward counted once), its
-    unfused estimate, the budget (given, or torch's peak), the sizes of the units that gather anything and
-    every unit's gathered bytes by name."""
+    unfused estimate, the budget (given, or torch's peak), the sizes of the units that gather anything,
+    every unit's gathered bytes by name (as ``min_bucket_bytes`` counts them) and the unfused plan ``shard``
+    would build, which they come from."""
     names = resolve_units(model, units)
     planned = step_estimator(model, batch, units=units, **options)
     base = planned(world, None)
     budget = _budget(model, world, planned, budget, torch_foreach, options)
-    unit_bytes = dict(zip(names, _unit_sizes(model, world, names, options)))
-    return names, planned, base, budget, [s for s in unit_bytes.values() if s > 0], unit_bytes
+    plan = _unit_plan(model, world, names, options)
+    unit_bytes = dict(zip(names, [u.gathered_bytes(world) for u in plan.units if u.name]))
+    return names, planned, base, budget, [s for s in unit_bytes.values() if s > 0], unit_bytes, plan
 
 
 def _largest_even(planned: Any, world: int, smallest: int, most: int, budget: int) -> tuple[int | None, int, Any]:
@@ -300,12 +298,11 @@ def _run_sizes(labels: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(len(label.split(FUSED)) for label in labels if label != "<root>")
 
 
-def _unit_sizes(model: nn.Module, world: int, names: list[str], options: dict[str, Any]) -> list[int]:
-    """The units' sizes as ``min_bucket_bytes`` counts them: from the plan ``shard`` would build."""
+def _unit_plan(model: nn.Module, world: int, names: list[str], options: dict[str, Any]) -> ShardPlan:
+    """The plan ``shard`` would build, one group per unit (rank 0's)."""
     policy = options.get("mp_policy") or MixedPrecisionPolicy()
     infos, _ = _infos(model, [""] + names)
-    plan = build_plan(infos, [], [""] + names, rank=0, world=world, gather_dtype=policy.gather_dtype)
-    return [u.gathered_bytes(world) for u in plan.units if u.name]
+    return build_plan(infos, [], [""] + names, rank=0, world=world, gather_dtype=policy.gather_dtype)
 
 
 def _budget(model: nn.Module, world: int, planned: Any, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]) -> int:
@@ -317,8 +314,7 @@ def _budget(model: nn.Module, world: int, planned: Any, budget: int | None, torc
     optimizer = options.get("optimizer", "adamw")
     _, scratch = OPTIMIZERS["none" if optimizer is None else optimizer]  # estimate has checked the name
     if torch_foreach is None:  # torch's default: the for-loop kernel on CPU, foreach elsewhere
-        device = torch.device(options["device"]) if options.get("device") is not None else _device_of(model)
-        torch_foreach = device.type != "cpu"
+        torch_foreach = planned.device.type != "cpu"
     if not scratch:
         torch_scratch = 0
     elif not torch_foreach:  # the for-loop kernel: sqrt(v) and its quotient, one parameter at a time
