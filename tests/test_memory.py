@@ -242,6 +242,20 @@ def test_group_sizes_within_never_fuses_units_whose_keys_differ(data, world):
         assert choice.groups < n  # runs of equal keys still fuse (the longest has >= 2 units when n >= 4 and keys <= 3)
 
 
+def _gathered_bytes(widths, world):
+    """Each Linear unit's gathered bytes as min_bucket_bytes counts them: the padded shards of its weight
+    and bias, times world (float32)."""
+    return [sum(fsdpfn.ShardSpec(shape, world).padded_numel * world * 4 for shape in ((b, a), (b,))) for a, b in zip(widths, widths[1:])]
+
+
+def _group_bytes(gathered, sizes):
+    """The gathered bytes of each group of ``sizes`` consecutive units."""
+    starts = [0]
+    for k in sizes:
+        starts.append(starts[-1] + k)
+    return [sum(gathered[a:b]) for a, b in zip(starts, starts[1:])]
+
+
 @settings(max_examples=min(settings().max_examples, 12))
 @given(data=st.data(), world=st.integers(2, 4), share=st.floats(0.0, 1.0))
 def test_group_sizes_within_keeps_groups_and_spans_within_max_group_bytes(data, world, share):
@@ -253,15 +267,11 @@ def test_group_sizes_within_keeps_groups_and_spans_within_max_group_bytes(data, 
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
     x = torch.zeros(data.draw(st.integers(1, 64)), widths[0])
-    # each unit's gathered bytes as min_bucket_bytes counts them: the padded shards of its weight and bias, times world
-    gathered = [sum(fsdpfn.ShardSpec(shape, world).padded_numel * world * 4 for shape in ((b, a), (b,))) for a, b in zip(widths, widths[1:])]
+    gathered = _gathered_bytes(widths, world)
     cap = max(1, int(share * sum(gathered)))
     budget = 10**12  # room for any fusion: only the cap bounds the groups
     choice = fsdpfn.memory.group_sizes_within(model, world, x, units=units, budget=budget, max_group_bytes=cap)
-    starts = [0]
-    for k in choice.sizes:
-        starts.append(starts[-1] + k)
-    groups = [sum(gathered[a:b]) for a, b in zip(starts, starts[1:])]
+    groups = _group_bytes(gathered, choice.sizes)
     assert all(k == 1 or g <= cap for k, g in zip(choice.sizes, groups)), (choice, gathered, cap)
     at = 0
     for span in choice.forward_spans:  # a span of several groups gathers within the cap as well
@@ -287,11 +297,7 @@ def test_group_sizes_within_spans_no_group_the_runtime_gathers_alone(data, world
         model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
     x = torch.zeros(data.draw(st.integers(1, 32)), widths[0])
     choice = fsdpfn.memory.group_sizes_within(model, world, x, units=units, budget=10**12, device=torch.device(device))
-    gathered = [sum(fsdpfn.ShardSpec(shape, world).padded_numel * world * 4 for shape in ((b, a), (b,))) for a, b in zip(widths, widths[1:])]
-    starts = [0]
-    for k in choice.sizes:
-        starts.append(starts[-1] + k)
-    groups = [sum(gathered[a:b]) for a, b in zip(starts, starts[1:])]
+    groups = _group_bytes(_gathered_bytes(widths, world), choice.sizes)
     at = 0
     for span in choice.forward_spans:
         if span > 1:

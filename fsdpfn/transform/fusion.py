@@ -12,8 +12,8 @@ of the ranks, thread wake-ups on cores that compute), so on CPU fusing is worth 
 ln_mlp, world 2: 12 groups -> 8, 0.60 -> 0.55 of torch's step, under its peak; bench/RESULTS.md run24).
 On GPUs, whose collectives overlap compute on streams of their own, no group or forward span grows past
 the mesh's latency-bound size (``LinkCost.target_bytes``): a larger one only delays the compute that
-waits for it (gpt1b over an emulated 100 GB/s link: 0.84-0.88 of torch's step before uneven groups and
-spans, 1.00-1.15 with groups of up to four 1B-model blocks and a 12-block span; bench/RESULTS.md).
+waits for it (for gpt1b in a world of 8 the uncapped planner would gather up to four 1B-model blocks
+per group and twelve in a forward span; docs/memory.md).
 Every rank must choose alike (``fsdpfn.core.agree``); where they do not, or the planner cannot
 run the forward on fake tensors, the plan stays as ``shard`` made it. Once per plan.
 """
