@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fsdpfn.layout import ParamInfo, build_plan
+from fsdpfn.layout.grouping import fuse_runs
 from fsdpfn.layout.schedule import build_schedule, window
 
 
@@ -142,9 +143,33 @@ def test_forward_spans_name_runs_of_consecutive_resharding_groups(plan, data, re
             del plan.memo[FORWARD_SPANS_MEMO]
 
 
-@pytest.mark.parametrize("sizes", [(1,), (0, 3), (5, 5)])
+@pytest.mark.parametrize("sizes", [(1,), (0, 3), (5, 5), (True, 2), (1.0, 2)])
 def test_forward_spans_must_partition_the_named_groups(sizes):
     infos = [ParamInfo(f"u{i}.w", (4,), torch.float32, True, f"u{i}") for i in range(3)]
     plan = build_plan(infos, [], ["", "u0", "u1", "u2"], rank=0, world=2)
     with pytest.raises(ValueError, match="forward_spans"):
         build_schedule(plan, forward_spans=sizes)
+
+
+@given(st.lists(st.one_of(st.integers(-1, 4), st.booleans(), st.just(1.0)), max_size=5), st.integers(1, 5))
+def test_every_reader_of_group_sizes_accepts_the_same_partitions(sizes, n):
+    # plan regrouping, schedule spans and the planner's span pricing take the same sizes: one rule
+    from fsdpfn.memory.phases import GroupBytes, forward_with_spans
+
+    infos = [ParamInfo(f"u{i}.w", (4,), torch.float32, True, f"u{i}") for i in range(n)]
+    plan = build_plan(infos, [], ["", *(f"u{i}" for i in range(n))], rank=0, world=2)
+    want = all(type(k) is int and k >= 1 for k in sizes) and sum(sizes) == n
+    g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
+
+    def accepts(fn) -> bool:
+        try:
+            fn()
+        except ValueError:
+            return False
+        return True
+
+    assert accepts(lambda: fuse_runs(plan.units, plan.specs, sizes)) == want
+    assert accepts(lambda: build_schedule(plan, forward_spans=sizes)) == want or not sizes  # () = no spans
+    assert accepts(lambda: forward_with_spans(
+        shards=8, state=16, batch=0, activations=0, root=GroupBytes(0, 0, 0, 0), groups=[g] * n, prefetch=1,
+        reshard=[True] * n, saved_until=[0] * (n + 1), spans=sizes)) == want

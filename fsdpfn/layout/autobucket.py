@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # plan.py imports this module
-    from fsdpfn.layout.plan import UnitPlan
+    from fsdpfn.layout.grouping import UnitPlan
 
 __all__ = ["CAP_PARTS", "FOREACH_PARTS", "FUSED_DEVICES", "LATENCY_SHARE", "LinkCost", "auto_bucket_bytes"]
 

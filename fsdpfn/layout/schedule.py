@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fsdpfn.layout.bucket import BucketLayout
-from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, ShardPlan
+from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, ShardPlan, is_partition
 
 __all__ = ["CollectiveCounts", "GroupStep", "Schedule", "build_schedule", "window"]
 
@@ -200,7 +200,7 @@ def _spans(plan: ShardPlan, order: Sequence[str], steps: Mapping[str, GroupStep]
     named = [g.name for g in plan.groups if g.name]
     if not sizes or plan.world == 1:
         return {}
-    if sum(sizes) != len(named) or any(s < 1 for s in sizes):
+    if not is_partition(tuple(sizes), len(named)):
         raise ValueError(f"build_schedule: forward_spans {tuple(sizes)} must be sizes >= 1 summing to the {len(named)} named groups")
     out: dict[str, tuple[str, ...]] = {}
     at = 0

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fsdpfn.layout import ParamInfo, build_plan
+from fsdpfn.layout.plan import is_partition
 from fsdpfn.layout.autobucket import FUSED_DEVICES, LinkCost
 from fsdpfn.memory.activations import forward_cost
 from fsdpfn.memory.rank import rank_phases
@@ -94,13 +95,13 @@ def estimate(
                          device=device)
     named = one.named
     if group_sizes is not None:
-        if not _partitions(group_sizes, len(named)):
+        if not is_partition(group_sizes, len(named)):
             raise ValueError(
                 f"fsdpfn.memory.estimate: group_sizes must be ints >= 1 adding up to the {len(named)} units that own "
                 f"parameters (in order: {named}), got {group_sizes!r}"
             )
         none = isinstance(forward_spans, (list, tuple)) and not forward_spans
-        if not none and not _partitions(forward_spans, len(group_sizes)):
+        if not none and not is_partition(forward_spans, len(group_sizes)):
             raise ValueError(
                 f"fsdpfn.memory.estimate: forward_spans must be ints >= 1 adding up to the {len(group_sizes)} groups of group_sizes "
                 f"(or empty), got {forward_spans!r}"
@@ -287,13 +288,6 @@ def _estimate_one(
         groups=tuple(g.label for g in plan.groups),
         bucket_bytes=plan.bucket_bytes,
     )
-
-
-def _partitions(sizes: Any, total: int) -> bool:
-    """Whether ``sizes`` is a list or tuple of ints >= 1 adding up to ``total``."""
-    return isinstance(sizes, (list, tuple)) and all(
-        isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in sizes
-    ) and sum(sizes) == total
 
 
 def _check_worlds(world: Any) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from fsdpfn.layout.plan import is_partition
 from fsdpfn.memory.result import Breakdown
 
 __all__ = ["GroupBytes", "forward_with_spans", "fsdp2_backward", "phase_peaks"]
@@ -229,7 +230,7 @@ def forward_with_spans(
         48
     """
     n = len(groups)
-    if sum(spans) != n or any(s < 1 for s in spans):
+    if not is_partition(tuple(spans), n):
         raise ValueError(f"forward_with_spans: spans {tuple(spans)} must be sizes >= 1 summing to the {n} groups")
     span_of: list[tuple[int, int]] = []
     for size in spans:
