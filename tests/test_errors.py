@@ -123,6 +123,7 @@ TRIGGERS = {
     "optim-other-plan": (lambda m, p, a: fsdpfn.optim.sgd(lr=0.1).update(_grads(m, fsdpfn.shard(m, fsdpfn.init_mesh(), donate=False), a), fsdpfn.optim.sgd(lr=0.1).init(p), p), ValueError, r"grads were built for another plan"),
     "optim-hyper": (lambda m, p, a: fsdpfn.optim.sgd(lr=0.1, nesterov=True), ValueError, r"nesterov=True requires momentum > 0"),
     "clip-not-sharded": (lambda m, p, a: fsdpfn.clip_grad_norm({}, 1.0), TypeError, r"grads must be a fsdpfn.Sharded"),
+    "clip-max-norm": (lambda m, p, a: fsdpfn.clip_grad_norm(p, -1.0), ValueError, r"max_norm=-1.0 must be >= 0"),
 }
 
 

@@ -28,6 +28,7 @@ def clip_grad_norm(
     through. Returns ``(grads, total_norm)``: the same gradient tensors in a new ``Sharded`` container,
     and the norm before clipping as a 0-d tensor on the gradients' device, in float32 (float64 when a
     gradient is float64 or complex128). Non-finite gradients give a non-finite norm (no error is raised).
+    A negative ``max_norm`` is refused (torch's would flip the gradients' sign).
 
     Example:
         >>> loss, grads = fsdpfn.value_and_grad(loss_fn)(params, batch)      # doctest: +SKIP
@@ -39,6 +40,8 @@ def clip_grad_norm(
         raise TypeError(f"{what}: grads must be a fsdpfn.Sharded, got {type(grads).__name__}")
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or math.isnan(max_norm):
         raise TypeError(f"{what}: max_norm must be a number, got {max_norm!r}")
+    if max_norm < 0:  # torch's clip_grad_norm_ takes it and flips every gradient's sign
+        raise ValueError(f"{what}: max_norm={max_norm!r} must be >= 0 (a negative bound would flip the gradients' sign)")
     if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
         raise ValueError(f"{what}: norm_type={norm_type!r} must be a positive number or math.inf")
     p = float(norm_type)
