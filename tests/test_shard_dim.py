@@ -296,6 +296,7 @@ class _Scalar(nn.Module):
 
 def _w_errors() -> dict:
     import fsdpfn
+    import fsdpfn.compat
     from torch.distributed.tensor import Replicate, Shard
 
     mesh = fsdpfn.init_mesh()
@@ -305,6 +306,7 @@ def _w_errors() -> dict:
         "type": lambda: fsdpfn.shard(_Scalar(), mesh, shard_placement_fn=lambda p: Replicate() if p.ndim == 1 else None),
         "scalar": lambda: fsdpfn.shard(_Scalar(), mesh, shard_placement_fn=lambda p: Shard(0)),
         "callable": lambda: fsdpfn.shard(_Scalar(), mesh, shard_placement_fn=Shard(0)),
+        "compat_callable": lambda: fsdpfn.compat.fully_shard(_Scalar(), mesh=mesh, shard_placement_fn=Shard(0)),
     }
     out = {}
     for k, f in cases.items():
@@ -326,6 +328,7 @@ ERRORS = {
     "type": (ValueError, r"^Invalid shard_placement_fn result: R\nshard: parameter 'lin.bias' of _Scalar; return None or a Shard\(dim\)"),
     "scalar": (ValueError, r"^shard: shard_placement_fn returned Shard\(dim=0\) for parameter 's' of _Scalar, a 0-d parameter: it has no dim to shard. Return None"),
     "callable": (TypeError, r"^shard: shard_placement_fn must be a callable \(parameter\) -> Shard\(dim\) or None, got Shard"),
+    "compat_callable": (TypeError, r"^fully_shard: shard_placement_fn must be a callable \(parameter\) -> Shard\(dim\) or None, got Shard"),
 }
 
 

@@ -100,6 +100,10 @@ def _shard(
     offload = _offload(offload_policy, mesh, kind)
     groups = mesh_groups(mesh, replicate_only=kind == "replicate")
     check_reshard(reshard_after_forward, groups.world, kind)
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(
+            f"{kind}: shard_placement_fn must be a callable (parameter) -> Shard(dim) or None, got {type(shard_placement_fn).__name__}"
+        )
     if placements is None:
         placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
     device = groups.device
