@@ -111,6 +111,7 @@ TRIGGERS = {
     "fsdp-reshard-predicate": (lambda m, p, a: fsdpfn.fsdp(m, reshard_after_forward=lambda u: "yes")(p, torch.ones(1, 3)), TypeError, r"predicate returned 'yes' for unit 'blocks.1'; it must return a bool"),
     "vg-not-sharded": (lambda m, p, a: fsdpfn.value_and_grad(lambda t: t)(dict(p.items())), TypeError, r"the first argument must be a fsdpfn.Sharded"),
     "vg-non-scalar": (lambda m, p, a: fsdpfn.value_and_grad(lambda t: a(t, torch.ones(2, 3)))(p), TypeError, r"must return a scalar tensor, got a tensor of shape \(2, 2\)"),
+    "vg-aux-pair": (lambda m, p, a: fsdpfn.value_and_grad(lambda t: a(t, torch.ones(2, 3)).sum(), has_aux=True)(p), TypeError, r"value_and_grad\(has_aux=True\): fn must return a pair \(value, aux\), got a tensor of shape \(\)"),
     "reduce-unknown": (lambda m, p, a: fsdpfn.reduce({"nope": torch.zeros(1)}, p), KeyError, r"nope\W* is not a parameter of this plan"),
     "reduce-op": (lambda m, p, a: fsdpfn.reduce({}, p, op="mean"), ValueError, r"op='mean' is not a reduction"),
     "reduce-divide-by": (lambda m, p, a: fsdpfn.reduce({}, p, divide_by=-2), ValueError, r"divide_by=-2 must be a positive number"),

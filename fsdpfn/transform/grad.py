@@ -93,6 +93,10 @@ def grad_inputs(params: Sharded[torch.Tensor], what: str) -> tuple[Sharded[torch
 
 def split_value(out: Any, has_aux: bool, what: str) -> tuple[torch.Tensor, Any]:
     """``(value, aux)`` of a differentiated function's result, checking ``value`` is a scalar tensor."""
+    if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else (
+            f"a {type(out).__name__} of {len(out)}" if isinstance(out, (tuple, list)) else type(out).__name__)
+        raise TypeError(f"{what}(has_aux=True): fn must return a pair (value, aux), got {got}; return (loss, aux) or drop has_aux")
     value, aux = out if has_aux else (out, None)
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
