@@ -71,6 +71,13 @@ def _cases(api, world: int) -> dict:
     helpers and replicate)."""
     fs, rep = api.fully_shard, api.replicate
 
+    def fully_sharded_two_units():
+        m = Two()
+        fs(m.a)
+        fs(m.b)
+        fs(m)
+        return m
+
     def fully_sharded_two():
         m = Two()
         fs(m.a)
@@ -106,6 +113,7 @@ def _cases(api, world: int) -> dict:
         "forward-method-missing": lambda: api.register_fsdp_forward_method(fs(nn.Linear(4, 4)), "nope"),
         "share-comm-ctx-non-fsdp": lambda: api.share_comm_ctx([nn.Linear(2, 2)]),
         "prefetch-non-fsdp": lambda: fs(nn.Linear(4, 4)).set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
+        "prefetch-not-a-list": lambda: (lambda m: m.a.set_modules_to_backward_prefetch(m.b))(fully_sharded_two_units()),
         "reset-iter-state-not-root": lambda: (lambda m: (m(_x()), m.a.reset_iter_state()))(fully_sharded_two()),
         "replicate-2d-mesh": lambda: rep(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, world), mesh_dim_names=("r", "s"))),
         "replicate-twice": lambda: rep(rep(nn.Linear(4, 4))),

@@ -335,6 +335,7 @@ COMPAT_TRIGGERS = {
     "compat-pg-alloc-custom": (lambda m, p, a: _compat_pg_alloc_custom(), AssertionError, r"cannot call set_allocate_memory_from_process_group\(\) when all gather comm is custom: _OneElement"),
     "compat-divide-factor": (lambda m, p, a: _compat_model().set_gradient_divide_factor(0), ValueError, r"factor must be a positive number, got 0"),
     "compat-prefetch-list": (lambda m, p, a: _compat_prefetch_list(), ValueError, r"Expects FSDPModule but got <class 'torch.nn.modules.linear.Linear'>"),
+    "compat-post-optim-event": (lambda m, p, a: _compat_model().set_post_optim_event(1), TypeError, r"set_post_optim_event: event must be a torch.Event \(or torch.cuda.Event\) recorded after the optimizer step, got int"),
     "compat-min-bucket-bytes": (lambda m, p, a: _compat_model().set_min_bucket_bytes("1MB"), ValueError, r"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 \(bytes\), 'auto' or None, got '1MB'"),
     "compat-reset-non-root": (lambda m, p, a: (lambda mm: (mm(torch.ones(1, 3)), mm.blocks[1].reset_iter_state()))(_compat_model()), RuntimeError, r"^reset_iter_state must be called on the root FSDP module\nthe root is FSDP_TwoLayer, not this FSDPLinear"),
     "compat-replicate-on-fsdp": (lambda m, p, a: _compat_replicate_on_fsdp(), RuntimeError, r"Cannot apply `replicate\(\)` on a Module already managed by `fully_shard`"),

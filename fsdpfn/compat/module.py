@@ -8,7 +8,7 @@ makes the first module called the root); the ``set_*`` methods change the knobs 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal, NoReturn
 
 import torch
@@ -215,15 +215,20 @@ class FSDPModule:
     # --- prefetch and events ----------------------------------------------------------------------
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Gather these modules' parameters as soon as this module's are gathered in forward."""
-        unit_state(self).forward_prefetch = [_state_of_listed(m) for m in modules]
+        unit_state(self).forward_prefetch = [_state_of_listed(m) for m in _listed(modules, "set_modules_to_forward_prefetch")]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Re-gather these modules' parameters as soon as this module's are re-gathered in backward."""
-        unit_state(self).backward_prefetch = [_state_of_listed(m) for m in modules]
+        unit_state(self).backward_prefetch = [_state_of_listed(m) for m in _listed(modules, "set_modules_to_backward_prefetch")]
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next forward's all-gathers wait for ``event`` (recorded after the optimizer step) instead
         of the whole current stream. On CPU there is nothing to order."""
+        if not isinstance(event, (torch.Event, torch.cuda.Event)):
+            raise TypeError(
+                f"set_post_optim_event: event must be a torch.Event (or torch.cuda.Event) recorded after the "
+                f"optimizer step, got {type(event).__name__}"
+            )
         unit_state(self).post_optim_event = event
 
     # --- fsdpfn extensions ----------------------------------------------------------------------------
@@ -339,6 +344,12 @@ class FSDPModule:
                 for mo, at in m.slots:
                     mo._parameters[at] = current
         return out
+
+
+def _listed(modules: Any, what: str) -> list[Any]:
+    if not isinstance(modules, Iterable):  # FSDP2 fails iterating it; the same error, with the fix
+        raise TypeError(f"{type(modules).__name__!r} object is not iterable\n{what}: modules must be a list of FSDPModules; wrap one module in a list")
+    return list(modules)
 
 
 def _state_of_listed(module: Any) -> UnitState:
