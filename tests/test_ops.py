@@ -55,6 +55,8 @@ def _adjoint_and_grads(tree, units, seed):
     shards = {k: v.clone().requires_grad_(params.plan.requires_grad[k]) for k, v in params.items()}
     live = fsdpfn.Sharded(shards, params.plan)
     full = fsdpfn.unshard(live)
+    # a frozen member's gathered tensor takes no gradient, whatever its bucket-mates take
+    grad_flags_follow_plan = all(full[n].requires_grad == params.plan.requires_grad[n] for n in params.plan.params)
     lhs = sum((full[n].double() * y[n].double()).sum() for n in y) if y else torch.zeros((), dtype=torch.float64)
     stats.reset()
     if lhs.requires_grad:
@@ -74,6 +76,7 @@ def _adjoint_and_grads(tree, units, seed):
         avg={n: red_avg[n] for n in y},
         div={n: red_div[n] for n in y},
         frozen_none=all(red_sum[n] is None for n in params.plan.params if not params.plan.requires_grad[n]),
+        grad_flags_follow_plan=grad_flags_follow_plan,
         backward_reduces=backward_reduces,
         reduce_buckets=reduce_buckets,
     )
@@ -103,6 +106,7 @@ def test_reduce_is_adjoint_of_unshard_and_scales_as_stated(world, seed, data):
     ys = [_rank_grads(tree, r, seed) for r in range(world)]
     for rank, o in enumerate(out):
         assert o["frozen_none"]
+        assert o["grad_flags_follow_plan"]
         assert o["backward_reduces"] == (o["reduce_buckets"] if world > 1 else 0)
         for n, p in model.named_parameters():
             if not p.requires_grad:

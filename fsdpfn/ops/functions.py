@@ -293,6 +293,13 @@ class _BucketCollective(torch.autograd.Function):
         # read at backward time: a later gather of the same unit may switch deferral off
         ctx.info = inputs[1] if inputs[1] is not None else _NO_INFO
         ctx.set_materialize_grads(False)
+        # A frozen member's result takes no gradient: without this, any trainable member in the bucket
+        # made every result require one, and the modules using frozen weights saved activations and ran
+        # a backward whose gradients were then dropped. (Not under torch.func, whose levels decide it.)
+        if not torch._C._are_functorch_transforms_active():
+            frozen = [o for o, t in zip(output, inputs[2:]) if (t is None or not t.requires_grad) and o is not t]
+            if frozen and len(frozen) < len(output):
+                ctx.mark_non_differentiable(*frozen)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

@@ -88,7 +88,7 @@ class Call:
         self.pending: dict[str, list[Handle]] = {}
         self.pending_back: dict[str, list[Handle]] = {}
         self.storages: dict[int, tuple[str, str]] = {}
-        self.tracks_grad: dict[str, bool] = {}
+        self.tracks_grad: dict[str, dict[str, bool]] = {}  # per group: which gathered tensors take a gradient
         self.packed_units: set[str] = set()  # units backward will have to re-gather
         self.members_done: dict[str, set[str]] = {}  # fused groups: units whose forward finished
         self.in_forward = True
@@ -136,7 +136,7 @@ class Call:
         outs = apply_buckets(b, shards, info)
         full = dict(zip(b.fqns, outs))
         self.gathered[name] = full
-        self.tracks_grad[name] = any(o.requires_grad for o in outs)
+        self.tracks_grad[name] = {f: o.requires_grad for f, o in full.items()}
         if name not in self.order:
             self.order.append(name)
         grad_fn = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
@@ -284,8 +284,8 @@ class Call:
     def values_for_recompute(self, name: str) -> dict[str, torch.Tensor]:
         """Unit values for an activation-checkpoint recompute in backward (same requires_grad as forward)."""
         full = self.gathered.get(name) or self.regather(name)
-        grad = self.tracks_grad.get(name, False)
-        return {f: t.detach().requires_grad_(grad) for f, t in full.items()}
+        grad = self.tracks_grad.get(name, {})
+        return {f: t.detach().requires_grad_(grad.get(f, False)) for f, t in full.items()}
 
 
 def group_done(plan: Any, members_done: dict[str, set[str]], group: str, unit: str) -> bool:
