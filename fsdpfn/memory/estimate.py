@@ -20,7 +20,7 @@ from fsdpfn.layout.autobucket import FUSED_DEVICES, LinkCost
 from fsdpfn.memory.activations import forward_cost
 from fsdpfn.memory.rank import rank_phases
 from fsdpfn.memory.result import PHASES, MemoryEstimate
-from fsdpfn.ops.shard import Units, resolve_units
+from fsdpfn.ops.shard import Units, recompute_reads_values, resolve_units
 from fsdpfn.policy import MixedPrecisionPolicy
 
 __all__ = ["OPTIMIZERS", "estimate"]
@@ -213,12 +213,32 @@ def step_estimator(
     scratch = scratch and dev.type not in FUSED_DEVICES
     named = [n for n in unit_names if n and any(i.unit == n for i in infos)]  # units that own parameters
 
+    needed = fwd.saved_params | _values_put_back(model, infos)
+
     def one(w: int, fusion: Any, fsdp2: bool = False, spans: tuple[int, ...] = ()) -> MemoryEstimate:
         return _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
                              fusion, link, buffer_bytes, batch_bytes, fwd.saved, fwd.output_grad, dev.type, fwd.last_unit_before,
-                             fwd.saved_params, fwd.saved_before, fsdp2, spans)
+                             needed, fwd.saved_before, fsdp2, spans)
 
     return _StepEstimator(one, named, dev)
+
+
+def _values_put_back(model: nn.Module, infos: list[ParamInfo]) -> frozenset[str]:
+    """The parameters backward gathers again although autograd saved none of them: those of a unit with a
+    trainable parameter (its backward runs) whose values a recompute could read (``recompute_reads_values``),
+    as the runtime puts a unit's values back into its modules when its backward starts (so does FSDP2).
+    A unit of a frozen block and a trainable one was priced without that gather, and passed torch's peak."""
+    by_unit: dict[str, list[ParamInfo]] = {}
+    for i in infos:
+        by_unit.setdefault(i.unit, []).append(i)
+    out: set[str] = set()
+    for unit, members in by_unit.items():
+        if not any(i.requires_grad for i in members):
+            continue
+        owners = [model.get_submodule(i.fqn.rpartition(".")[0]) for i in members]
+        if recompute_reads_values([model.get_submodule(unit)], owners):
+            out.update(i.fqn for i in members)
+    return frozenset(out)
 
 
 def _estimate_one(

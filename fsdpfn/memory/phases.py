@@ -36,7 +36,8 @@ class GroupBytes(NamedTuple):
     this rank's reduced gradients (they stay until the optimizer step); ``reduce_scratch``: what the
     reduction holds besides its input and output while in flight (CPU: the chunks of the peers beyond the
     first, summed into the output in place); ``regathered``: whether backward
-    needs its parameters (autograd saved some), so a resharded group is gathered again; ``gather_input``:
+    needs its parameters (autograd saved some, or its backward runs: a unit's values are put back for
+    a recompute), so a resharded group is gathered again; ``gather_input``:
     what a gather holds besides its result while a backward prefetch of the group is in flight (a CPU
     direct exchange's small members packed: our rows and the peers' inboxes; the others send from
     their own result, as FSDP2's gathers do);

@@ -36,6 +36,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
     def group_bytes(g: Any, as_fsdp2: bool = False) -> GroupBytes:
         shard_grads = sum(shard_bytes[f] for f in g.fqns if f in trainable)
         own = {f: lay.dtype == plan.dtypes[f] for lay in g.reduce for f in lay.fqns}
+        # backward gathers a resharded group again when it needs its parameters (saved_params: see estimate)
         regathered = any(f in saved_params for f in g.fqns)
         if world == 1:  # the collectives are the identity: only a dtype cast allocates
             cast = [(f, lay.dtype) for lay in g.gather for f in lay.fqns if lay.dtype != plan.dtypes[f]]

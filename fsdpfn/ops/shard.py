@@ -18,10 +18,27 @@ from fsdpfn.ops.placement import PlacementFn, placement_dim
 from fsdpfn.ops.tp import TPLayout, tp_layout, unwrap
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["Units", "resolve_units", "shard"]
+__all__ = ["Units", "recompute_reads_values", "resolve_units", "shard"]
 
 Units = Union[None, Sequence[str], type, tuple, Callable[[str, nn.Module], bool]]
 """A unit plan: submodule FQNs, module type(s), or a predicate ``(fqn, module) -> bool``."""
+
+
+def recompute_reads_values(modules: Sequence[nn.Module], owners: Iterable[nn.Module]) -> bool:
+    """Whether an activation-checkpoint recompute in backward could read a unit's parameters without the
+    unit's own hooks running, so its values must be put back (gathered again) when its backward starts:
+    not when the unit's ``modules`` are all torch.nn built-ins owning its parameters directly (``owners``,
+    each parameter's module): a Linear or an Embedding checkpoints nothing inside its forward. The
+    runtime (``fsdpfn.transform.recompute``) and the memory planner decide with this.
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> recompute_reads_values([lin], [lin, lin]), recompute_reads_values([nn.Sequential(lin)], [lin])
+        (False, True)
+    """
+    ids = {id(m) for m in modules}
+    builtin = all(getattr(type(m).forward, "__module__", "").startswith("torch.nn.") for m in modules)
+    return not (builtin and all(id(o) in ids for o in owners))
 
 
 def resolve_units(module: nn.Module, units: Units) -> list[str]:

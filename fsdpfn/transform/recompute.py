@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as tree
 
+from fsdpfn.ops.shard import recompute_reads_values
 from fsdpfn.transform.eager import eager
 
 if TYPE_CHECKING:
@@ -70,14 +71,8 @@ class BackwardSwaps:
         if got is None:
             apply = self.apply
             modules = apply.unit_modules(unit) if unit else [apply.module]
-            owners = {id(m) for m in modules}
-            builtin = all(getattr(type(m).forward, "__module__", "").startswith("torch.nn.") for m in modules)
-            direct = all(
-                id(apply.module.get_submodule(name.rpartition(".")[0])) in owners
-                for fqn in plan.unit(unit).fqns
-                for name in plan.names(fqn)
-            )
-            got = plan.memo[key] = not (builtin and direct)
+            owners = [apply.module.get_submodule(name.rpartition(".")[0]) for fqn in plan.unit(unit).fqns for name in plan.names(fqn)]
+            got = plan.memo[key] = recompute_reads_values(modules, owners)
         return got
 
     def leave(self, call: Call, group: str) -> None:
