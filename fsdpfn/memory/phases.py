@@ -42,7 +42,9 @@ class GroupBytes(NamedTuple):
     direct exchange's small members packed: our rows and the peers' inboxes; the others send from
     their own result, as FSDP2's gathers do);
     ``reduce_cast``: the reduction's output in its own dtype when the gradients are then cast to the
-    parameters' dtype (mixed precision: the reduction finishes at once, and ``reduce_out`` is the cast).
+    parameters' dtype (mixed precision: the reduction finishes at once, and ``reduce_out`` is the cast);
+    ``copy_out``: what finishing a gather holds besides its result for a moment (a flat gather of several
+    members: the rank-major buffer it copies them out of, as FSDP2's gathers do too).
     """
 
     gathered: int
@@ -53,6 +55,7 @@ class GroupBytes(NamedTuple):
     regathered: bool = True
     gather_input: int = 0
     reduce_cast: int = 0
+    copy_out: int = 0
 
 
 def phase_peaks(
@@ -111,9 +114,13 @@ def phase_peaks(
     gathered_fwd = 0
     for k in range(n):
         # groups kept from their forward to their backward, the running window, the enclosing groups
-        live = {j for j in range(k) if not rs[j]} | set(range(k, min(n, k + 1 + prefetch)))
-        live |= set(enclosing[k]) if k < len(enclosing) else set()
+        kept = {j for j in range(k) if not rs[j]} | (set(enclosing[k]) if k < len(enclosing) else set())
+        live = kept | set(range(k, min(n, k + 1 + prefetch)))
         gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in live))
+        # finishing group k's gather (before it launches the next prefetch): its copy out beside it
+        finishing = kept | set(range(k, min(n, k + max(prefetch, 1))))
+        gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in finishing) + groups[k].copy_out)
+    gathered_fwd = max(root.gathered + gathered_fwd, root.gathered + root.copy_out) - root.gathered
     forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, activations + batch, 0)
     if any(size > 1 for size in forward_spans):
         forward = forward_with_spans(shards=shards, state=state, batch=batch, activations=activations, root=root, groups=groups,
@@ -148,6 +155,8 @@ def phase_peaks(
         if in_flight is not None and not finishes:
             pending += in_flight.packed + in_flight.reduce_scratch
         moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + during + mine, saved, 0))
+        if k >= 0 and rs[k] and g.regathered and g.copy_out:  # its re-gather finishing, before its gradients exist
+            moments.append(Breakdown(shards, state, done + pending, held + during + mine + g.copy_out, saved, 0))
         launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early
         moments.append(Breakdown(shards, state, done + launched, held + prefetched, saved, 0))
         if g.reduce_cast:
@@ -250,7 +259,7 @@ def forward_with_spans(
             # the last group's unpacking drops the shared buffer before its prefetch starts the next span
             held += max(shared, groups[k].gathered + ahead) if k == stop - 1 else shared + ahead
         else:
-            held += ahead
+            held += max(ahead, groups[k].copy_out)
         saved = saved_until[min(k + 1, n - 1)] if saved_until else activations
         moment = Breakdown(shards, state, 0, root.gathered + held, saved + batch, 0)
         worst = max(worst, moment, key=lambda b: b.total)
