@@ -120,7 +120,7 @@ def phase_peaks(
         # finishing group k's gather (before it launches the next prefetch): its copy out beside it
         finishing = kept | set(range(k, min(n, k + max(prefetch, 1))))
         gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in finishing) + groups[k].copy_out)
-    gathered_fwd = max(root.gathered + gathered_fwd, root.gathered + root.copy_out) - root.gathered
+    gathered_fwd = max(gathered_fwd, root.copy_out)  # the root's gather, the first of the forward
     forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, activations + batch, 0)
     if any(size > 1 for size in forward_spans):
         forward = forward_with_spans(shards=shards, state=state, batch=batch, activations=activations, root=root, groups=groups,

@@ -56,13 +56,13 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         # A gather sends from its own result (flat: our row, packed in place, as FSDP2 does; direct: our rows
         # of each member) except a direct exchange's small members (PACK_BELOW): our rows of them packed
         # to send and the peers' inboxes, world times a rank's small rows.
-        gather_small = sum(_small(lay) for lay in g.gather
-                           if not as_fsdp2 and direct_route(lay, world, gather=True, device_type=device_type, min_bytes=EXCHANGE_MIN_BYTES))
+        direct_gather = [not as_fsdp2 and direct_route(lay, world, gather=True, device_type=device_type, min_bytes=EXCHANGE_MIN_BYTES)
+                         for lay in g.gather]
+        gather_small = sum(_small(lay) for lay, d in zip(g.gather, direct_gather) if d)
         # a flat gather of several members copies them out of its rank-major buffer (both alive a moment)
-        copy_out = sum(lay.nbytes * world for lay in g.gather if len(lay.specs) > 1
-                       and (as_fsdp2 or not direct_route(lay, world, gather=True, device_type=device_type, min_bytes=EXCHANGE_MIN_BYTES)))
+        copy_out = 0 if as_fsdp2 else sum(lay.nbytes * world for lay, d in zip(g.gather, direct_gather) if len(lay.specs) > 1 and not d)
         return GroupBytes(
-            copy_out=0 if as_fsdp2 else copy_out,
+            copy_out=copy_out,
             gathered=g.gathered_bytes(world),
             full_grads=sum(math.prod(plan.specs[f].shape) * computed[f].itemsize for lay in g.reduce for f in lay.fqns),
             packed=2 * (world - 1) * sum(_small(lay) for lay in g.reduce) if direct else full,

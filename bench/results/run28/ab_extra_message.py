@@ -7,18 +7,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch, torch.distributed as dist
 import fsdpfn
 from fsdpfn.core import exchange as E
-from bench_models import build_model, make_batches, spec_for, loss_fn
+from bench_models import build_model, make_batches, spec_for
+from bench_variants import Functional, build_variant
 
 spec = spec_for(sys.argv[1]); extra_n = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 mesh = fsdpfn.init_mesh(device="cpu")
 rank = dist.get_rank()
 batches = make_batches(spec, 0, 4, [rank], torch.device("cpu"))
-model = build_model(spec, 0)
-params = fsdpfn.shard(model, mesh, units=[f"blocks.{i}" for i in range(len(model.blocks))])
-apply = fsdpfn.fsdp(model)
-opt = fsdpfn.optim.adamw(lr=1e-3)
-state = opt.init(params)
-g = fsdpfn.value_and_grad(lambda p, x, y: loss_fn(spec, apply(p, x), y))
+Functional.min_bucket_bytes = "auto"  # as bench/step.py runs it (shard's default)
+v = build_variant("functional", build_model(spec, 0), spec, mesh, torch.device("cpu"), torch.float32)  # the bench's own step
 flag = {"on": False}
 tiny = torch.zeros(16)
 inbox = torch.zeros(16)
@@ -46,8 +43,7 @@ for rnd in range(8):
         for i in range(5):
             x, y = batches[i % 4][0]
             t = time.perf_counter()
-            loss, grads = g(params, x, y)
-            params, state = opt.update(grads, state, params)
+            v.step(x, y)
             if i > 0: times[on].append(time.perf_counter() - t)
 if rank == 0:
     print(f"{sys.argv[1]} extra {extra_n}: base {1e3*st.median(times[False]):.1f} ms, with extra messages {1e3*st.median(times[True]):.1f} ms")

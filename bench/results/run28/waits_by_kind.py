@@ -7,14 +7,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch, torch.distributed as dist
 import fsdpfn
 from fsdpfn.core import handle as H
-from bench_models import build_model, make_batches, spec_for, loss_fn
+from bench_models import build_model, make_batches, spec_for
+from bench_variants import Functional, build_variant
 spec = spec_for(sys.argv[1])
 mesh = fsdpfn.init_mesh(device="cpu"); rank = dist.get_rank()
 batches = make_batches(spec, 0, 4, [rank], torch.device("cpu"))
-model = build_model(spec, 0)
-params = fsdpfn.shard(model, mesh, units=[f"blocks.{i}" for i in range(len(model.blocks))])
-apply = fsdpfn.fsdp(model); opt = fsdpfn.optim.adamw(lr=1e-3); state = opt.init(params)
-g = fsdpfn.value_and_grad(lambda p, x, y: loss_fn(spec, apply(p, x), y))
+Functional.min_bucket_bytes = "auto"  # as bench/step.py runs it (shard's default)
+v = build_variant("functional", build_model(spec, 0), spec, mesh, torch.device("cpu"), torch.float32)  # the bench's own step
 acc = collections.Counter(); cnt = collections.Counter(); on = {"v": False}
 orig = H.Handle.wait
 def wait(self):
@@ -30,7 +29,7 @@ for i in range(14):
     x, y = batches[i % 4][0]
     on["v"] = i >= 4
     t = time.perf_counter()
-    loss, grads = g(params, x, y); params, state = opt.update(grads, state, params)
+    v.step(x, y)
     if i >= 4: steps.append(time.perf_counter() - t)
 n = len(steps)
 print(f"rank {rank}: step {1e3*st.median(steps):.1f} ms; waits per step: " + ", ".join(f"{k} {1e3*v/n:.1f} ms ({cnt[k]//n})" for k, v in acc.items()))
