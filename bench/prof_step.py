@@ -25,7 +25,7 @@ import fsdpfn
 from bench_models import build_model, make_batches, spec_for
 from bench_measure import sync
 from bench_variants import ALL_VARIANTS, Functional, build_variant
-from step import start_fake_world
+from step import _bucket_bytes, start_fake_world
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--sort", choices=["cumtime", "tottime"], default="cumtime")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--min-bucket-bytes", type=int, default=None, help="fuse blocks, as bench/step.py --min-bucket-bytes")
+    p.add_argument("--min-bucket-bytes", type=_bucket_bytes, default="auto",
+                   help="an int, 'auto' (default, as bench/step.py) or 'none' (one collective per block)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: param_dtype bf16, reduce_dtype fp32")
     p.add_argument("--fake-world", type=int, default=0, metavar="N",
