@@ -5,7 +5,9 @@ torch's ``fully_shard`` in the same test):
   around a unit, inside it, or torch's composable ``checkpoint(module)``) before one backward;
 * a chunked head: the body's hidden states computed once, the head (its modules grouped in one
   ``fully_shard([...])`` call; units of their own in the functional plan) run and backpropagated chunk by chunk,
-  then one backward through the body with the accumulated gradient.
+  then one backward through the body with the accumulated gradient;
+* units whose output is a view their caller changes in place (FSDP2 fails this one: its pre-backward hook
+  is dropped).
 
 Reshard after forward on and off, fp32 and bf16 mixed precision, world sizes 1-3, each rank its own batch.
 """
@@ -217,3 +219,66 @@ def test_chunked_head_without_checkpointing_reshards_and_matches(impl):
     want = _reference("none", "chunk", 2, 7)
     for g in got:
         _check(g, want, FP32, impl)
+
+
+class SlicedBlock(nn.Module):
+    """Returns a view of its Linear's output (a slice), which its caller then changes in place."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.wide = nn.Linear(d, 2 * d)
+
+    def forward(self, x):
+        return self.wide(x)[:, : x.shape[1]]
+
+
+class InPlaceModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(SlicedBlock(WIDTH) for _ in range(BLOCKS))
+        self.out = nn.Linear(WIDTH, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+            x += 0.5  # in place on the unit's output view: its autograd history is rebased
+        return self.out(x).view(-1)  # the root's output is a view too
+
+
+def _in_place_grads(layer: str, reshard: bool, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = InPlaceModel()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(LOCAL_BATCH * world, WIDTH, generator=torch.Generator().manual_seed(seed))
+    mine = x[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+    if layer == "compat":
+        from fsdpfn.compat import fully_shard
+
+        for b in model.blocks:
+            fully_shard(b, reshard_after_forward=reshard)
+        fully_shard(model)
+        out = model(mine)
+        out += 1.0
+        out.pow(2).sum().backward()  # averaged over the ranks by the reduction
+        return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[f"blocks.{i}" for i in range(BLOCKS)])
+    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
+    _, grads = fsdpfn.value_and_grad(lambda p: (apply(p, mine) + 1.0).pow(2).sum())(params)
+    return fsdpfn.full_state_dict(grads, rank0_only=False)
+
+
+@settings(max_examples=4, deadline=None)
+@given(world=fst.world_sizes(1, 3), reshard=st.booleans(), seed=st.integers(0, 2**16), layer=st.sampled_from(["compat", "functional"]))
+def test_a_units_output_view_changed_in_place_by_its_caller_keeps_every_gradient(world, reshard, seed, layer):
+    """torch 2.13's ``fully_shard`` warns that this drops its pre-backward hook (its backward then fails:
+    "setStorage ... out of bounds for storage of size 0"); fsdpfn re-gathers from the unit's own autograd
+    node, which an in-place op on the unit's output does not bypass."""
+    torch.manual_seed(seed)
+    model = InPlaceModel()
+    x = torch.randn(LOCAL_BATCH * world, WIDTH, generator=torch.Generator().manual_seed(seed))
+    out = model(x)
+    out += 1.0
+    out.pow(2).sum().div(world).backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    for rank, got in enumerate(spmd(world, _in_place_grads, layer, reshard, seed)):
+        _check(got, want, FP32, f"{layer} rank {rank}")
