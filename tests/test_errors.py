@@ -54,6 +54,23 @@ def _cuda_mesh():
     return DeviceMesh("cuda", list(range(torch.distributed.get_world_size())), _init_backend=False)
 
 
+class _Bypass(nn.Module):
+    """Calls ``body.0`` (a child of unit ``body``) directly: ``body``'s forward, which gathers it, never runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(3, 4))
+
+    def forward(self, x):
+        return self.body[0](x)
+
+
+def _bypass(donate):
+    model = _Bypass()
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["body"], donate=donate)
+    return fsdpfn.fsdp(model)(params, torch.ones(1, 3))  # with donate=False it once ran on the module's own weights
+
+
 def _nested(model, params, apply):
     class Inner(nn.Module):
         def forward(self, x):
@@ -105,6 +122,8 @@ TRIGGERS = {
     "apply-stale": (lambda m, p, a: fsdpfn.fsdp(_changed(m))(p, torch.ones(1, 3)), ValueError, r"is now \(3, 4\) torch.float32; the plan is stale"),
     "apply-extra-params": (lambda m, p, a: fsdpfn.fsdp(m)(fsdpfn.shard(nn.Sequential(nn.Linear(3, 4)), fsdpfn.init_mesh()), torch.ones(1, 3)), ValueError, r"has leaf '0.weight' but _TwoLayer has no such parameter"),
     "apply-nested": (lambda m, p, a: _nested(m, p, a), RuntimeError, r"called inside another apply of the same parameters"),
+    "apply-unit-bypassed": (lambda m, p, a: _bypass(donate=False), RuntimeError, r"apply: the forward used a tensor on the meta device .* call the unit's module itself, or make the child a unit of its own .* Units not gathered yet in this call: 'body'"),
+    "apply-unit-bypassed-donated": (lambda m, p, a: _bypass(donate=True), RuntimeError, r"apply: the forward used a tensor on the meta device .* Units not gathered yet in this call: 'body'"),
     "fsdp-prefetch": (lambda m, p, a: fsdpfn.fsdp(m, prefetch=-1), ValueError, r"prefetch must be an int >= 0"),
     "fsdp-reduce-op": (lambda m, p, a: fsdpfn.fsdp(m, reduce_op="mean"), ValueError, r"reduce_op='mean' is not a reduction"),
     "fsdp-reshard": (lambda m, p, a: fsdpfn.fsdp(m, reshard_after_forward=2), TypeError, r"reshard_after_forward must be a bool or a predicate on unit names"),

@@ -4,7 +4,7 @@ plans, world sizes 1..4 and both reshard modes; collective counts; live gathered
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -573,3 +573,72 @@ def test_a_unit_gathered_twice_in_one_backward_gets_the_summed_gradient(reshard,
     for rank, grads in enumerate(spmd(world, _twice_worker, reshard, calls)):
         for n, p in ref.named_parameters():
             torch.testing.assert_close(grads[n], fsdpfn.shard_tensor(p.grad, fsdpfn.ShardSpec(tuple(p.shape), world), rank))
+
+
+class _IdleMember(nn.Module):
+    def __init__(self, a, b):
+        super().__init__()
+        self.lin, self.idle = nn.Linear(a, b), nn.Linear(b, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))  # self.idle takes no part
+
+
+class _Partly(nn.Module):
+    """Blocks with an ``idle`` member forward never uses, some blocks skipped, an unused root Linear."""
+
+    def __init__(self, widths, skipped):
+        super().__init__()
+        self.blocks = nn.ModuleList(_IdleMember(a, b) for a, b in zip(widths, widths[1:]))
+        self.side = nn.Linear(2, 2)
+        self.skipped = frozenset(skipped)
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            if i in self.skipped:  # a skipped block's parameters take no part
+                x = torch.zeros(x.shape[0], b.lin.out_features)
+            else:
+                x = b(x)
+        return x.pow(2).sum()
+
+
+def _partly_worker(widths, skipped, units, fuse, seed):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    model = _Partly(widths, skipped)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=fuse)
+    apply = fsdpfn.fsdp(model)
+    x = torch.randn(2 * world, widths[0], generator=torch.Generator().manual_seed(seed))[2 * rank : 2 * rank + 2]
+    _, grads = fsdpfn.value_and_grad(lambda p: apply(p, x))(params)
+    _, unreduced = fsdpfn.value_and_grad(lambda p: apply(p, x), reduce=False)(params)
+    return dict(grads.params()), dict(fsdpfn.reduce(unreduced, params).params())
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    world=fst.world_sizes(1, 3),
+    widths=st.lists(st.integers(1, 6), min_size=3, max_size=5),
+    data=st.data(),
+    fuse=st.sampled_from([None, 1000, 10**9, "auto"]),
+    seed=st.integers(0, 99),
+)
+def test_a_parameter_forward_does_not_use_gets_zeros_whatever_the_buckets(world, widths, data, fuse, seed):
+    """A block skipped in forward, a member its unit never uses, an unused root parameter: each gets a zero
+    gradient (as torch.func.grad gives), whether or not a fused bucket carried it through a reduction, so
+    the optimizer's update (weight decay, moments) does not depend on ``min_bucket_bytes``; the same zeros
+    come out of ``reduce(value_and_grad(reduce=False))``."""
+    n = len(widths) - 1
+    skipped = data.draw(st.lists(st.integers(0, n - 1), unique=True), label="skipped blocks")
+    units = data.draw(st.lists(st.sampled_from([f"blocks.{i}" for i in range(n)]), unique=True), label="units")
+    torch.manual_seed(seed)
+    ref = _Partly(widths, skipped)
+    x = torch.randn(2 * world, widths[0], generator=torch.Generator().manual_seed(seed))
+    want = torch.func.grad(lambda p: torch.func.functional_call(ref, p, (x,)) / world)(dict(ref.named_parameters()))
+    for rank, (grads, via_reduce) in enumerate(spmd(world, _partly_worker, widths, skipped, sorted(units), fuse, seed)):
+        for name, w in want.items():
+            shard = fsdpfn.shard_tensor(w, fsdpfn.ShardSpec(tuple(w.shape), world), rank)
+            assert grads[name] is not None, (rank, name)
+            torch.testing.assert_close(grads[name], shard, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+            torch.testing.assert_close(via_reduce[name], shard, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name} via reduce: {m}")

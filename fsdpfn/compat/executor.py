@@ -71,6 +71,8 @@ class CompatCall(Call):
 class CompatApply(Apply):
     """``Apply`` whose calls are ``CompatCall``s and whose units may span several modules."""
 
+    placeholders = False  # outside its forward a unit's parameters stay FSDP2's sharded DTensors
+
     def __init__(self, ctx: RootContext):
         super().__init__(ctx.module, reshard_after_forward=True, prefetch=1, reduce_op="avg", divide_by=None)
         self.ctx = ctx

@@ -30,7 +30,7 @@ from fsdpfn.transform.recompute import BackwardSwaps
 from fsdpfn.transform.remat import override_forwards
 from fsdpfn.transform.traced import run_traced
 from fsdpfn.transform.unit_hooks import Swap, UnitHooks
-from fsdpfn.transform.validate import check_module
+from fsdpfn.transform.validate import check_module, explain_meta_error
 
 __all__ = ["Apply", "fsdp"]
 
@@ -178,9 +178,12 @@ class Apply(UnitHooks):
         opened, args, kwargs = self.begin(params, args, kwargs)
         try:
             out = fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             self.close(opened)
-            raise
+            explained = explain_meta_error(exc, opened.call)
+            if explained is None:
+                raise
+            raise explained from exc
         return self.end(opened, out)
 
     def _run_compiled(self, params: Sharded[torch.Tensor], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -233,6 +236,7 @@ class Apply(UnitHooks):
             if any(u.name == "" for u in plan.units):
                 opened.swapped += self._swap(plan, call.gather(""), "")
             opened.swapped += self._swap_buffers(params)
+            opened.swapped += self._swap_placeholders(plan)
             args, kwargs = cast_inputs(plan, args, kwargs, "")
         except BaseException:
             self.close(opened)

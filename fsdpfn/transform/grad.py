@@ -31,8 +31,9 @@ def value_and_grad(
     """Return ``g(params, *args, **kwargs) -> (value, grads)`` (``((value, aux), grads)`` with ``has_aux``).
 
     ``fn(params, *args, **kwargs)`` must return a scalar tensor (or ``(scalar, aux)``). ``grads`` is a
-    ``Sharded`` with ``params``' plan: reduced shard gradients in each parameter's own dtype, ``None``
-    for frozen parameters and buffers. ``value`` is detached.
+    ``Sharded`` with ``params``' plan: reduced shard gradients in each parameter's own dtype (zeros for a
+    trainable parameter ``fn`` did not use, as ``torch.func.grad`` gives, whatever the plan's buckets),
+    ``None`` for frozen parameters and buffers. ``value`` is detached.
 
     The reduction is the one of the ``fsdp`` apply inside ``fn`` unless ``reduce_op`` (``"avg"`` or
     ``"sum"``) or ``divide_by`` say otherwise here. With ``reduce=False`` nothing is communicated in
@@ -62,7 +63,7 @@ def value_and_grad(
         finally:
             for handle in deferred:  # reduce-scatters left in flight by backward: done before any read
                 handle.wait()
-        grads: Any = Unreduced(sink, plan) if sink is not None else shard_grads(plan, found)
+        grads: Any = Unreduced(sink, plan) if sink is not None else shard_grads(plan, found, inputs)
         return finish(plan, value, aux, grads, has_aux=has_aux, check_finite=check_finite)
 
     return g
@@ -104,9 +105,17 @@ def split_value(out: Any, has_aux: bool, what: str) -> tuple[torch.Tensor, Any]:
     return value, aux
 
 
-def shard_grads(plan: Any, found: Sequence[torch.Tensor | None]) -> Sharded[torch.Tensor | None]:
-    """The gradients of the trainable leaves (in ``plan.params`` order) as a tree like the parameters."""
-    by_name = dict(zip((k for k in plan.params if plan.requires_grad[k]), found))
+def shard_grads(plan: Any, found: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor]) -> Sharded[torch.Tensor | None]:
+    """The gradients of the trainable leaves ``inputs`` (in ``plan.params`` order) as a tree like the
+    parameters: zeros where the function did not use a leaf.
+
+    Zeros, not autograd's ``None``: whether backward reaches an unused parameter depends on the plan (a
+    member of a bucket whose other members were used gets the bucket's reduced zeros; a unit never
+    gathered gets nothing), and a ``None`` would make the optimizer skip the parameter (no weight decay, no
+    moment decay) where a zero does not, so the update would change with ``min_bucket_bytes``. Zeros are
+    what ``torch.func.grad`` and ``reduce(value_and_grad(reduce=False)(...))`` give too."""
+    trainable = [k for k in plan.params if plan.requires_grad[k]]
+    by_name = {k: torch.zeros_like(x) if g is None else g for k, g, x in zip(trainable, found, inputs)}
     return Sharded._from_children([by_name.get(k) for k in plan.keys], plan)
 
 

@@ -111,7 +111,7 @@ def compile_step(
             out = compiled(tree, *args, **kwargs)
         value, aux = split_value(out, has_aux, "compile_step")
         found = torch.autograd.grad(value, inputs, allow_unused=True) if value.requires_grad and inputs else (None,) * len(inputs)
-        return finish(plan, value, aux, shard_grads(plan, found), has_aux=has_aux, check_finite=check_finite)
+        return finish(plan, value, aux, shard_grads(plan, found, inputs), has_aux=has_aux, check_finite=check_finite)
 
     if optimizer is None:
 

@@ -44,6 +44,7 @@ class UnitHooks:
     _targets: dict[str, tuple[dict[str, Any], str]]
     _unit_hooks: dict[str, tuple[Callable[..., Any], Callable[..., Any]]]
     _remat_depth: int
+    placeholders = True  # _swap_placeholders: the compat layer's modules keep FSDP2's sharded DTensors instead
 
     # --- swapping --------------------------------------------------------------------------------
     def _target(self, fqn: str, kind: str) -> tuple[dict[str, Any], str]:
@@ -71,6 +72,32 @@ class UnitHooks:
             table, attr = self._target(name, "p")
             out.append((table, attr, table[attr]))
             table[attr] = full[owner]
+        return out
+
+    def _swap_placeholders(self, plan: ShardPlan) -> Swap:
+        """Put a meta tensor (same shape and dtype) in every unit parameter's slot that
+        holds real values (``shard(..., donate=False)`` leaves the module's own weights there), for the
+        call: code that bypasses a unit's forward (a child of the unit called directly) then fails as it
+        does on a donated module, instead of silently computing with the module's stale weights. The unit
+        hooks swap the gathered values over the placeholder and put it back; the call's end restores the
+        module's own."""
+        out: Swap = []
+        if not self.placeholders:
+            return out
+        names = plan.memo.get(("unit names",))
+        if names is None:
+            names = plan.memo[("unit names",)] = [a for u in plan.units if u.name for o in u.fqns for a in plan.names(o)]
+        for name in names:
+            table, attr = self._target(name, "p")
+            cur = table[attr]
+            if type(cur) not in (torch.Tensor, nn.Parameter) or cur.is_meta:
+                continue  # donated (already meta), or a tensor subclass (TP's DTensors) this does not mimic
+            key = ("placeholder", name, tuple(cur.shape), cur.dtype)
+            stand_in = plan.memo.get(key)
+            if stand_in is None:  # no requires_grad_: torch.func transforms refuse it inside their function
+                stand_in = plan.memo[key] = torch.empty(cur.shape, dtype=cur.dtype, device="meta")
+            out.append((table, attr, cur))
+            table[attr] = stand_in
         return out
 
     def _swap_buffers(self, params: Sharded[torch.Tensor]) -> Swap:

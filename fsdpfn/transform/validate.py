@@ -1,12 +1,34 @@
-"""``check_module``: is this module the one a ``Sharded`` tree was built from, as it was then?"""
+"""``check_module``: is this module the one a ``Sharded`` tree was built from, as it was then? And
+``explain_meta_error``: what a forward that met a unit's placeholder did wrong."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from torch import nn
 
 from fsdpfn.layout import ShardPlan
 
-__all__ = ["check_module"]
+__all__ = ["check_module", "explain_meta_error"]
+
+
+def explain_meta_error(exc: BaseException, call: Any) -> RuntimeError | None:
+    """The error to raise instead of ``exc`` when the forward of an ``apply`` call failed on a tensor on
+    the meta device: outside its own module's forward a unit's parameters are meta (donated, or the
+    call's placeholders), so code that bypassed the forward (a child of the unit called directly, a
+    unit's weight read by another module) met them. ``None``: ``exc`` is something else."""
+    if not isinstance(exc, (RuntimeError, NotImplementedError, ValueError, TypeError)) or "meta" not in str(exc):
+        return None
+    plan = call.plan
+    idle = [u.name for u in plan.units if u.name and plan.group_of.get(u.name, u.name) not in call.order]
+    shown = ", ".join(repr(n) for n in idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
+    return RuntimeError(
+        f"apply: the forward used a tensor on the meta device ({exc}). Outside its own module's forward a "
+        "unit's parameters are meta: fsdp gathers them only while the unit's module runs (its forward hooks). "
+        "Code that calls a child of a unit directly (model.layers[0].mlp(x) where 'layers.0' is the unit) or "
+        "uses a unit's weight from another module bypasses that: call the unit's module itself, or make the "
+        f"child a unit of its own (shard(..., units=[...])). Units not gathered yet in this call: {shown or 'none'}"
+    )
 
 
 def check_module(module: nn.Module, plan: ShardPlan) -> None:
