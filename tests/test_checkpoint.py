@@ -82,7 +82,8 @@ def _gather(per_rank, specs_like):
     for k, v in per_rank[0]["step"].items():
         assert all(torch.equal(r["step"][k], v) for r in per_rank)
         full[("step", k)] = v
-    full[("count",)] = per_rank[0]["count"]
+    assert all(type(r["count"]) is int for r in per_rank)  # the update counter is saved and loaded as an int
+    full[("count",)] = torch.tensor(per_rank[0]["count"])
     return full
 
 

@@ -382,8 +382,10 @@ def _state_tree_worker():
     torch_leaves = torch.utils._pytree.tree_leaves(state)  # torch's pytree keeps None as a leaf
     restored = torch.utils._pytree.tree_unflatten(torch_leaves, torch.utils._pytree.tree_structure(state))
     return (
-        all(isinstance(x, torch.Tensor) for x in leaves)
+        # the count is an int (no tensor bytes beyond torch.optim.AdamW's own), the rest tensors
+        isinstance(state.count, int) and all(isinstance(x, torch.Tensor) for x in leaves[1:])
         and len(leaves) == 1 + 3 * 2  # count + step/exp_avg/exp_avg_sq of the 2 trainable params
+        and doubled.count == 0
         and type(doubled) is optim.AdamWState
         and doubled.exp_avg.plan is params.plan
         and all(v is None for v in state.max_exp_avg_sq.values())
@@ -394,7 +396,7 @@ def _state_tree_worker():
 
 
 def test_state_is_a_pytree_of_tensors_and_none():
-    """The state flattens to tensors (None at frozen leaves) and maps back to an AdamWState."""
+    """The state flattens to its int count and tensors (None at frozen leaves) and maps back to an AdamWState."""
     assert spmd(1, _state_tree_worker) == [True]
 
 

@@ -2,7 +2,8 @@
 
 ``sgd(...)`` and ``adamw(...)`` return a ``GradientTransformation(init, update)``:
 ``init(params) -> state`` and ``update(grads, state, params) -> (params, state)``. The state is a
-NamedTuple of ``Sharded`` trees plus a step counter tensor, so it is a pytree (save it, ``tree_map`` it).
+NamedTuple of ``Sharded`` trees plus an ``int`` update counter, so it is a pytree (save it, ``tree_map`` it: the
+counter is a non-tensor leaf).
 Updates are local to each rank's shards and in place by default. ``clip_grad_norm(grads, max_norm)``
 clips by the global norm over every rank (one all-reduce).
 

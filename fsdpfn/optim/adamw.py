@@ -65,7 +65,7 @@ _ADAMW = _pick_kernel()
 class AdamWState(NamedTuple):
     """State of ``adamw``: trees like ``params`` (``None`` at frozen parameters and buffers).
 
-    ``count`` is the number of ``update`` calls (0-d int64 CPU tensor); ``step`` holds ``torch.optim``'s
+    ``count`` is the number of ``update`` calls (an ``int``); ``step`` holds ``torch.optim``'s
     per-parameter step counters (a parameter whose gradient was ``None`` in an update is not stepped);
     ``max_exp_avg_sq`` is all ``None`` unless ``amsgrad``. The whole state is a pytree.
 
@@ -75,7 +75,7 @@ class AdamWState(NamedTuple):
         True
     """
 
-    count: torch.Tensor
+    count: int
     step: Sharded[Any]
     exp_avg: Sharded[Any]
     exp_avg_sq: Sharded[Any]
@@ -160,8 +160,8 @@ def adamw(
         check_state_tree(state.max_exp_avg_sq, "max_exp_avg_sq", params, fqns if amsgrad else (), where)
         new_params = prepare_params(params, fqns, inplace)
         if not inplace:
-            state = AdamWState(state.count.clone(), *(clone_tree(t) for t in state[1:]))
-        lr_now = resolve_lr(where, lr, int(state.count.item()) + 1)
+            state = AdamWState(state.count, *(clone_tree(t) for t in state[1:]))
+        lr_now = resolve_lr(where, lr, int(state.count) + 1)
         tensors = [real(new_params[f]) for f in fqns]
         moments = [state.exp_avg, state.exp_avg_sq, *([state.max_exp_avg_sq] if amsgrad else [])]
         fused = all(
@@ -189,6 +189,6 @@ def adamw(
                     eps=eps,
                     maximize=maximize,
                 )
-        return new_params, state._replace(count=next_count(state.count, inplace))
+        return new_params, state._replace(count=next_count(state.count))
 
     return GradientTransformation(init, update)

@@ -37,7 +37,7 @@ __all__ = ["SGDState", "sgd"]
 class SGDState(NamedTuple):
     """State of ``sgd``: trees like ``params`` (``None`` at frozen parameters and buffers).
 
-    ``count`` is the number of ``update`` calls (0-d int64 CPU tensor); ``step`` counts the updates each
+    ``count`` is the number of ``update`` calls (an ``int``); ``step`` counts the updates each
     parameter received (a ``None`` gradient skips it); ``momentum_buffer`` is all ``None`` when
     ``momentum == 0``. A buffer is allocated by ``init`` and filled on the parameter's first step with
     the gradient itself, as ``torch.optim.SGD`` does.
@@ -47,7 +47,7 @@ class SGDState(NamedTuple):
         >>> state.momentum_buffer["0.weight"].shape                    # doctest: +SKIP
     """
 
-    count: torch.Tensor
+    count: int
     step: Sharded[Any]
     momentum_buffer: Sharded[Any]
 
@@ -113,13 +113,13 @@ def sgd(
         check_state_tree(state.momentum_buffer, "momentum_buffer", params, fqns if momentum != 0 else (), where)
         new_params = prepare_params(params, fqns, inplace)
         if not inplace:
-            state = SGDState(state.count.clone(), clone_tree(state.step), clone_tree(state.momentum_buffer))
-        lr_now = resolve_lr(where, lr, int(state.count.item()) + 1)
+            state = SGDState(state.count, clone_tree(state.step), clone_tree(state.momentum_buffer))
+        lr_now = resolve_lr(where, lr, int(state.count) + 1)
         if fqns:
             with torch.no_grad():
                 for group in foreach_groups(fqns, [new_params[f] for f in fqns]):  # bounded temporaries
                     _step(group, new_params, grads, state, lr_now, momentum, dampening, weight_decay, nesterov, maximize)
-        return new_params, state._replace(count=next_count(state.count, inplace))
+        return new_params, state._replace(count=next_count(state.count))
 
     return GradientTransformation(init, update)
 
