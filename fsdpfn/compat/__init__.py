@@ -19,7 +19,8 @@ except ImportError:  # torch 2.11 has none: the same dataclass of our own, so dp
     from fsdpfn.compat.dp_mesh_dims import DataParallelMeshDims  # type: ignore[assignment]
 
 from fsdpfn.compat.fully_shard import fully_shard
-from fsdpfn.compat.module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from fsdpfn.compat.functions import register_fsdp_forward_method, share_comm_ctx
+from fsdpfn.compat.module import FSDPModule, UnshardHandle
 from fsdpfn.compat.replicate import ReplicateModule, replicate
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 

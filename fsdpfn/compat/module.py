@@ -7,7 +7,6 @@ makes the first module called the root); the ``set_*`` methods change the knobs 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, NoReturn
 
@@ -20,7 +19,7 @@ from fsdpfn.compat.root import lazy_root
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
 from fsdpfn.layout.plan import is_byte_count
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["FSDPModule", "UnshardHandle"]
 
 
 def _fsdp_modules(module: nn.Module, recurse: bool) -> list[nn.Module]:
@@ -357,47 +356,3 @@ def _state_of_listed(module: Any) -> UnitState:
     if st is None:
         raise ValueError(f"Expects FSDPModule but got {type(module)}: {module}")
     return st
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>`` gather and reshard like ``forward`` (e.g. ``generate``). A no-op
-    for a module that is not an ``FSDPModule``.
-
-    Example:
-        >>> register_fsdp_forward_method(model, "generate")   # doctest: +SKIP
-    """
-    if not isinstance(module, FSDPModule):
-        return
-    if not hasattr(module, method_name):
-        raise ValueError(f"{type(module)} does not have a method {method_name}")
-    orig = getattr(module, method_name)
-
-    @functools.wraps(orig)
-    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return dispatch(self, orig, args, kwargs)
-
-    setattr(module, method_name, wrapped.__get__(module, type(module)))
-
-
-def share_comm_ctx(modules: list[FSDPModule]) -> None:
-    """Make the roots of ``modules`` (e.g. pipeline-parallel chunks, each its own root) run on one
-    ``Comm``: one set of side streams (CUDA) and one collective guard, as FSDP2 shares its comm context.
-    Roots already initialised switch at their next forward; roots on another mesh keep their own.
-
-    Example:
-        >>> share_comm_ctx([stage0, stage1])   # doctest: +SKIP
-    """
-    for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise ValueError(f"Expects list of FSDPModules but got {module}")
-    if not modules:
-        return
-    tops = list({id(t): t for t in (unit_state(m).top() for m in modules)}.values())
-    first = next((t.root.comm for t in tops if t.root is not None), None)
-    box: list[Any] = [first]
-    for top in tops:
-        top.comm_box = box
-        ctx = top.root
-        if ctx is not None and ctx.comm is not first and first is not None and ctx.comm.mesh == first.mesh:
-            ctx.comm = None
-            ctx._build()
