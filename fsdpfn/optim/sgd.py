@@ -37,9 +37,10 @@ __all__ = ["SGDState", "sgd"]
 class SGDState(NamedTuple):
     """State of ``sgd``: trees like ``params`` (``None`` at frozen parameters and buffers).
 
-    ``count`` is the number of ``update`` calls (an ``int``); ``step`` counts the updates each
-    parameter received (a ``None`` gradient skips it); ``momentum_buffer`` is all ``None`` when
-    ``momentum == 0``. A buffer is allocated by ``init`` and filled on the parameter's first step with
+    ``count`` is the number of ``update`` calls (an ``int``); with momentum, ``step`` counts the updates each
+    parameter received (a ``None`` gradient skips it: its buffer starts at its first gradient);
+    ``step`` and ``momentum_buffer`` are all ``None`` when ``momentum == 0``, which keeps no state per
+    parameter, as ``torch.optim.SGD`` keeps none. A buffer is allocated by ``init`` and filled on the parameter's first step with
     the gradient itself, as ``torch.optim.SGD`` does.
 
     Example:
@@ -87,7 +88,7 @@ def sgd(
         raise ValueError(f"{what}: nesterov=True requires momentum > 0 and dampening == 0")
 
     def init(params: Sharded[torch.Tensor]) -> SGDState:
-        """Step counters (and zeroed momentum buffers when ``momentum > 0``) for trainable parameters.
+        """Step counters and zeroed momentum buffers for trainable parameters when ``momentum > 0`` (all ``None`` otherwise).
 
         Example:
             >>> state = fsdpfn.optim.sgd(0.1, momentum=0.9).init(params)   # doctest: +SKIP
@@ -95,7 +96,8 @@ def sgd(
         check_params(params, f"{what}.init")
         params.plan.memo[OPTIMIZER_MEMO] = "sgd_momentum" if momentum != 0 else "sgd"  # for fsdp's first call
         buf = (lambda p: torch.zeros_like(p, memory_format=torch.preserve_format)) if momentum != 0 else None
-        return SGDState(new_count(), state_tree(params, lambda p: new_step()), state_tree(params, buf))
+        step = (lambda p: new_step()) if momentum != 0 else None  # only a buffer's first step needs it
+        return SGDState(new_count(), state_tree(params, step), state_tree(params, buf))
 
     def update(
         grads: Sharded[Any], state: SGDState, params: Sharded[torch.Tensor]
@@ -109,7 +111,7 @@ def sgd(
         check_params(params, where)
         check_state_type(state, SGDState, where)
         fqns = check_grads(grads, params, where)
-        check_state_tree(state.step, "step", params, fqns, where, scalar=True)
+        check_state_tree(state.step, "step", params, fqns if momentum != 0 else (), where, scalar=True)
         check_state_tree(state.momentum_buffer, "momentum_buffer", params, fqns if momentum != 0 else (), where)
         new_params = prepare_params(params, fqns, inplace)
         if not inplace:
@@ -137,7 +139,7 @@ def _step(
     maximize: bool,
 ) -> None:
     """Run torch's foreach SGD kernel on the leaves ``fqns`` (in place on ``params`` and ``state``)."""
-    steps = [state.step[f] for f in fqns]
+    steps = [state.step[f] for f in fqns] if momentum != 0 else []
     grad_list = [real(grads[f]) for f in fqns]
     fresh = [False] * len(fqns)
     bufs: list[torch.Tensor | None] = [None] * len(fqns)
@@ -163,4 +165,5 @@ def _step(
     for f, new, b in zip(fqns, fresh, bufs):
         if new:
             real(state.momentum_buffer[f]).copy_(b)
-    torch._foreach_add_(steps, 1.0)
+    if steps:
+        torch._foreach_add_(steps, 1.0)
