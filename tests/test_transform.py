@@ -642,3 +642,19 @@ def test_a_parameter_forward_does_not_use_gets_zeros_whatever_the_buckets(world,
             assert grads[name] is not None, (rank, name)
             torch.testing.assert_close(grads[name], shard, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
             torch.testing.assert_close(via_reduce[name], shard, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name} via reduce: {m}")
+
+
+def test_a_kept_modules_own_weights_are_back_after_every_call():
+    """With ``donate=False`` a call puts placeholders in unit parameter slots: the module's own parameters
+    are back after a call that returns, one that raises, and a backward (the module stays usable)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Sequential(nn.Linear(4, 2)))
+    before = dict(model.named_parameters())
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2"], donate=False)
+    apply = fsdpfn.fsdp(model)
+    _, grads = fsdpfn.value_and_grad(lambda p: apply(p, torch.ones(2, 3)).sum())(params)
+    assert dict(model.named_parameters()) == before
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        apply(params, torch.ones(2, 5))
+    assert dict(model.named_parameters()) == before
+    assert all(not p.is_meta and p.grad is None for p in model.parameters())
