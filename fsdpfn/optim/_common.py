@@ -253,5 +253,6 @@ def real(t: torch.Tensor) -> torch.Tensor:
 
 
 def next_count(count: int | torch.Tensor) -> int:
-    """``count + 1`` as an ``int`` (a 0-d tensor from an older state is read once)."""
+    """``count + 1`` as an ``int``: the number of the update being made, and the count after it (a 0-d
+    tensor from an older state is read once)."""
     return int(count) + 1

@@ -161,7 +161,8 @@ def adamw(
         new_params = prepare_params(params, fqns, inplace)
         if not inplace:
             state = AdamWState(state.count, *(clone_tree(t) for t in state[1:]))
-        lr_now = resolve_lr(where, lr, int(state.count) + 1)
+        number = next_count(state.count)  # of the update being made, counted from 1
+        lr_now = resolve_lr(where, lr, number)
         tensors = [real(new_params[f]) for f in fqns]
         moments = [state.exp_avg, state.exp_avg_sq, *([state.max_exp_avg_sq] if amsgrad else [])]
         fused = all(
@@ -189,6 +190,6 @@ def adamw(
                     eps=eps,
                     maximize=maximize,
                 )
-        return new_params, state._replace(count=next_count(state.count))
+        return new_params, state._replace(count=number)
 
     return GradientTransformation(init, update)

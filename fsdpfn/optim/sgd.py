@@ -37,11 +37,11 @@ __all__ = ["SGDState", "sgd"]
 class SGDState(NamedTuple):
     """State of ``sgd``: trees like ``params`` (``None`` at frozen parameters and buffers).
 
-    ``count`` is the number of ``update`` calls (an ``int``); with momentum, ``step`` counts the updates each
-    parameter received (a ``None`` gradient skips it: its buffer starts at its first gradient);
+    ``count`` is the number of ``update`` calls (an ``int``); with momentum, ``step`` counts the updates
+    each parameter received (a ``None`` gradient skips it: its buffer starts at its first gradient);
     ``step`` and ``momentum_buffer`` are all ``None`` when ``momentum == 0``, which keeps no state per
-    parameter, as ``torch.optim.SGD`` keeps none. A buffer is allocated by ``init`` and filled on the parameter's first step with
-    the gradient itself, as ``torch.optim.SGD`` does.
+    parameter, as ``torch.optim.SGD`` keeps none. A buffer is allocated by ``init`` and filled on the
+    parameter's first step with the gradient itself, as ``torch.optim.SGD`` does.
 
     Example:
         >>> state = fsdpfn.optim.sgd(0.1, momentum=0.9).init(params)   # doctest: +SKIP
@@ -88,7 +88,8 @@ def sgd(
         raise ValueError(f"{what}: nesterov=True requires momentum > 0 and dampening == 0")
 
     def init(params: Sharded[torch.Tensor]) -> SGDState:
-        """Step counters and zeroed momentum buffers for trainable parameters when ``momentum > 0`` (all ``None`` otherwise).
+        """Step counters and zeroed momentum buffers for trainable parameters when ``momentum > 0`` (all
+        ``None`` otherwise).
 
         Example:
             >>> state = fsdpfn.optim.sgd(0.1, momentum=0.9).init(params)   # doctest: +SKIP
@@ -116,12 +117,13 @@ def sgd(
         new_params = prepare_params(params, fqns, inplace)
         if not inplace:
             state = SGDState(state.count, clone_tree(state.step), clone_tree(state.momentum_buffer))
-        lr_now = resolve_lr(where, lr, int(state.count) + 1)
+        number = next_count(state.count)  # of the update being made, counted from 1
+        lr_now = resolve_lr(where, lr, number)
         if fqns:
             with torch.no_grad():
                 for group in foreach_groups(fqns, [new_params[f] for f in fqns]):  # bounded temporaries
                     _step(group, new_params, grads, state, lr_now, momentum, dampening, weight_decay, nesterov, maximize)
-        return new_params, state._replace(count=next_count(state.count))
+        return new_params, state._replace(count=number)
 
     return GradientTransformation(init, update)
 

@@ -56,11 +56,16 @@ class UnitHooks:
             hit = self._targets[key] = (owner._parameters if kind == "p" else owner._buffers, name)
         return hit
 
-    def _swap(self, plan: ShardPlan, full: dict[str, torch.Tensor], unit: str) -> Swap:
+    @staticmethod
+    def _unit_slots(plan: ShardPlan, unit: str) -> list[tuple[str, str]]:
+        """``(name, owner)`` for every parameter name of unit ``unit`` (tied aliases included), once per plan."""
         names = plan.memo.get(("swap", unit))
         if names is None:
-            owned = plan.unit(unit).fqns
-            names = plan.memo[("swap", unit)] = [(a, o) for o in owned for a in plan.names(o)]
+            names = plan.memo[("swap", unit)] = [(a, o) for o in plan.unit(unit).fqns for a in plan.names(o)]
+        return names
+
+    def _swap(self, plan: ShardPlan, full: dict[str, torch.Tensor], unit: str) -> Swap:
+        names = self._unit_slots(plan, unit)
         if plan.tp:  # tensor-parallel parameters: the module sees DTensors on its TP mesh
             full = {f: plan.tp[f].tp.wrap(t) if f in plan.tp else t for f, t in full.items()}
         return self._swap_names(names, full)
@@ -84,10 +89,7 @@ class UnitHooks:
         out: Swap = []
         if not self.placeholders:
             return out
-        names = plan.memo.get(("unit names",))
-        if names is None:
-            names = plan.memo[("unit names",)] = [a for u in plan.units if u.name for o in u.fqns for a in plan.names(o)]
-        for name in names:
+        for name, _ in (slot for u in plan.units if u.name for slot in self._unit_slots(plan, u.name)):
             table, attr = self._target(name, "p")
             cur = table[attr]
             if type(cur) not in (torch.Tensor, nn.Parameter) or cur.is_meta:

@@ -5,24 +5,13 @@ steps (medians of the last 10), losses compared.
     torchrun --nproc-per-node 2 bench/results/run29/unseen_step.py [--fused]
 """
 import copy, time, sys
-import torch, torch.nn as nn, torch.nn.functional as F
+import torch, torch.nn.functional as F
 import torch.distributed as dist
 import fsdpfn, fsdpfn.optim as optim
 import fsdpfn.compat as fc
 from torch.distributed.fsdp import fully_shard
 
-class Net(nn.Module):
-    def __init__(self, vocab=2000, d=192, n=6):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True, norm_first=True) for _ in range(n)])
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab)
-    def forward(self, x):
-        h = self.emb(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.head(self.norm(h))
+from unseen_peaks import Net  # the same transformer whose peaks unseen_peaks.py measures (this folder is on sys.path)
 
 mesh = fsdpfn.init_mesh()
 rank = dist.get_rank()
