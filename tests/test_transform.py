@@ -658,3 +658,22 @@ def test_a_kept_modules_own_weights_are_back_after_every_call():
         apply(params, torch.ones(2, 5))
     assert dict(model.named_parameters()) == before
     assert all(not p.is_meta and p.grad is None for p in model.parameters())
+
+
+def test_a_forward_error_that_is_not_about_the_meta_device_comes_out_unchanged():
+    """apply rewrites only failures on the meta device (a bypassed unit); other errors, one about
+    "metadata" included, reach the caller as raised."""
+
+    class Raises(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Sequential(nn.Linear(2, 2))
+
+        def forward(self, x):
+            raise RuntimeError("tensor metadata mismatch in the user's own code")
+
+    model = Raises()
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["lin"])
+    with pytest.raises(RuntimeError) as info:
+        fsdpfn.fsdp(model)(params, torch.ones(1, 2))
+    assert str(info.value) == "tensor metadata mismatch in the user's own code"

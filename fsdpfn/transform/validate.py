@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from torch import nn
@@ -17,7 +18,10 @@ def explain_meta_error(exc: BaseException, call: Any) -> RuntimeError | None:
     the meta device: outside its own module's forward a unit's parameters are meta (donated, or the
     call's placeholders), so code that bypassed the forward (a child of the unit called directly, a
     unit's weight read by another module) met them. ``None``: ``exc`` is something else."""
-    if not isinstance(exc, (RuntimeError, NotImplementedError, ValueError, TypeError)) or "meta" not in str(exc):
+    # "meta" as a word: torch says "device meta", "meta and cpu", "meta tensor"; not an error about "metadata"
+    if not isinstance(exc, (RuntimeError, NotImplementedError, ValueError, TypeError)):
+        return None
+    if not re.search(r"\bmeta\b", str(exc)):
         return None
     plan = call.plan
     idle = [u.name for u in plan.units if u.name and plan.group_of.get(u.name, u.name) not in call.order]
