@@ -26,6 +26,7 @@ from fsdpfn.transform.call import Call, OpenCall
 from fsdpfn.transform.casting import cast_inputs, cast_output
 from fsdpfn.transform.eager import caller_frame, eager, functorch_active, in_backward, on_stack, under_compile
 from fsdpfn.transform.fusion import plan_fusion
+from fsdpfn.transform.occupancy import enter_module, leave_module
 from fsdpfn.transform.recompute import BackwardSwaps
 from fsdpfn.transform.remat import override_forwards
 from fsdpfn.transform.traced import run_traced
@@ -203,30 +204,35 @@ class Apply(UnitHooks):
             raise TypeError(
                 f"apply: the first argument must be the fsdpfn.Sharded from fsdpfn.shard(...), got {type(params).__name__}"
             )
-        plan = params.plan
-        self._validate(plan)
-        self.close_stale()
-        if self._recompute.active and not in_backward():  # a backward that raised left its swaps in
-            self._recompute.leave_all()
-        if any(o.call.plan is plan for o in self._forward):
-            raise RuntimeError(
-                f"apply: called inside another apply of the same parameters ({type(self.module).__name__}); "
-                "a module cannot run inside its own sharded forward"
-            )
-        plan.memo.setdefault(("applies",), weakref.WeakSet()).add(self)  # what compile_step warms up
-        functorch = functorch_active()
-        eligible = not (functorch or traced or under_compile() or self._forward or in_backward())
-        if plan.auto_fusion:
-            reshard_rule, fuse_key = self.fusion_rules()
-            plan_fusion(self.module, plan, args, kwargs, prefetch=self.prefetch, reshard_after_forward=reshard_rule, fuse_key=fuse_key,
-                        eligible=eligible, planning=self.planning)
-        if functorch and (traced or under_compile()):
-            raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
-        call = self.new_call(params, functorch)
-        call.remat = self.reshard_after_forward is not False and functorch and _only_grad_transforms()
-        call.released = self._recompute.leave
-        self._install_hooks(plan)
-        opened = OpenCall(call, anchor=caller_frame() if traced else None)
+        me = enter_module(self.module)  # one thread at a time per module: the slots are the module's own
+        try:
+            plan = params.plan
+            self._validate(plan)
+            self.close_stale()
+            if self._recompute.active and not in_backward():  # a backward that raised left its swaps in
+                self._recompute.leave_all()
+            if any(o.call.plan is plan for o in self._forward):
+                raise RuntimeError(
+                    f"apply: called inside another apply of the same parameters ({type(self.module).__name__}); "
+                    "a module cannot run inside its own sharded forward"
+                )
+            plan.memo.setdefault(("applies",), weakref.WeakSet()).add(self)  # what compile_step warms up
+            functorch = functorch_active()
+            eligible = not (functorch or traced or under_compile() or self._forward or in_backward())
+            if plan.auto_fusion:
+                reshard_rule, fuse_key = self.fusion_rules()
+                plan_fusion(self.module, plan, args, kwargs, prefetch=self.prefetch, reshard_after_forward=reshard_rule, fuse_key=fuse_key,
+                            eligible=eligible, planning=self.planning)
+            if functorch and (traced or under_compile()):
+                raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
+            call = self.new_call(params, functorch)
+            call.remat = self.reshard_after_forward is not False and functorch and _only_grad_transforms()
+            call.released = self._recompute.leave
+            self._install_hooks(plan)
+            opened = OpenCall(call, anchor=caller_frame() if traced else None, thread=me)
+        except BaseException:
+            leave_module(self.module, me)
+            raise
         self._forward.append(opened)
         try:
             opened.overridden = override_forwards(self, call) if call.remat else []
@@ -248,6 +254,8 @@ class Apply(UnitHooks):
         if opened.closed:
             return
         opened.closed = True
+        if opened.thread is not None:
+            leave_module(self.module, opened.thread)
         try:
             if opened.hooks is not None:
                 opened.hooks.__exit__(None, None, None)

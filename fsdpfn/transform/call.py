@@ -325,3 +325,4 @@ class OpenCall:
     hooks: Any = None  # the entered saved_tensors_hooks context
     closed: bool = False
     traced: bool = False  # run by the traced executor (inside one compiled graph)
+    thread: int | None = None  # the thread that began it (fsdpfn.transform.occupancy); None: not recorded
