@@ -144,8 +144,9 @@ def _check_against_torch(tree, kind, hp, seed, p_drop, world, out, foreach=None,
         for field, shards in by_rank[0][2].items():
             if field == "step":
                 steps = {float(o[2]["step"][n]) if o[2]["step"][n] is not None else None for o in by_rank}
-                # updates this parameter received; sgd without momentum keeps no state, as torch's SGD
-                keeps = p.requires_grad and not (kind == "sgd" and not hp.get("momentum"))
+                # updates this parameter received; sgd counts them only for a dampened momentum buffer's
+                # first step (a zeroed buffer starts undampened ones exactly), as torch's SGD keeps none
+                keeps = p.requires_grad and not (kind == "sgd" and not (hp.get("momentum") and hp.get("dampening")))
                 want = float(stepped[n]) if keeps else None
                 assert steps == {want}, (n, steps, want)
                 if "step" in torch_state:

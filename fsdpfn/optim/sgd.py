@@ -37,11 +37,13 @@ __all__ = ["SGDState", "sgd"]
 class SGDState(NamedTuple):
     """State of ``sgd``: trees like ``params`` (``None`` at frozen parameters and buffers).
 
-    ``count`` is the number of ``update`` calls (an ``int``); with momentum, ``step`` counts the updates
-    each parameter received (a ``None`` gradient skips it: its buffer starts at its first gradient);
-    ``step`` and ``momentum_buffer`` are all ``None`` when ``momentum == 0``, which keeps no state per
-    parameter, as ``torch.optim.SGD`` keeps none. A buffer is allocated by ``init`` and filled on the
-    parameter's first step with the gradient itself, as ``torch.optim.SGD`` does.
+    ``count`` is the number of ``update`` calls (an ``int``). ``momentum_buffer`` holds a buffer per
+    trainable parameter when ``momentum > 0`` (allocated by ``init``); ``torch.optim.SGD`` starts a buffer
+    as the parameter's first gradient itself, which a zeroed buffer gives exactly unless ``dampening``
+    scales that gradient, so only with ``dampening != 0`` does ``step`` count the updates each parameter
+    received (a ``None`` gradient skips it: its buffer starts at its first gradient). Otherwise ``step`` is
+    all ``None``, and with ``momentum == 0`` so is ``momentum_buffer``: no state per parameter beyond
+    ``torch.optim.SGD``'s.
 
     Example:
         >>> state = fsdpfn.optim.sgd(0.1, momentum=0.9).init(params)   # doctest: +SKIP
@@ -86,10 +88,11 @@ def sgd(
     nesterov, maximize, inplace = bool(nesterov), bool(maximize), bool(inplace)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"{what}: nesterov=True requires momentum > 0 and dampening == 0")
+    counted = momentum != 0 and dampening != 0  # per-parameter step counters (see SGDState)
 
     def init(params: Sharded[torch.Tensor]) -> SGDState:
-        """Step counters and zeroed momentum buffers for trainable parameters when ``momentum > 0`` (all
-        ``None`` otherwise).
+        """Zeroed momentum buffers for trainable parameters when ``momentum > 0``, and step counters when
+        ``dampening != 0`` too (``None`` otherwise).
 
         Example:
             >>> state = fsdpfn.optim.sgd(0.1, momentum=0.9).init(params)   # doctest: +SKIP
@@ -97,7 +100,7 @@ def sgd(
         check_params(params, f"{what}.init")
         params.plan.memo[OPTIMIZER_MEMO] = "sgd_momentum" if momentum != 0 else "sgd"  # for fsdp's first call
         buf = (lambda p: torch.zeros_like(p, memory_format=torch.preserve_format)) if momentum != 0 else None
-        step = (lambda p: new_step()) if momentum != 0 else None  # only a buffer's first step needs it
+        step = (lambda p: new_step()) if counted else None  # only a dampened buffer's first step needs it
         return SGDState(new_count(), state_tree(params, step), state_tree(params, buf))
 
     def update(
@@ -112,7 +115,7 @@ def sgd(
         check_params(params, where)
         check_state_type(state, SGDState, where)
         fqns = check_grads(grads, params, where)
-        check_state_tree(state.step, "step", params, fqns if momentum != 0 else (), where, scalar=True)
+        check_state_tree(state.step, "step", params, fqns if counted else (), where, scalar=True)
         check_state_tree(state.momentum_buffer, "momentum_buffer", params, fqns if momentum != 0 else (), where)
         new_params = prepare_params(params, fqns, inplace)
         if not inplace:
@@ -122,7 +125,7 @@ def sgd(
         if fqns:
             with torch.no_grad():
                 for group in foreach_groups(fqns, [new_params[f] for f in fqns]):  # bounded temporaries
-                    _step(group, new_params, grads, state, lr_now, momentum, dampening, weight_decay, nesterov, maximize)
+                    _step(group, new_params, grads, state, lr_now, momentum, dampening, weight_decay, nesterov, maximize, counted)
         return new_params, state._replace(count=number)
 
     return GradientTransformation(init, update)
@@ -139,16 +142,18 @@ def _step(
     weight_decay: float,
     nesterov: bool,
     maximize: bool,
+    counted: bool,
 ) -> None:
     """Run torch's foreach SGD kernel on the leaves ``fqns`` (in place on ``params`` and ``state``)."""
-    steps = [state.step[f] for f in fqns] if momentum != 0 else []
+    steps = [state.step[f] for f in fqns] if counted else []
     grad_list = [real(grads[f]) for f in fqns]
     fresh = [False] * len(fqns)
     bufs: list[torch.Tensor | None] = [None] * len(fqns)
     if momentum != 0:
-        # torch.optim.SGD starts a buffer as a copy of the first gradient: hand the kernel None for a
-        # parameter's first step, then copy the buffer it made into our preallocated one.
-        fresh = torch.stack(steps).eq(0).tolist()
+        # torch.optim.SGD starts a buffer as a copy of the first gradient. Undampened, the zeroed buffer
+        # gives that exactly (0 * momentum + grad); dampened, hand the kernel None for a parameter's first
+        # step, then copy the buffer it made into our preallocated one.
+        fresh = torch.stack(steps).eq(0).tolist() if counted else fresh
         bufs = [None if new else real(state.momentum_buffer[f]) for f, new in zip(fqns, fresh)]
         if nesterov and not maximize and weight_decay == 0:
             grad_list = [g.clone() for g in grad_list]  # the foreach kernel would add into the caller's grads
