@@ -121,6 +121,7 @@ def test_a_rank_failing_mid_backward_makes_its_peer_exit_with_a_message():
     assert procs[0].returncode != 0
     assert "CollectiveError" in outs[0] or "CollectiveTimeout" in outs[0], outs[0][-3000:]
     assert "of unit" in outs[0]
+    assert "FSDPFN_DEBUG=1" in outs[0]  # the way to tell a divergence from a peer that failed on its own
 
 
 def _nan_worker():

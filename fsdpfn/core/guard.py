@@ -217,7 +217,11 @@ class Guard:
                     f"collective {where} did not complete within {self.timeout:g} s: another rank is not running "
                     "it (it diverged, hangs or died). Set FSDPFN_DEBUG=1 to find where ranks diverge."
                 ) from e
-            raise CollectiveError(f"collective {where} failed: {e}. A peer rank probably failed or exited.") from e
+            raise CollectiveError(
+                f"collective {where} failed: {e}. A peer rank probably failed or exited: look for its own error "
+                "first. If it has none (it was aborted inside gloo, or crashed), the ranks may have diverged (a "
+                "unit run on some ranks only); FSDPFN_DEBUG=1 names each rank's collective where they part."
+            ) from e
         self.last_done = fp
 
 
