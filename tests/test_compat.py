@@ -658,6 +658,22 @@ def _w_unused():
             assert g[n] is not None and not g[n].any(), f"{tag} {n}.grad should be zeros, is {g[n]}"
         res[name] = g
     _close(res[COMPAT], res[TORCH], "reduce_scatter_unused_params grads vs torch")
+    # fsdpfn, by default: a parameter used on rank 0 only is refused by name on rank 1, at the end of its
+    # backward (None there would leave rank 1's shard un-updated while rank 0 updates its own; torch's
+    # fully_shard fails with mismatched reduce-scatters). Every reduction still ran on both ranks, so
+    # they go on in step.
+    model = _build(_lib(COMPAT), mesh, net=dict(spare=True))
+    model.blocks[1].use_spare = rank == 0
+    try:
+        _step(model)
+        raised = ""
+    except RuntimeError as exc:
+        raised = str(exc)
+    if rank == 0 or world == 1:
+        assert raised == "", raised
+    else:
+        assert "'blocks.1.spare.weight'" in raised and "got no gradient on this rank but a gradient on another" in raised, raised
+        assert "set_reduce_scatter_unused_params(True)" in raised, raised
     # fsdpfn: a parameter used on rank 0 only still gets the rank mean (rank 1 contributes zeros)
     from fsdpfn.compat import FSDPModule
 

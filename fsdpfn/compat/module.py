@@ -199,7 +199,13 @@ class FSDPModule:
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """``True``: parameters that got no gradient on this rank still receive the reduced gradient
-        (zeros where no rank had one) instead of ``None``."""
+        (zeros where no rank had one) instead of ``None``. Needed when ranks use different parameters (a
+        mixture of experts): left off, a rank whose reduced gradient for a parameter it did not use is
+        not zero raises at the end of its backward, rather than leave that shard un-updated.
+
+        Example:
+            >>> model.set_reduce_scatter_unused_params(True)   # doctest: +SKIP
+        """
         value = _check_bool(reduce_scatter_unused_params, "reduce_scatter_unused_params")
         for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
             unit_state(m).reduce_scatter_unused = value

@@ -272,6 +272,46 @@ class CallInfo:
 _NO_INFO = CallInfo()  # never mutated: a call without extras
 
 
+class UsedElsewhere:
+    """The check behind ``keep_none``: members that got no gradient on this rank, with their reduced shard
+    gradients. All zero: no rank used them, and ``None`` is the answer (FSDP2's). Not all zero: another
+    rank's gradient was reduced in (a mixture of experts, a branch taken on some ranks), and ``None`` here
+    would leave this rank's shards un-updated while the other ranks update theirs: refused by name. It sits
+    in a deferred-reduction list after the reduction's own handles and runs when the list is drained.
+
+    Example:
+        >>> UsedElsewhere({"experts.1.weight": reduced_shard}).wait()   # doctest: +SKIP
+    """
+
+    def __init__(self, reduced: dict[str, torch.Tensor]):
+        self.reduced = reduced
+
+    def wait(self) -> None:
+        names = list(self.reduced)
+        used = torch.stack([t.ne(0).any() for t in self.reduced.values()]).tolist()  # one host sync
+        elsewhere = [n for n, u in zip(names, used) if u]
+        if not elsewhere:
+            return
+        listed = ", ".join(repr(n) for n in elsewhere[:4]) + (f" and {len(elsewhere) - 4} more" if len(elsewhere) > 4 else "")
+        error = RuntimeError(
+            f"parameter(s) {listed} got no gradient on this rank but a gradient on another (their reduced "
+            "gradient is not zero): the forward used them on some ranks only (a mixture of experts, a branch "
+            "taken on some ranks). Leaving them None here would update their shards on some ranks only. Call "
+            "set_reduce_scatter_unused_params(True) on the fully_shard module (FSDP2's switch for this; "
+            "FSDP2 itself fails here with mismatched reduce-scatters) so every rank gets the reduced "
+            "gradient, zeros where no rank used a parameter"
+        )
+        if torch._C._current_graph_task_id() == -1:  # drained outside a backward
+            raise error
+
+        def fail() -> None:
+            raise error
+
+        # at the end of this backward: its remaining reductions still run on every rank, so the peers
+        # are not left waiting in one while this rank unwinds
+        torch.autograd.Variable._execution_engine.queue_callback(fail)
+
+
 class _BucketCollective(torch.autograd.Function):
     """Shared rules: the forward runs ``Buckets``; the backward applies its adjoint."""
 
@@ -327,6 +367,13 @@ class _BucketCollective(torch.autograd.Function):
         out = apply_buckets(adj, picked, CallInfo(deferred=info.deferred) if later else None)
         res = dict(zip(adj.fqns, out))
         if info.keep_none:
+            missing = {f: res[f] for f in b.fqns if by_name.get(f) is None and res.get(f) is not None}
+            if missing:  # read only once the reduction is done: after its handles, if it is in flight
+                check = UsedElsewhere(missing)
+                if later:
+                    info.deferred.append(check)  # type: ignore[union-attr]  # later: deferred is a list
+                else:
+                    check.wait()
             return (None, None, *(res.get(f) if by_name.get(f) is not None else None for f in b.fqns))
         return (None, None, *(res.get(f) for f in b.fqns))
 
