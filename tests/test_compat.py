@@ -696,6 +696,71 @@ def test_unused_params_get_none_or_zeros_with_reduce_scatter_unused_params():
     spmd(2, _w_unused, timeout=TIMEOUT)
 
 
+@_worker
+def _w_used_on_some(users, unused_params):
+    """Block 1's ``spare`` is used by the ranks in ``users`` only (the root's ``spare`` by none). Each
+    rank's local shard gradients against the mean over ranks of single-process gradients, chunked as the
+    shards are; and who raises."""
+    world, rank = _world(), _rank()
+    model = _build(_lib(COMPAT), _mesh(), net=dict(spare=True))
+    model.set_reduce_scatter_unused_params(unused_params)
+    model.blocks[1].use_spare = rank in users
+    try:
+        _step(model)
+        raised = ""
+    except RuntimeError as exc:
+        raised = str(exc)
+    total: dict = {}
+    for r in range(world):
+        ref = _plain(spare=True)
+        ref.blocks[1].use_spare = r in users
+        _loss(ref(_x(r))).backward()
+        for n, p in ref.named_parameters():
+            if p.grad is not None:
+                total[n] = total.get(n, 0) + p.grad / world
+    local = {n: None if p.grad is None else p.grad.to_local() for n, p in model.named_parameters()}
+    want = {n: _chunk(total[n], world, rank) if n in total else None for n, _ in _plain(spare=True).named_parameters()}
+    return raised, local, want
+
+
+def _chunk(t, world, rank):
+    """Rank ``rank``'s dim-0 shard of ``t`` as FSDP2 lays it out (``torch.chunk``; empty past the chunks)."""
+    parts = torch.chunk(t, world)
+    return parts[rank] if rank < len(parts) else t[:0]
+
+
+@settings(max_examples=10, deadline=None)
+@given(world=st.integers(1, 3), mask=st.integers(0, 7), unused_params=st.booleans())
+@example(world=2, mask=1, unused_params=False)  # used on rank 0 only: rank 1 must raise
+@example(world=3, mask=0b110, unused_params=False)  # rank 0 must raise; rank 2 holds no row of it
+@example(world=3, mask=0b010, unused_params=True)
+def test_a_parameter_used_on_some_ranks_gets_the_mean_or_is_refused(world, mask, unused_params):
+    """Property over worlds 1-3 and every subset of ranks using a parameter: with
+    ``set_reduce_scatter_unused_params(True)`` every rank's shard gradient is the mean over ranks (zeros
+    where no rank used it); off, ``None`` where no rank used it, and where some did, exactly the ranks
+    that did not and hold a non-empty shard of it raise at the end of their backward, naming it (their
+    shards would otherwise miss the update); the users get the mean."""
+    users = {r for r in range(world) if mask >> r & 1}  # the ranks whose forward uses block 1's spare
+    out = spmd(world, _w_used_on_some, sorted(users), unused_params, timeout=TIMEOUT)
+    for rank, (raised, got, want) in enumerate(out):
+        holds = _chunk(torch.empty(2), world, rank).numel() > 0  # a row of spare (Linear(D, 2)) lives here
+        refused = not unused_params and users and rank not in users and holds
+        if refused:
+            assert "'blocks.1.spare.weight'" in raised and "set_reduce_scatter_unused_params(True)" in raised, (rank, raised)
+            continue
+        assert raised == "", (rank, raised)
+        for n, w in want.items():
+            g = got[n]
+            if w is None or (not unused_params and n.startswith("blocks.1.spare") and rank not in users):
+                if unused_params:  # zeros where no rank had a gradient
+                    assert g is not None and not g.any(), (rank, n, g)
+                else:
+                    assert g is None or not g.numel(), (rank, n, g)
+                continue
+            assert g is not None, (rank, n)
+            torch.testing.assert_close(g, w, **TOL, msg=lambda m, n=n: f"rank {rank} {n}: {m}")
+
+
 # ---- 4. resharding, unshard/reshard ----------------------------------------------------------------------
 @_worker
 def _w_reshard():
