@@ -9,6 +9,9 @@
   untied head), batch 4 per rank: for a GPU only.
 * ``gpt_small``: the README's shape of model on a CPU scale: 4 GPT blocks (d_model 256, 4 heads, seq
   128), vocab 8192, untied head, batch 8 per rank; the embeddings and head (~16 MiB) are the root unit.
+* shapes of one's own, ``kind:field=value,...``: ``mlp``, ``gpt`` and ``cnn`` (a stem conv + BatchNorm,
+  residual blocks conv3x3-BN-ReLU-conv3x3-BN of ``width`` channels, global pooling and a classifier over
+  ``vocab`` classes, images of ``seq`` x ``seq``: compute-bound, few parameters, BatchNorm buffers).
 
 Every model keeps its units in ``model.blocks`` (a ``ModuleList``), so the unit plan is the same
 for every variant: ``blocks.0``, ``blocks.1``, ... plus the root.
@@ -34,7 +37,7 @@ class ModelSpec:
     """Shape of one benchmark model and its per-rank batch."""
 
     name: str
-    kind: str  # "mlp" or "gpt"
+    kind: str  # "mlp", "gpt" or "cnn" (width = channels, seq = image side, vocab = classes)
     blocks: int
     width: int
     hidden: int
@@ -67,12 +70,13 @@ TINY: dict[str, ModelSpec] = {
 def spec_for(name: str, tiny: bool = False) -> ModelSpec:
     """The ``ModelSpec`` called ``name`` (its tiny version with ``tiny``), or a shape of one's own written
     ``kind:field=value,...`` (``mlp:blocks=16,width=300,hidden=1000,batch=40,norm=1``; ``gpt:...`` also
-    takes ``heads``, ``seq`` and ``vocab``): a model the bench has not seen, same block types and data."""
+    takes ``heads``, ``seq`` and ``vocab``; ``cnn:blocks=6,width=64,seq=16,vocab=10,batch=16`` a BatchNorm
+    CNN): a model the bench has not seen, same block types and data."""
     if ":" not in name:
         return (TINY if tiny else MODELS)[name]
     kind, _, fields = name.partition(":")
-    if kind not in ("mlp", "gpt"):
-        raise ValueError(f"model shape {name!r}: the kind before ':' must be 'mlp' or 'gpt'")
+    if kind not in ("mlp", "gpt", "cnn"):
+        raise ValueError(f"model shape {name!r}: the kind before ':' must be 'mlp', 'gpt' or 'cnn'")
     known = {f for f in ModelSpec.__dataclass_fields__ if f not in ("name", "kind", "gpu_only")}
     values: dict[str, int | bool] = {}
     for item in filter(None, fields.split(",")):
@@ -83,6 +87,8 @@ def spec_for(name: str, tiny: bool = False) -> ModelSpec:
     base = {"blocks": 4, "width": 256, "hidden": 1024, "batch": 16}
     if kind == "gpt":
         base.update(heads=4, seq=64, vocab=4096, batch=8)
+    if kind == "cnn":
+        base.update(blocks=6, width=64, seq=16, vocab=10, batch=16)
     return ModelSpec(name, kind, **{**base, **values})  # type: ignore[arg-type]
 
 
@@ -156,10 +162,38 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
+class ConvBlock(nn.Module):
+    """``relu(x + bn2(conv2(relu(bn1(conv1(x))))))``, 3x3 convolutions without bias."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class CNN(nn.Module):
+    """A stem (conv + BatchNorm + ReLU) and classifier (root unit) around ``blocks`` residual conv blocks."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, spec.width, 3, padding=1, bias=False), nn.BatchNorm2d(spec.width), nn.ReLU())
+        self.blocks = nn.ModuleList(ConvBlock(spec.width) for _ in range(spec.blocks))
+        self.head = nn.Linear(spec.width, spec.vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
+
+
 def build_model(spec: ModelSpec, seed: int) -> nn.Module:
     """The model with its initial weights, a pure function of ``seed`` (built on CPU, fp32)."""
     torch.manual_seed(seed)
-    return MLPStack(spec) if spec.kind == "mlp" else GPT(spec)
+    return {"mlp": MLPStack, "gpt": GPT, "cnn": CNN}[spec.kind](spec)
 
 
 def _teacher(spec: ModelSpec, seed: int) -> torch.Tensor:
@@ -171,9 +205,12 @@ def make_batch(spec: ModelSpec, seed: int, step: int, rank: int, teacher: torch.
     """Rank ``rank``'s batch of step ``step`` (on CPU): a pure function of its arguments.
 
     MLP models: ``x ~ N(0, 1)`` of shape ``(batch, width)`` and the fixed target ``tanh(x @ T)`` (``T`` a
-    fixed random teacher matrix). GPT: random tokens ``(batch, seq)`` and their shifted targets.
+    fixed random teacher matrix). GPT: random tokens ``(batch, seq)`` and their shifted targets. CNN:
+    images ``x ~ N(0, 1)`` of shape ``(batch, 3, seq, seq)`` and random labels in ``[0, vocab)``.
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    if spec.kind == "cnn":
+        return torch.randn(spec.batch, 3, spec.seq, spec.seq, generator=g), torch.randint(0, spec.vocab, (spec.batch,), generator=g)
     if spec.kind == "mlp":
         x = torch.randn(spec.batch, spec.width, generator=g)
         t = teacher if teacher is not None else _teacher(spec, seed)
@@ -189,9 +226,12 @@ def make_batches(spec: ModelSpec, seed: int, steps: int, ranks: list[int], devic
 
 
 def loss_fn(spec: ModelSpec, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """MSE (MLP models) or token cross-entropy (GPT), always computed in fp32, mean over the batch."""
+    """MSE (MLP models), token cross-entropy (GPT) or class cross-entropy (CNN), always computed in fp32,
+    mean over the batch."""
     if spec.kind == "mlp":
         return F.mse_loss(out.float(), target.float())
+    if spec.kind == "cnn":
+        return F.cross_entropy(out.float(), target)
     return F.cross_entropy(out.float().flatten(0, 1), target.flatten())
 
 

@@ -86,7 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=_model_name, default="overhead",
                    help=f"one of {', '.join(sorted(MODELS))}, or a shape of one's own: 'mlp:blocks=16,width=300,"
-                   "hidden=1000,batch=40,norm=1' or 'gpt:blocks=6,width=384,heads=6,seq=64,vocab=4096,batch=8'")
+                   "hidden=1000,batch=40,norm=1', 'gpt:blocks=6,width=384,heads=6,seq=64,vocab=4096,batch=8' or "
+                   "'cnn:blocks=6,width=64,seq=16,vocab=10,batch=16' (a BatchNorm CNN)")
     p.add_argument("--steps", type=int, default=20, help="measured steps per variant (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
     p.add_argument("--variants", default=None, help=f"comma list of {', '.join(ALL_VARIANTS)} (default: the eager ones, "
@@ -385,8 +386,13 @@ def main(argv: list[str] | None = None) -> int:
     for n in names if not args.fake_world else ():
         got = ordered[n]
         if variants[n].sharded and abs(got["final_loss"] - ref_value) > rtol * abs(ref_value) + 1e-8:
+            hint = ""
+            if spec.kind == "cnn" and n == "functional" and args.torch_foreach != "fused":
+                # fsdpfn.optim.adamw runs torch's fused kernel, the reference its for-loop one; BatchNorm
+                # amplifies their rounding (run30: 2.9e-3 apart after 14 steps, 0.0 with the same kernel)
+                hint = "; BatchNorm amplifies the fused and for-loop AdamW kernels' rounding: rerun with --torch-foreach fused"
             failures.append(f"variant {n!r}: final loss {got['final_loss']:.8g} differs from the global-batch "
-                            f"reference {ref_value:.8g} (rtol {rtol:g})")
+                            f"reference {ref_value:.8g} (rtol {rtol:g}){hint}")
     result["check"] = {"rtol": rtol, "ok": not failures, "failures": failures}
     if lead:
         print(format_table(result), flush=True)

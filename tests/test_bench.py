@@ -65,6 +65,14 @@ def test_step_benchmark_with_torchs_fused_adamw(tmp_path):
     assert list(result["variants"]) == ["torch", "compat", "local"]
 
 
+def test_step_benchmark_runs_a_batchnorm_cnn_shape(tmp_path):
+    # a 'cnn:...' shape (BatchNorm buffers, convolutions, a classifier): every eager variant agrees with
+    # the global-batch reference when torch's side runs the fused AdamW kernel fsdpfn.optim.adamw runs
+    _, result = _run(tmp_path, "--model", "cnn:blocks=2,width=4,seq=4,vocab=3,batch=2", "--check", "--torch-foreach", "fused")
+    assert result["model"] == "cnn:blocks=2,width=4,seq=4,vocab=3,batch=2" and result["check"]["ok"]
+    assert list(result["variants"]) == ["torch", "functional", "local", "compat"]
+
+
 def test_step_benchmark_variant_subset(tmp_path):
     _, result = _run(tmp_path, "--variants", "functional,local,functional_kept,compat_kept", "--check")
     assert list(result["variants"]) == ["functional", "local", "functional_kept", "compat_kept"]
