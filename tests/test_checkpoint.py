@@ -391,6 +391,39 @@ def test_mismatch_is_one_error_listing_everything(tmp_path):
     assert len(problems) == 4 and missing == 5 and shape == (7, 5)
 
 
+def _old_sgd_state(path):
+    """An sgd-with-momentum state in the layout fsdpfn kept before 0.1.0 dropped its step counters for
+    undampened momentum: strict load names the extra keys and says strict=False skips them; with it the
+    buffers and count come back, and the next update equals the one made from the state never saved."""
+    from fsdpfn.optim._common import new_step, state_tree
+
+    torch.manual_seed(_rank())
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), donate=False)
+    opt = optim.sgd(0.1, momentum=0.9)
+    state = opt.init(params)
+    grads = fsdpfn.Sharded({k: torch.full_like(v, 0.5) for k, v in params.items()}, params.plan)
+    params, state = opt.update(grads, state, params)
+    old = state._replace(step=state_tree(params, lambda p: new_step() + 1))
+    ck.save(path, {"params": params, "opt": old})
+    try:
+        ck.load(path, {"params": params, "opt": opt.init(params)})
+        msg = ""
+    except ck.CheckpointMismatchError as e:
+        msg = str(e)
+    got = ck.load(path, {"params": params, "opt": opt.init(params)}, strict=False)
+    after_load = opt.update(grads, got["opt"], got["params"])[0]
+    kept = opt.update(grads, state, params)[0]
+    return msg, got["opt"].count, all(torch.equal(after_load[k], kept[k]) for k in params.params())
+
+
+def test_an_old_sgd_state_loads_with_strict_false_and_is_told_so(tmp_path):
+    for msg, count, same in spmd(2, _old_sgd_state, str(tmp_path / "sgd")):
+        assert "unexpected in the checkpoint: 'opt.step.0.weight'" in msg
+        assert "nothing it needs is missing" in msg and "strict=False" in msg
+        assert count == 1 and same
+
+
 # ---- full state dicts --------------------------------------------------------------------------------
 def _full_sd(seed, mp):
     model = TiedLM(seed=seed)

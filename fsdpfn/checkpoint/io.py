@@ -235,9 +235,15 @@ def load(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -> Any
     md, scalars = verify(path)
     problems = _match(leaves, md, scalars, scope, strict)
     if problems:
+        hint = ""
+        if all(p.startswith("unexpected in the checkpoint:") for p in problems):
+            # nothing like needs is missing: state this run does not keep (an optimizer state written by an
+            # fsdpfn that kept more, such as sgd's step counters for undampened momentum, dropped in 0.1.0)
+            hint = ("\nEvery problem is a key like does not have: nothing it needs is missing. If that state is "
+                    "not needed here, load with strict=False to skip it")
         raise CheckpointMismatchError(
             f"load: the checkpoint at {path!r} does not match like ({len(problems)} problems):\n  "
-            + "\n  ".join(problems),
+            + "\n  ".join(problems) + hint,
             problems,
         )
     state: dict[str, Any] = {}
