@@ -193,3 +193,20 @@ def test_interleaved_calls_on_two_trees_never_compute_with_the_other_trees_weigh
         hook_b.remove()
     assert isinstance(got["a"], torch.Tensor) and torch.equal(got["a"], want)
     assert isinstance(got["b"], RuntimeError) and "in another thread ('a')" in str(got["b"])
+
+
+def test_a_thread_that_ended_with_a_call_open_does_not_hold_the_module():
+    """A compiled forward that raises leaves its call open until the next call of its ``apply``; if its
+    thread is gone by then, another thread's call is not refused on its account."""
+    from fsdpfn.transform.occupancy import enter_module, leave_module
+
+    model = _model(5)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2"], donate=False)
+    apply = fsdpfn.fsdp(model)
+    t = threading.Thread(target=lambda: enter_module(model))  # enters and never leaves, as a stale call does
+    t.start()
+    t.join(60)
+    x = torch.randn(4, 6)
+    assert torch.equal(apply(params, x), _reference(model, x))
+    me = enter_module(model)  # the dead thread's entry is gone for good
+    leave_module(model, me)

@@ -32,12 +32,16 @@ def enter_module(module: nn.Module) -> int:
     me = threading.get_ident()
     with _LOCK:
         depth = _OPEN.setdefault(module, {})
-        others = sorted(t for t, n in depth.items() if n and t != me)
+        others = [t for t, n in depth.items() if n and t != me]
+        if others:  # a thread that ended with a call left open (a compiled forward that raised) holds nothing
+            alive = {t.ident: t.name for t in threading.enumerate()}
+            for t in [t for t in others if t not in alive]:
+                del depth[t]
+            others = sorted(t for t in others if t in alive)
         if not others:
             depth[me] = depth.get(me, 0) + 1
             return me
-    names = {t.ident: t.name for t in threading.enumerate()}
-    busy = ", ".join(repr(names.get(t, str(t))) for t in others)
+    busy = ", ".join(repr(alive[t]) for t in others)
     raise RuntimeError(
         f"apply: {type(module).__name__} is in an apply call in another thread ({busy}) and thread "
         f"{threading.current_thread().name!r} started one on the same module. A call swaps each unit's gathered "
