@@ -68,6 +68,15 @@ def resolve_units(module: nn.Module, units: Units) -> list[str]:
         if not isinstance(name, str):
             raise TypeError(f"units: {name!r} is not a submodule name (str)")
         if name not in named:
+            owner, _, leaf = name.rpartition(".")
+            if owner in named and (leaf in named[owner]._parameters or leaf in named[owner]._buffers):
+                what = f"name the module that owns it, {owner!r}" if owner else (
+                    "it is the root module's own, and the root unit already holds every parameter outside the units"
+                )
+                raise ValueError(
+                    f"units: {name!r} is a tensor of {type(module).__name__}, not a submodule: a unit is a module "
+                    f"(gathered as a whole); {what}"
+                )
             close = difflib.get_close_matches(name, [n for n in named if n], n=5, cutoff=0.5)
             hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
             raise ValueError(f"units: {type(module).__name__} has no submodule {name!r}{hint}")
