@@ -24,6 +24,7 @@ DOCUMENTED = [(exc, pattern) for _, exc, pattern in TRIGGERS.values()] + [
     (ValueError, r"divide_by=-?[\d.]+ must be a positive number"),
     (ValueError, r"op='\w+' is not a reduction"),
     (ValueError, r"units: \w+ has no submodule"),
+    (ValueError, r"units: '[\w.]+' is a tensor of \w+, not a submodule"),
     (ValueError, r"units: '[\w.]+' is named twice"),
     (TypeError, r"units: .* is not a submodule name"),
 ]
