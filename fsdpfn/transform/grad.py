@@ -49,6 +49,11 @@ def value_and_grad(
         >>> loss, grads = fsdpfn.value_and_grad(loss_fn)(params, x, y)          # doctest: +SKIP
     """
 
+    if reduce_op is not None and reduce_op not in ("avg", "sum"):
+        raise ValueError(f"value_and_grad: reduce_op={reduce_op!r} is not a reduction fsdpfn knows; use 'avg', 'sum' or None (the apply's)")
+    if divide_by is not None and (isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not divide_by > 0):
+        raise ValueError(f"value_and_grad: divide_by={divide_by!r} must be a positive number (or None)")
+
     def g(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         tree, inputs = grad_inputs(params, "value_and_grad")
         plan = params.plan
