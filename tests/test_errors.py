@@ -104,6 +104,7 @@ TRIGGERS = {
     "shard-module": (lambda m, p, a: fsdpfn.shard(torch.zeros(2), fsdpfn.init_mesh()), TypeError, r"expected an nn.Module"),
     "units-missing": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["block.1"], donate=False), ValueError, r"no submodule 'block.1'; did you mean 'blocks.1'"),
     "grad-reduce-op": (lambda m, p, a: fsdpfn.value_and_grad(lambda q: q, reduce_op="mean"), ValueError, r"value_and_grad: reduce_op='mean' is not a reduction fsdpfn knows; use 'avg', 'sum' or None"),
+    "donated-called-directly": (lambda m, p, a: _donated()(torch.ones(1, 3)), RuntimeError, r"_TwoLayer was called directly, but its parameters were donated to fsdpfn.shard .*run it through apply = fsdpfn.fsdp\(model\)"),
     "units-tensor": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.1.weight"], donate=False), ValueError, r"units: 'blocks.1.weight' is a tensor of _TwoLayer, not a submodule: a unit is a module .*name the module that owns it, 'blocks.1'"),
     "units-twice": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0", "blocks.0"], donate=False), ValueError, r"units: 'blocks.0' is named twice"),
     "shard-donated": (lambda m, p, a: fsdpfn.shard(_donated(), fsdpfn.init_mesh()), ValueError, r"parameters were donated to an earlier shard\(\) call"),

@@ -109,6 +109,37 @@ def _donate(module: nn.Module, params: Iterable[nn.Parameter]) -> None:
     setattr(module, _DONATED, True)
 
 
+def _refuse_direct_calls(module: nn.Module, plan: Any, built_on_meta: bool) -> None:
+    """A forward pre-hook on ``module`` that names the mistake when the module is called directly instead
+    of through ``fsdp(module)``: its weights live in the ``Sharded`` tree, and torch's own error ("Tensor on
+    device meta ...") says nothing of it. The probe is one of the root unit's parameters: ``apply`` swaps
+    the root unit in before it calls the module (and ``torch.func.functional_call`` swaps values in), so
+    the probe is ``meta`` only in a direct call. Planning runs (fake tensors) and compiled code pass
+    untouched; a module whose parameters are all in units has no probe and keeps torch's error."""
+    root = next((u for u in plan.units if not u.name), None)
+    if root is None or not root.fqns:
+        return
+    fqn = root.fqns[0]
+    path, _, attr = fqn.rpartition(".")
+    owner = module.get_submodule(path)
+    where = ("built on the meta device, its parameters exist only as the shards" if built_on_meta else
+             "its parameters were donated to fsdpfn.shard (they are meta now)")
+
+    def check(_module: nn.Module, _args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        probe = owner._parameters.get(attr)
+        if probe is None or not probe.is_meta or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            return
+        raise RuntimeError(
+            f"{type(module).__name__} was called directly, but {where} (e.g. {fqn!r}): run it through "
+            "apply = fsdpfn.fsdp(model) as apply(params, ...) with the Sharded tree shard returned, or pass "
+            "donate=False to shard to keep the module's own weights usable"
+        )
+
+    module.register_forward_pre_hook(check)
+
+
 def _meta_like(p: torch.Tensor) -> torch.Tensor:
     """A ``meta`` tensor standing for ``p``: a TP ``DTensor`` keeps its mesh, placements and global shape
     (the module's TP plan still describes it) over a ``meta`` local tensor."""
@@ -158,8 +189,9 @@ def shard(
     a ``meta`` parameter of the same shape, and no rank keeps the full weights resident (unless the
     caller still holds the old ``Parameter`` objects). ``fsdp(module)`` needs nothing more: it swaps values in for each
     call. Ignored parameters and buffers stay where they are. Pass ``donate=False`` to keep the module's
-    weights (a reference model in a test, ranks that are threads sharing one module); a donated module
-    cannot be sharded again (its weights are gone: shard the module once, or with ``donate=False``).
+    weights (a reference model in a test); a donated module cannot be sharded again (its weights are
+    gone: shard the module once, or with ``donate=False``), and calling it directly instead of through
+    ``fsdp(module)`` is refused by name. Threads that run forwards at once each take their own module.
 
     A module built on the ``meta`` device is materialised one unit at a time on the mesh's device
     (``reset_parameters()`` of each module that owns parameters, or ``init(module)`` when given) and
@@ -312,11 +344,13 @@ def shard(
     )
     if meta:
         shards, buffers = materialize_and_shard(module, plan, groups.device, init)
+        _refuse_direct_calls(module, plan, built_on_meta=True)
     else:
         shards = {f: shard_tensor(unwrap(found[f]).detach(), plan.specs[f], groups.rank) for f in plan.params}
         buffers = {fqn: b.detach().clone() for fqn, b in module.named_buffers()}
         if donate:
             _donate(module, found.values())
+            _refuse_direct_calls(module, plan, built_on_meta=False)
     return Sharded._from_children([shards[f] for f in plan.params] + [buffers[b] for b in plan.buffers], plan)
 
 
