@@ -719,14 +719,15 @@ def _w_used_on_some(users, unused_params):
             if p.grad is not None:
                 total[n] = total.get(n, 0) + p.grad / world
     local = {n: None if p.grad is None else p.grad.to_local() for n, p in model.named_parameters()}
-    want = {n: _chunk(total[n], world, rank) if n in total else None for n, _ in _plain(spare=True).named_parameters()}
+    want = {n: _shard_of(total[n], world, rank) if n in total else None for n, _ in _plain(spare=True).named_parameters()}
     return raised, local, want
 
 
-def _chunk(t, world, rank):
+def _shard_of(t, world, rank):
     """Rank ``rank``'s dim-0 shard of ``t`` as FSDP2 lays it out (``torch.chunk``; empty past the chunks)."""
-    parts = torch.chunk(t, world)
-    return parts[rank] if rank < len(parts) else t[:0]
+    from fsdpfn import ShardSpec, shard_tensor
+
+    return shard_tensor(t, ShardSpec(tuple(t.shape), world), rank)
 
 
 @settings(max_examples=10, deadline=None)
@@ -743,7 +744,7 @@ def test_a_parameter_used_on_some_ranks_gets_the_mean_or_is_refused(world, mask,
     users = {r for r in range(world) if mask >> r & 1}  # the ranks whose forward uses block 1's spare
     out = spmd(world, _w_used_on_some, sorted(users), unused_params, timeout=TIMEOUT)
     for rank, (raised, got, want) in enumerate(out):
-        holds = _chunk(torch.empty(2), world, rank).numel() > 0  # a row of spare (Linear(D, 2)) lives here
+        holds = _shard_of(torch.empty(2), world, rank).numel() > 0  # a row of spare (Linear(D, 2)) lives here
         refused = not unused_params and users and rank not in users and holds
         if refused:
             assert "'blocks.1.spare.weight'" in raised and "set_reduce_scatter_unused_params(True)" in raised, (rank, raised)
