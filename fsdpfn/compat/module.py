@@ -18,6 +18,7 @@ from fsdpfn.compat.dispatch import dispatch, unit_state
 from fsdpfn.compat.root import lazy_root
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
 from fsdpfn.layout.plan import is_byte_count
+from fsdpfn.ops.api import is_positive_number
 
 __all__ = ["FSDPModule", "UnshardHandle"]
 
@@ -178,7 +179,7 @@ class FSDPModule:
         Example:
             >>> model.set_gradient_divide_factor(1.0)   # sum, not mean   # doctest: +SKIP
         """
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        if not is_positive_number(factor):
             raise ValueError(f"set_gradient_divide_factor: factor must be a positive number, got {factor!r}")
         st = unit_state(self)
         st.divide_factor = float(factor)

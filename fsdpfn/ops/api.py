@@ -18,7 +18,17 @@ from fsdpfn.layout import Sharded, ShardPlan, UnitPlan, Unreduced, shard_tensor
 from fsdpfn.layout.plan import ParamInfo, bucket_by_dtype
 from fsdpfn.ops.functions import Buckets, apply_buckets, collective_pair, reduce_collective
 
-__all__ = ["accumulate", "check_shards", "gather_collective", "reduce", "reduce_scale", "reshard", "unshard"]
+__all__ = ["accumulate", "check_shards", "gather_collective", "is_positive_number", "reduce", "reduce_scale", "reshard", "unshard"]
+
+
+def is_positive_number(value: Any) -> bool:
+    """Whether ``value`` is an int or float above 0 (not a bool, not NaN): a divisor of summed gradients.
+
+    Example:
+        >>> is_positive_number(2), is_positive_number(0.0), is_positive_number(True)
+        (True, False, False)
+    """
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def reduce_scale(plan: ShardPlan, op: str = "avg", divide_by: float | None = None) -> float:
@@ -30,7 +40,7 @@ def reduce_scale(plan: ShardPlan, op: str = "avg", divide_by: float | None = Non
     if op not in ("avg", "sum"):
         raise ValueError(f"op={op!r} is not a reduction fsdpfn knows; use op='avg' or op='sum'")
     if divide_by is not None:
-        if isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not divide_by > 0:
+        if not is_positive_number(divide_by):
             raise ValueError(f"divide_by={divide_by!r} must be a positive number")
         return 1.0 / float(divide_by)
     return 1.0 / (plan.world * plan.replicas) if op == "avg" else 1.0

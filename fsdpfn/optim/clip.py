@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fsdpfn.layout import Sharded
+from fsdpfn.ops.api import is_positive_number
 
 __all__ = ["clip_grad_norm"]
 
@@ -42,7 +43,7 @@ def clip_grad_norm(
         raise TypeError(f"{what}: max_norm must be a number, got {max_norm!r}")
     if max_norm < 0:  # torch's clip_grad_norm_ takes it and flips every gradient's sign
         raise ValueError(f"{what}: max_norm={max_norm!r} must be >= 0 (a negative bound would flip the gradients' sign)")
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+    if not is_positive_number(norm_type):
         raise ValueError(f"{what}: norm_type={norm_type!r} must be a positive number or math.inf")
     p = float(norm_type)
     plan = grads.plan

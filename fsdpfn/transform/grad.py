@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from fsdpfn.layout import Sharded, Unreduced
-from fsdpfn.ops.api import check_shards, reduce_scale
+from fsdpfn.ops.api import check_shards, is_positive_number, reduce_scale
 from fsdpfn.transform.call import GradMode
 
 __all__ = ["grad", "value_and_grad"]
@@ -51,7 +51,7 @@ def value_and_grad(
 
     if reduce_op is not None and reduce_op not in ("avg", "sum"):
         raise ValueError(f"value_and_grad: reduce_op={reduce_op!r} is not a reduction fsdpfn knows; use 'avg', 'sum' or None (the apply's)")
-    if divide_by is not None and (isinstance(divide_by, bool) or not isinstance(divide_by, (int, float)) or not divide_by > 0):
+    if divide_by is not None and not is_positive_number(divide_by):
         raise ValueError(f"value_and_grad: divide_by={divide_by!r} must be a positive number (or None)")
 
     def g(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
