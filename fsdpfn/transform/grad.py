@@ -15,6 +15,7 @@ import torch
 from fsdpfn.layout import Sharded, Unreduced
 from fsdpfn.ops.api import check_shards, is_positive_number, reduce_scale
 from fsdpfn.transform.call import GradMode
+from fsdpfn.transform.reentrant import has_reentrant_checkpoint, reentrant_error
 
 __all__ = ["grad", "value_and_grad"]
 
@@ -126,6 +127,8 @@ def shard_grads(plan: Any, found: Sequence[torch.Tensor | None], inputs: Sequenc
 
 def _differentiate(value: torch.Tensor, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
     if value.requires_grad and inputs:
+        if has_reentrant_checkpoint(value):  # autograd.grad would lose its parameters' gradients
+            raise reentrant_error("value_and_grad")
         return torch.autograd.grad(value, inputs, allow_unused=True)
     return (None,) * len(inputs)
 

@@ -22,6 +22,7 @@ import torch.utils._pytree as tree
 
 from fsdpfn.ops.shard import recompute_reads_values
 from fsdpfn.transform.eager import eager
+from fsdpfn.transform.reentrant import reentrant_error, took_gradients, untracked
 
 if TYPE_CHECKING:
     from fsdpfn.transform.apply import Apply
@@ -35,8 +36,10 @@ class BackwardSwaps:
 
     def __init__(self, apply: Apply):
         self.apply = apply
-        self.active: dict[tuple[int, str], tuple[Call, list[Any]]] = {}  # (id(call), unit) -> swaps
+        # (id(call), unit) -> (call, swaps, the values swapped in: alive in the module's slots until taken out)
+        self.active: dict[tuple[int, str], tuple[Call, list[Any], dict[str, torch.Tensor]]] = {}
         self.current: dict[str, Call] = {}  # unit -> the call whose backward is running it
+        self.reentrant: list[str] = []  # units a reentrant checkpoint recomputed in this backward
         self._queued = False
 
     def arm_on(self, call: Call, unit: str, out: Any) -> None:
@@ -55,12 +58,21 @@ class BackwardSwaps:
         group = call.plan.group_of[unit]
         if not self._reachable(call.plan, unit) and group not in call.gathered and group not in call.regathered:
             return  # nothing but the unit's own hooks can read its values: gather again only if backward needs it
-        values = call.values_for_recompute(group)
-        self.active[key] = (call, self.apply._swap(call.plan, values, unit))
+        values = self.values(call, group, unit)
+        self.active[key] = (call, self.apply._swap(call.plan, values, unit), values)
         self.current[unit] = call
+
+    def values(self, call: Call, group: str, unit: str) -> dict[str, torch.Tensor]:
+        """Group ``group``'s values (from ``call``) for a recompute of ``unit`` in this backward. A unit its
+        forward gathered without gradients, recomputed with them, is a reentrant checkpoint's (its region
+        ran under ``no_grad`` in forward): noted for the end of the backward to refuse."""
+        values = call.values_for_recompute(group)
+        if torch.is_grad_enabled() and unit not in self.reentrant and untracked(values, call.plan.requires_grad):
+            self.reentrant.append(unit)
         if not self._queued:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.leave_all)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return values
 
     def _reachable(self, plan: Any, unit: str) -> bool:
         """Whether a recompute could read unit ``unit``'s parameters without passing its own hooks: not when
@@ -80,6 +92,7 @@ class BackwardSwaps:
         for unit in call.plan.members(group):
             hit = self.active.pop((id(call), unit), None)
             if hit is not None:
+                self._note_gradients(unit, hit[2])
                 self.apply._restore(hit[1])
                 if self.current.get(unit) is call:
                     del self.current[unit]
@@ -88,7 +101,24 @@ class BackwardSwaps:
         """Take out every value still in (the end of a backward, or the start of a forward after a
         backward that raised)."""
         self._queued = False
-        for _call, swapped in reversed(list(self.active.values())):
+        for _call, swapped, _values in reversed(list(self.active.values())):
             self.apply._restore(swapped)
         self.active.clear()
         self.current.clear()
+        self.reentrant.clear()
+
+    def _note_gradients(self, unit: str, values: dict[str, torch.Tensor]) -> None:
+        """A recompute's values that hold gradients were reached by a reentrant checkpoint's inner backward
+        (a non-reentrant recompute only feeds saved tensors to the original graph)."""
+        if unit not in self.reentrant and took_gradients(values):
+            self.reentrant.append(unit)
+
+    def _end_of_backward(self) -> None:
+        """``leave_all``, then refuse the backward if a reentrant checkpoint recomputed a unit: its
+        parameters' gradients stayed on the recompute's values (every reduction has run by now)."""
+        for (_, unit), (_call, _swapped, values) in self.active.items():
+            self._note_gradients(unit, values)
+        units = list(self.reentrant)
+        self.leave_all()
+        if units:
+            raise reentrant_error("backward", units)

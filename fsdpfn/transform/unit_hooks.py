@@ -162,7 +162,7 @@ class UnitHooks:
             if in_backward():
                 call = self._recompute.current.get(name) or self._recompute_call(name)
                 if call is not None:
-                    values = call.values_for_recompute(call.plan.group_of[name])
+                    values = self._recompute.values(call, call.plan.group_of[name], name)
                     self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, values, name))
                     return cast_inputs(call.plan, args, kwargs, name)
             self._unit_swaps.setdefault(name, []).append([])

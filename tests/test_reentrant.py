@@ -1,0 +1,145 @@
+"""Reentrant activation checkpoints (``fsdpfn.transform.reentrant``): ``torch.utils.checkpoint(...,
+use_reentrant=True)`` around a unit or inside one is refused by name in both layers, on every rank (its
+parameters used to get zeros through ``value_and_grad`` and ``None`` through the compat layer's backward,
+silently, where a single process and torch's ``fully_shard`` train them), and the same model with the
+non-reentrant checkpoint still equals the single-process reference, before and after a refusal."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import fsdpfn
+from fsdpfn.testing import spmd
+from fsdpfn.transform.reentrant import has_reentrant_checkpoint
+
+UNITS = ["blocks.0", "blocks.1", "blocks.2"]
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.inner = None  # None: no checkpoint inside; else use_reentrant for the checkpoint around fc1/fc2
+
+    def _body(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+    def forward(self, x):
+        if self.inner is not None and torch.is_grad_enabled():
+            return x + checkpoint(self._body, x, use_reentrant=self.inner)
+        return x + self._body(x)
+
+
+class _Net(nn.Module):
+    """Three residual blocks (the units) and a head; with ``stem`` a root layer before them, so the blocks'
+    input depends on parameters (torch's ``autograd.grad`` then runs the reentrant region and refuses it
+    itself); without, the input itself takes a gradient (else a reentrant region would record nothing at
+    all, in a single process too), nothing connects the region to a parameter, and ``autograd.grad`` skips
+    it silently."""
+
+    def __init__(self, width: int, seed: int, stem: bool):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Linear(3, width) if stem else nn.Identity()
+        self.blocks = nn.ModuleList([_Block(width) for _ in range(3)])
+        self.head = nn.Linear(width, 2)
+        self.outer = None  # None: no checkpoint around blocks; else use_reentrant for it
+
+    def set_checkpoint(self, where: str, reentrant: bool) -> None:
+        self.outer = reentrant if where == "outer" else None
+        for b in self.blocks:
+            b.inner = reentrant if where == "inner" else None
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=self.outer) if self.outer is not None and torch.is_grad_enabled() else b(x)
+        return self.head(x)
+
+
+def _batch(rank: int, features: int) -> torch.Tensor:
+    return torch.randn(4, features, generator=torch.Generator().manual_seed(1000 + rank), requires_grad=True)
+
+
+def _reference(width: int, seed: int, stem: bool, world: int) -> dict[str, torch.Tensor]:
+    model = _Net(width, seed, stem)
+    loss = sum(model(_batch(r, 3 if stem else width)).pow(2).mean() for r in range(world)) / world
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _functional_worker(width, seed, stem, where, reshard):
+    import torch.distributed as dist
+
+    model = _Net(width, seed, stem)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=UNITS)
+    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
+    step = fsdpfn.value_and_grad(lambda p, x: apply(p, x).pow(2).mean())
+    x = _batch(dist.get_rank(), 3 if stem else width)
+    model.set_checkpoint(where, reentrant=True)
+    try:
+        step(params, x)
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    model.set_checkpoint(where, reentrant=False)
+    _, grads = step(params, x)
+    return refused, {k: grads[k] for k in grads.keys()}
+
+
+def _compat_worker(width, seed, stem, where, reshard):
+    import torch.distributed as dist
+
+    from fsdpfn.compat import fully_shard
+
+    model = _Net(width, seed, stem)
+    for unit in UNITS:
+        fully_shard(model.get_submodule(unit), reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    x = _batch(dist.get_rank(), 3 if stem else width)
+    model.set_checkpoint(where, reentrant=True)
+    try:
+        model(x).pow(2).mean().backward()
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    model.zero_grad()
+    model.set_checkpoint(where, reentrant=False)
+    model(x).pow(2).mean().backward()
+    return refused, {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    world=st.integers(1, 3), width=st.integers(2, 6), seed=st.integers(0, 2**16), stem=st.booleans(),
+    where=st.sampled_from(["outer", "inner"]), layer=st.sampled_from(["functional", "compat"]), reshard=st.booleans(),
+)  # fmt: skip
+def test_a_reentrant_checkpoint_is_refused_and_the_non_reentrant_one_trains(world, width, seed, stem, where, layer, reshard):
+    worker = _functional_worker if layer == "functional" else _compat_worker
+    results = spmd(world, worker, width, seed, stem, where, reshard)
+    want = _reference(width, seed, stem, world)
+    for refused, _ in results:  # every rank refuses, naming the fix
+        assert "use_reentrant=True" in refused and "pass use_reentrant=False" in refused, refused
+        if layer == "compat":
+            assert refused.startswith("backward: unit(s) ") and "'blocks.0'" in refused, refused
+        else:
+            assert refused.startswith("value_and_grad: the function's graph holds"), refused
+    for name, full in want.items():
+        spec = fsdpfn.ShardSpec(tuple(full.shape), world)
+        got = fsdpfn.unshard_tensors([grads[name] for _, grads in results], spec)
+        torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_has_reentrant_checkpoint_finds_a_region_anywhere_in_the_graph(reentrant):
+    x = torch.randn(3, requires_grad=True)
+    deep = torch.sin(x)
+    for _ in range(50):
+        deep = deep * 1.01 + 0.5
+    region = checkpoint(torch.cos, x, use_reentrant=reentrant)
+    value = (deep + region.exp()).sum()
+    assert has_reentrant_checkpoint(value) is reentrant
+    assert not has_reentrant_checkpoint(torch.ones(2).sum())  # no graph at all
