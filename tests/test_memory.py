@@ -515,6 +515,53 @@ def test_activations_are_what_the_forward_saves():
     assert cost.saved == saved_bytes(recipe.build(), x)
 
 
+class _ReadsMetadataFirst(nn.Module):
+    """``inner``'s forward after reading a root parameter's metadata (as Hugging Face models do with
+    ``x.to(self.lm_head.weight.dtype)``): a read, not a use."""
+
+    def __init__(self, inner: nn.Module, fqn: str):
+        super().__init__()
+        self.inner, self.fqn = inner, fqn
+
+    def forward(self, x):
+        path, _, name = self.fqn.rpartition(".")
+        w = getattr(self.inner.get_submodule(path), name)  # the value functional_call swapped in
+        return self.inner(x.to(w.dtype) if w.shape and not w.is_meta else x)
+
+
+def _costs_fresh_read_and_donated(recipe, units):
+    """On a rank of ``spmd``: ``forward_cost`` of the recipe's model as built, wrapped to read a root
+    parameter's metadata first, and donated to ``fsdpfn.shard`` (what ``fsdp``'s first call plans with)."""
+    def cost(model, prefix=""):
+        names = [""] + [prefix + u for u in units]
+        got = fsdpfn.memory.forward_cost(model, x, device=torch.device("cpu"), param_dtype=lambda d: d, cast_inputs=None, units=names)
+        strip = lambda d: {k[len(prefix):]: (v[len(prefix):] if isinstance(v, str) else v) for k, v in d.items()}  # noqa: E731
+        return got._replace(last_unit_before=strip(got.last_unit_before), saved_before=strip(got.saved_before), boundary=strip(got.boundary),
+                            saved_params=frozenset(p[len(prefix):] for p in got.saved_params))
+
+    x = recipe.inputs(BATCH, 0)
+    model = recipe.build()
+    unit_of = {n: max((u for u in units if n.startswith(u + ".")), key=len, default="") for n, _ in model.named_parameters()}
+    last_root = [n for n, u in unit_of.items() if u == ""][-1:]  # a root parameter used late, if any
+    fresh = cost(model)
+    read = cost(_ReadsMetadataFirst(recipe.build(), last_root[0]), "inner.") if last_root else fresh
+    donated = recipe.build()
+    fsdpfn.shard(donated, fsdpfn.init_mesh(), units=units)
+    return fresh, read, cost(donated)
+
+
+@settings(max_examples=min(settings().max_examples, 6))
+@given(data=st.data(), world=st.integers(1, 2))
+def test_a_donated_module_and_metadata_reads_plan_as_the_module_does(data, world):
+    # both once told the planner a root parameter was used before any unit: a donated module's probe of
+    # one (fsdp's first call plans with the donated module) and a model reading a weight's dtype first
+    recipe = data.draw(_models())
+    units = data.draw(fst.unit_plans(recipe))
+    for fresh, read, donated in spmd(world, _costs_fresh_read_and_donated, recipe, units):
+        assert read == fresh
+        assert donated == fresh
+
+
 @pytest.mark.parametrize(
     "kwargs, exc, pattern",
     [

@@ -27,7 +27,9 @@ class ForwardCost(NamedTuple):
     (a unit none of whose parameters are saved is not re-gathered in backward); ``saved_before[u]``: the
     bytes saved when unit ``u``'s forward started (backward frees them in reverse); ``output_grad``: the
     most bytes alive at once while backward makes the gradient of the output (the loss's backward and its
-    temporaries, measured on the fake tensors when a ``loss_fn`` is given, else one output-sized tensor)."""
+    temporaries, measured on the fake tensors when a ``loss_fn`` is given, else one output-sized tensor);
+    ``boundary[u]``: the bytes of unit ``u``'s differentiable inputs and outputs (the most over its calls),
+    i.e. the gradient its backward receives beside the one it makes for the unit before."""
 
     saved: int
     output: int
@@ -35,6 +37,7 @@ class ForwardCost(NamedTuple):
     saved_params: frozenset[str] = frozenset()
     saved_before: dict[str, int] = {}
     output_grad: int = 0
+    boundary: dict[str, int] = {}
 
 
 def forward_cost(
@@ -96,15 +99,27 @@ def forward_cost(
             started.append(unit)
             saved_before.setdefault(unit, sum(seen.values()))
 
+        boundary: dict[str, int] = {}
+
+        def finish(unit: str, args: Any, kwargs: Any, out: Any) -> None:
+            grads = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            boundary[unit] = max(boundary.get(unit, 0), sum(t.untyped_storage().nbytes() for t in grads))
+
         hooks = [module.get_submodule(u).register_forward_pre_hook(lambda *_, _u=u: start(_u)) for u in units if u]
+        hooks += [module.get_submodule(u).register_forward_hook(lambda _m, a, k, o, _u=u: finish(_u, a, k, o), with_kwargs=True)
+                  for u in units if u]
 
         class _Uses(torch.overrides.TorchFunctionMode):
             def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                # reading metadata (w.dtype, w.shape, w.is_meta) is no use; a getter that makes a tensor (w.T) is
+                if getattr(func, "__name__", None) == "__get__" and not isinstance(out, torch.Tensor):
+                    return out
                 for t in pytree.tree_leaves((args, kwargs or {})):
                     f = watched.get(id(t))
                     if f is not None and f not in first_use:
                         first_use[f] = started[-1]
-                return func(*args, **(kwargs or {}))
+                return out
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Uses():
@@ -122,7 +137,7 @@ def forward_cost(
             # what the loss's forward and backward hold at most, beyond what the loss saves (counted
             # with the activations): the gradient of the output and the backward's temporaries
             output_grad = output if loss_peak is None else max(0, loss_peak - (sum(seen.values()) - model_saved))
-    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params), saved_before, output_grad)
+    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params), saved_before, output_grad, boundary)
 
 
 def _loss_peak(loss_fn: Callable[[Any], Any], out: Any, outs: list[torch.Tensor]) -> int | None:

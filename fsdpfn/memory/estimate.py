@@ -218,7 +218,7 @@ def step_estimator(
     def one(w: int, fusion: Any, fsdp2: bool = False, spans: tuple[int, ...] = ()) -> MemoryEstimate:
         return _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard_after_forward,
                              fusion, link, buffer_bytes, batch_bytes, fwd.saved, fwd.output_grad, dev.type, fwd.last_unit_before,
-                             needed, fwd.saved_before, fsdp2, spans)
+                             needed, fwd.saved_before, fsdp2, spans, fwd.boundary)
 
     return _StepEstimator(one, named, dev)
 
@@ -263,6 +263,7 @@ def _estimate_one(
     saved_before: dict[str, int],
     fsdp2: bool = False,
     forward_spans: tuple[int, ...] = (),
+    boundary: dict[str, int] | None = None,
 ) -> MemoryEstimate:
     plan = build_plan(
         infos,
@@ -289,7 +290,7 @@ def _estimate_one(
         if layout not in by_layout:
             by_layout[layout] = rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
                                              buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before,
-                                             fsdp2, forward_spans)
+                                             fsdp2, forward_spans, boundary or {})
             if fsdp2:  # only FSDP2's backward bound: the other phases are fsdpfn's
                 by_layout[layout] = {"backward": by_layout[layout]["fsdp2"]}
         per_rank.append(max(b.total for b in by_layout[layout].values()))

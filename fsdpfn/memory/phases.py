@@ -75,6 +75,7 @@ def phase_peaks(
     enclosing: Sequence[Sequence[int]] = (),
     prefetch_at_release: bool = False,
     forward_spans: Sequence[int] = (),
+    between: Sequence[int] = (),
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
@@ -98,7 +99,8 @@ def phase_peaks(
     ``prefetch - 1`` nearest are in flight (launched at the release before), all of them from ``k``'s.
     ``forward_spans``: sizes of runs of groups that forward gathers in one shared collective each; the
     forward is then priced group by group (``forward_with_spans``) instead of as every activation beside
-    the largest window.
+    the largest window. ``between[k]``: the gradients flowing through group ``k``'s backward (of its
+    output, received, and of its input, made), beside its activations at each of its moments.
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -151,6 +153,7 @@ def phase_peaks(
             held, prefetched, during, mine, finishes = 0, 0, 0, g.gathered, False
         early = root_early[k] if 0 <= k < len(root_early) else 0
         saved = (saved_until[k] if k >= 0 else saved_until[-1]) + batch if saved_until else activations + batch
+        saved += between[k] if 0 <= k < len(between) else 0
         pending = early
         if in_flight is not None and not finishes:
             pending += in_flight.packed + in_flight.reduce_scratch
@@ -179,6 +182,7 @@ def fsdp2_backward(
     output_grad: int = 0,
     groups: Sequence[GroupBytes],
     saved_until: Sequence[int] = (),
+    between: Sequence[int] = (),
 ) -> Breakdown:
     """A lower bound of the backward peak torch's ``fully_shard`` reaches on the same step and groups
     (every group resharded after forward, torch's default backward prefetch of one group, AdamW's
@@ -189,7 +193,8 @@ def fsdp2_backward(
     still gathered, group ``k - 1`` is being gathered (prefetched when ``k``'s backward started) and the
     reduce-scatter input of the group before (``k + 1``) is still held (FSDP2 keeps one in flight and
     drops it in the next group's post-backward); then ``k``'s copy-in, after it was resharded and that
-    input dropped: its gradients and their copy at once. Whatever else FSDP2 allocates (padding, its
+    input dropped: its gradients and their copy at once; ``between[k]``, the gradients flowing through
+    ``k``'s backward, beside both (as ``phase_peaks``). Whatever else FSDP2 allocates (padding, its
     reduce-scatter output before the gradients are freed, collective scratch) only adds to its peak.
 
     Example:
@@ -204,7 +209,7 @@ def fsdp2_backward(
     for k in reversed(range(n)):
         g = groups[k]
         prefetched = groups[k - 1].gathered if k > 0 else 0
-        saved = (saved_until[k] if saved_until else activations) + batch
+        saved = (saved_until[k] if saved_until else activations) + batch + (between[k] if k < len(between) else 0)
         moments.append(Breakdown(shards, state, done + g.full_grads + held_input, root.gathered + g.gathered + prefetched, saved, 0))
         moments.append(Breakdown(shards, state, done + g.full_grads + g.packed, root.gathered + prefetched, saved, 0))
         done += g.reduce_out

@@ -23,7 +23,7 @@ __all__ = ["rank_phases"]
 def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainable: set[str], world: int, slots: int,
                  device_type: str, scratch: bool, prefetch: int, reshard: bool | Callable[[str], bool], buffer_bytes: int, batch_bytes: int, activations: int,
                  output_grad: int, last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int],
-                 fsdp2: bool = False, forward_spans: tuple[int, ...] = ()) -> Any:
+                 fsdp2: bool = False, forward_spans: tuple[int, ...] = (), boundary: dict[str, int] | None = None) -> Any:
     """The phase peaks (``phase_peaks``'s dict) of one rank whose local shards have ``numel`` elements
     each, or with ``fsdp2`` ``{"fsdp2": Breakdown}``, FSDP2's backward on the same groups.
 
@@ -93,6 +93,8 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
                 for k in range(mine + 1, index[plan.group_of[unit]] + 1):
                     root_early[k] += nbytes
     enclosing = [[j for j, o in enumerate(others) if j < k and _encloses(o.name, g.name)] for k, g in enumerate(others)]
+    # the gradients flowing into and out of each group's backward (its members run one after another)
+    between = [max((boundary or {}).get(u, 0) for u in g.name.split("+")) for g in others]
     if fsdp2:
         return {"fsdp2": fsdp2_backward(
             shards=sum(shard_bytes.values()) + buffer_bytes,
@@ -103,6 +105,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
             root=group_bytes(root, True) if root is not None else GroupBytes(0, 0, 0, 0),
             groups=[group_bytes(g, True) for g in others],
             saved_until=_saved_until(others, saved_before, activations),
+            between=between,
         )}
     return phase_peaks(
         shards=sum(shard_bytes.values()) + buffer_bytes,
@@ -120,6 +123,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         saved_until=_saved_until(others, saved_before, activations),
         prefetch_at_release=cpu,
         forward_spans=forward_spans,
+        between=between,
     )
     # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
 

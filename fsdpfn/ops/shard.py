@@ -126,10 +126,11 @@ def _refuse_direct_calls(module: nn.Module, plan: Any, built_on_meta: bool) -> N
              "its parameters were donated to fsdpfn.shard (they are meta now)")
 
     def check(_module: nn.Module, _args: Any) -> None:
-        if torch.compiler.is_compiling():
+        # planning runs and compiled code first, before the probe is touched (a planner watches reads)
+        if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
             return
         probe = owner._parameters.get(attr)
-        if probe is None or not probe.is_meta or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        if probe is None or not probe.is_meta:
             return
         raise RuntimeError(
             f"{type(module).__name__} was called directly, but {where} (e.g. {fqn!r}): run it through "
