@@ -88,6 +88,34 @@ def _grads(model, params, apply, **kw):
     return fsdpfn.value_and_grad(lambda p: apply(p, torch.ones(2, 3)).sum(), **kw)(params)[1]
 
 
+class _Embeds(nn.Module):
+    """An embedding (root unit) before a Linear unit: ``sparse`` gradients, or ``max_norm``'s in-place renorm."""
+
+    def __init__(self, **kw):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.body = nn.Embedding(10, 4, **kw), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.body(self.emb(ids)).sum()
+
+
+def _embeds_functional(**kw):
+    model = _Embeds(**kw)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["body"])
+    apply = fsdpfn.fsdp(model)
+    return fsdpfn.value_and_grad(lambda p: apply(p, torch.arange(6).view(2, 3)))(params)
+
+
+def _embeds_compat(**kw):
+    from fsdpfn.compat import fully_shard
+
+    model = _Embeds(**kw)
+    fully_shard(model.body)
+    fully_shard(model)
+    model(torch.arange(6).view(2, 3)).backward()
+
+
 # id -> (trigger(model, params, apply), exception type, message regex)
 TRIGGERS = {
     "spec-dim": (lambda m, p, a: fsdpfn.ShardSpec((3, 4), 2, dim=2), ValueError, r"dim=2 is out of range for shape \(3, 4\)"),
@@ -128,6 +156,8 @@ TRIGGERS = {
     "apply-unit-bypassed": (lambda m, p, a: _bypass(donate=False), RuntimeError, r"apply: the forward used a tensor on the meta device .* call the unit's module itself, or make the child a unit of its own .* Units not gathered yet in this call: 'body'"),
     "apply-unit-bypassed-donated": (lambda m, p, a: _bypass(donate=True), RuntimeError, r"apply: the forward used a tensor on the meta device .* Units not gathered yet in this call: 'body'"),
     "fsdp-prefetch": (lambda m, p, a: fsdpfn.fsdp(m, prefetch=-1), ValueError, r"prefetch must be an int >= 0"),
+    "grad-sparse": (lambda m, p, a: _embeds_functional(sparse=True), RuntimeError, r"parameter\(s\) 'emb.weight' got a sparse gradient \(e.g. nn.Embedding\(..., sparse=True\)\).*build the layer with sparse=False"),
+    "apply-inplace-param": (lambda m, p, a: _embeds_functional(max_norm=0.5), RuntimeError, r"apply: the forward changed 'emb.weight' in place \(nn.Embedding\(max_norm=...\) renormalises its weight in place.*never reaches the shards"),
     "fsdp-reduce-op": (lambda m, p, a: fsdpfn.fsdp(m, reduce_op="mean"), ValueError, r"reduce_op='mean' is not a reduction"),
     "fsdp-reshard": (lambda m, p, a: fsdpfn.fsdp(m, reshard_after_forward=2), TypeError, r"reshard_after_forward must be a bool or a predicate on unit names"),
     "fsdp-reshard-predicate": (lambda m, p, a: fsdpfn.fsdp(m, reshard_after_forward=lambda u: "yes")(p, torch.ones(1, 3)), TypeError, r"predicate returned 'yes' for unit 'blocks.1'; it must return a bool"),
@@ -360,6 +390,8 @@ COMPAT_TRIGGERS = {
     "compat-post-optim-event": (lambda m, p, a: _compat_model().set_post_optim_event(1), TypeError, r"set_post_optim_event: event must be a torch.Event \(or torch.cuda.Event\) recorded after the optimizer step, got int"),
     "compat-min-bucket-bytes": (lambda m, p, a: _compat_model().set_min_bucket_bytes("1MB"), ValueError, r"set_min_bucket_bytes: min_bucket_bytes must be an int >= 0 \(bytes\), 'auto' or None, got '1MB'"),
     "compat-reset-non-root": (lambda m, p, a: (lambda mm: (mm(torch.ones(1, 3)), mm.blocks[1].reset_iter_state()))(_compat_model()), RuntimeError, r"^reset_iter_state must be called on the root FSDP module\nthe root is FSDP_TwoLayer, not this FSDPLinear"),
+    "compat-sparse": (lambda m, p, a: _embeds_compat(sparse=True), RuntimeError, r"parameter\(s\) 'emb.weight' got a sparse gradient"),
+    "compat-inplace-param": (lambda m, p, a: _embeds_compat(max_norm=0.5), RuntimeError, r"apply: the forward changed 'emb.weight' in place .*with fully_shard, the DTensor parameters under torch.no_grad\(\)"),
     "compat-replicate-on-fsdp": (lambda m, p, a: _compat_replicate_on_fsdp(), RuntimeError, r"Cannot apply `replicate\(\)` on a Module already managed by `fully_shard`"),
 }
 TRIGGERS.update(COMPAT_TRIGGERS)

@@ -33,6 +33,7 @@ from fsdpfn.ops.extension import shard_mesh, subclass_transform
 from fsdpfn.ops.functions import Buckets
 from fsdpfn.transform.apply import OpenCall
 from fsdpfn.transform.eager import eager
+from fsdpfn.transform.validate import explain_inplace_error
 
 __all__ = ["RootContext", "lazy_root"]
 
@@ -281,9 +282,12 @@ class RootContext:
         opened, args, kwargs = self.begin(args, kwargs)
         try:
             out = inside(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             self.close(opened)
-            raise
+            explained = explain_inplace_error(exc, opened.call)
+            if explained is None:
+                raise
+            raise explained from exc
         return self.end(opened, out)
 
     def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any], traced: bool = False) -> tuple[OpenCall, Any, Any]:

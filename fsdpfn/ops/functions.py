@@ -345,6 +345,7 @@ class _BucketCollective(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         b: Buckets = ctx.buckets
         info: CallInfo = ctx.info
+        check_dense(b.fqns, grads)
         if info.sink is not None:  # deferred reduction: keep the full gradients, reduce later
             for f, g in zip(b.fqns, grads):
                 if g is not None and f in info.sink_dtypes:
@@ -396,6 +397,18 @@ class _BucketCollective(torch.autograd.Function):
                 moved.append(t.movedim(d, 0))
         out = apply_buckets(b.batched(), moved)
         return tuple(out), tuple(0 for _ in out)
+
+
+def check_dense(fqns: Sequence[str], grads: Sequence[torch.Tensor | None]) -> None:
+    """Raise naming the parameters whose gradient is sparse (``nn.Embedding(sparse=True)``): a reduction
+    moves dense buckets (torch's ``fully_shard`` fails there too, deep inside its copy-in)."""
+    sparse = [f for f, g in zip(fqns, grads) if g is not None and g.layout != torch.strided]
+    if sparse:
+        raise RuntimeError(
+            f"fsdpfn: parameter(s) {', '.join(repr(f) for f in sparse)} got a sparse gradient (e.g. "
+            "nn.Embedding(..., sparse=True)); sharded gradients are reduced as dense tensors: build the "
+            "layer with sparse=False (its gradient is then a dense tensor of the weight's shape)"
+        )
 
 
 class UnshardFunction(_BucketCollective):

@@ -31,7 +31,7 @@ from fsdpfn.transform.recompute import BackwardSwaps
 from fsdpfn.transform.remat import override_forwards
 from fsdpfn.transform.traced import run_traced
 from fsdpfn.transform.unit_hooks import Swap, UnitHooks
-from fsdpfn.transform.validate import check_module, explain_meta_error
+from fsdpfn.transform.validate import check_module, explain_forward_error
 
 __all__ = ["Apply", "fsdp"]
 
@@ -181,7 +181,7 @@ class Apply(UnitHooks):
             out = fn(*args, **kwargs)
         except BaseException as exc:
             self.close(opened)
-            explained = explain_meta_error(exc, opened.call)
+            explained = explain_forward_error(exc, opened.call)
             if explained is None:
                 raise
             raise explained from exc

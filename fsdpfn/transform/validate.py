@@ -1,5 +1,6 @@
 """``check_module``: is this module the one a ``Sharded`` tree was built from, as it was then? And
-``explain_meta_error``: what a forward that met a unit's placeholder did wrong."""
+``explain_meta_error`` / ``explain_inplace_error``: what a forward that met a unit's placeholder, or that
+changed a gathered parameter in place, did wrong."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from fsdpfn.layout import ShardPlan
 
-__all__ = ["check_module", "explain_meta_error"]
+__all__ = ["check_module", "explain_forward_error", "explain_inplace_error", "explain_meta_error"]
 
 
 def explain_meta_error(exc: BaseException, call: Any) -> RuntimeError | None:
@@ -33,6 +34,36 @@ def explain_meta_error(exc: BaseException, call: Any) -> RuntimeError | None:
         "uses a unit's weight from another module bypasses that: call the unit's module itself, or make the "
         f"child a unit of its own (shard(..., units=[...])). Units not gathered yet in this call: {shown or 'none'}"
     )
+
+
+_INPLACE = re.compile(r"Output (\d+) of UnshardFunction is a view and its base or another view of its base has been modified inplace")
+
+
+def explain_inplace_error(exc: BaseException, call: Any) -> RuntimeError | None:
+    """The error to raise instead of autograd's when the forward changed a gathered parameter in place
+    (``nn.Embedding(max_norm=...)`` renormalises its weight in place; ``weight.mul_(...)``; not a change
+    through ``.data``, which autograd does not see): inside the
+    forward a unit's parameters are views of its gathered buffer, and a change there would never reach the
+    shards (torch's ``fully_shard`` lets it through and its ranks' weights drift apart from a single
+    process). Names the parameter(s) it can be. ``None``: ``exc`` is something else."""
+    found = _INPLACE.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    if found is None:
+        return None
+    k = int(found.group(1))
+    names = [list(full)[k] for full in reversed(list(call.gathered.values())) if len(full) > k]
+    which = " or ".join(repr(n) for n in dict.fromkeys(names)) or "a unit's parameter"
+    return RuntimeError(
+        f"apply: the forward changed {which} in place (nn.Embedding(max_norm=...) renormalises its weight in "
+        "place; so does weight.mul_(...)). Inside the forward a unit's parameters are gathered copies: a "
+        "change there never reaches the shards, so it would be lost. Compute it out of place, or change the "
+        "parameters themselves between steps (the Sharded tree's shards; with fully_shard, the DTensor "
+        "parameters under torch.no_grad())"
+    )
+
+
+def explain_forward_error(exc: BaseException, call: Any) -> RuntimeError | None:
+    """What ``apply`` raises instead of ``exc`` from its forward (``None``: ``exc`` itself)."""
+    return explain_meta_error(exc, call) or explain_inplace_error(exc, call)
 
 
 def check_module(module: nn.Module, plan: ShardPlan) -> None:
