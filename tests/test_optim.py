@@ -72,9 +72,10 @@ def _torch_opt(kind: str, hp: dict, params: list[torch.nn.Parameter], foreach: b
     """torch's optimizer; ``foreach=True`` means the kernel fsdpfn runs on CPU (AdamW: the fused one, which
     torch refuses for complex parameters; fsdpfn runs it on their real view)."""
     hp = dict(hp, lr=0.0 if callable(hp["lr"]) else hp["lr"])
+    every = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
     if kind != "adamw":
         return torch.optim.SGD(params, foreach=foreach, **hp)
-    if foreach and all(p.is_floating_point() for p in params):
+    if foreach and all(p.is_floating_point() for p in every):
         return torch.optim.AdamW(params, fused=True, **hp)
     return torch.optim.AdamW(params, foreach=foreach, **hp)
 
@@ -106,6 +107,13 @@ def _clip_worker(tree: ParamTree, seed: int, max_norm: float, norm_type: float, 
 def _reference(tree: ParamTree, kind: str, hp: dict, seed: int, p_drop: float, foreach: bool | None = None):
     model = tree.build()
     trainable = [p for p in model.parameters() if p.requires_grad]
+    mask = hp.get("weight_decay_mask")
+    hp = {k: v for k, v in hp.items() if k != "weight_decay_mask"}
+    if mask is not None:  # torch's way: a parameter group without weight decay
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        decays = [mask(n, tuple(p.shape)) if callable(mask) else mask.get(n, True) for n, p in zip(names, trainable)]
+        trainable = [g for g in ({"params": [p for p, d in zip(trainable, decays) if d]},
+                                 {"params": [p for p, d in zip(trainable, decays) if not d], "weight_decay": 0.0}) if g["params"]]
     opt = _torch_opt(kind, hp, trainable, foreach) if trainable else None
     named = dict(model.named_parameters())
     stepped = {n: 0 for n in named}
@@ -205,6 +213,24 @@ def test_sgd_on_shards_equals_torch_sgd(world, seed, p_drop, data):
     hp = data.draw(sgd_hps())
     out = spmd(world, _opt_worker, tree, "sgd", hp, seed, p_drop)
     _check_against_torch(tree, "sgd", hp, seed, p_drop, world, out)
+
+
+def _two_dims(fqn, shape):
+    return len(shape) >= 2  # the GPT recipe: no decay for biases and norms
+
+
+@given(world=fst.world_sizes(), seed=st.integers(0, 1000), kind=st.sampled_from(["adamw", "sgd"]), data=st.data())
+def test_a_weight_decay_mask_equals_torchs_group_without_decay(world, seed, kind, data):
+    # weight_decay_mask (a function of name and shape, or a mapping that may leave names out) against
+    # torch.optim with the unmasked parameters in a group of weight_decay=0.0
+    tree = data.draw(fst.param_trees(dtypes_=F64, max_params=4))
+    hp = data.draw(adamw_hps() if kind == "adamw" else sgd_hps())
+    names = [n for n, _ in tree.build().named_parameters()]
+    chosen = data.draw(st.dictionaries(st.sampled_from(names), st.booleans()) if names else st.just({}))
+    mask = data.draw(st.sampled_from([_two_dims, chosen]))
+    hp = dict(hp, weight_decay=data.draw(st.sampled_from([1e-2, 0.3])), weight_decay_mask=mask)
+    out = spmd(world, _opt_worker, tree, kind, hp, seed, 0.0)
+    _check_against_torch(tree, kind, hp, seed, 0.0, world, out)
 
 
 @given(world=fst.world_sizes(), seed=st.integers(0, 1000), kind=st.sampled_from(["adamw", "sgd"]), data=st.data())
@@ -348,6 +374,12 @@ def _bad_call(case: str):
         optim.clip_grad_norm(grads.replace({"0.bias": torch.zeros(9)}), 1.0)
     elif case == "clip_norm_type":
         optim.clip_grad_norm(grads, 1.0, norm_type=0)
+    elif case == "mask_type":
+        optim.adamw(weight_decay_mask=["0.bias"])
+    elif case == "mask_unknown":
+        optim.sgd(0.1, weight_decay=0.1, weight_decay_mask={"0.biass": False}).update(grads, optim.sgd(0.1).init(params), params)
+    elif case == "mask_result":
+        optim.adamw(weight_decay_mask=lambda fqn, shape: len(shape)).update(grads, state, params)
 
 
 @pytest.mark.parametrize(
@@ -365,6 +397,9 @@ def _bad_call(case: str):
         ("clip_not_sharded", TypeError, "grads must be a fsdpfn.Sharded"),
         ("clip_wrong_shape", ValueError, r"grads leaf '0.bias' has shape \(9,\)"),
         ("clip_norm_type", ValueError, "norm_type=0 must be a positive number"),
+        ("mask_type", TypeError, r"weight_decay_mask must be None, a function \(fqn, shape\) -> bool or a mapping fqn -> bool, got list"),
+        ("mask_unknown", ValueError, r"weight_decay_mask names '0.biass', which is not a parameter of this tree"),
+        ("mask_result", TypeError, r"weight_decay_mask\('0.weight', shape\) must return True or False, got 2"),
     ],
 )
 def test_bad_input_to_optim_names_the_leaf(case, exc, match):

@@ -16,9 +16,9 @@ Example:
     >>> params, state = opt.update(grads, state, params)                  # doctest: +SKIP
 """
 
-from fsdpfn.optim._common import GradientTransformation, LearningRate
+from fsdpfn.optim._common import DecayMask, GradientTransformation, LearningRate
 from fsdpfn.optim.adamw import AdamWState, adamw
 from fsdpfn.optim.clip import clip_grad_norm
 from fsdpfn.optim.sgd import SGDState, sgd
 
-__all__ = ["AdamWState", "GradientTransformation", "LearningRate", "SGDState", "adamw", "clip_grad_norm", "sgd"]
+__all__ = ["AdamWState", "DecayMask", "GradientTransformation", "LearningRate", "SGDState", "adamw", "clip_grad_norm", "sgd"]

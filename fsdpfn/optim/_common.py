@@ -6,7 +6,7 @@ Everything here is local to one rank: optimizers update this rank's shards and n
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Union
 
 import torch
@@ -14,9 +14,11 @@ import torch
 from fsdpfn.layout import Unreduced, Sharded, ShardPlan
 from fsdpfn.layout.autobucket import FOREACH_PARTS
 
-__all__ = ["GradientTransformation", "LearningRate"]
+__all__ = ["DecayMask", "GradientTransformation", "LearningRate"]
 
 LearningRate = Union[float, Callable[[int], float]]
+# which parameters weight decay applies to: a predicate on (FQN, full shape), or FQN -> bool (missing: decays)
+DecayMask = Union[Callable[[str, tuple[int, ...]], bool], Mapping[str, bool], None]
 """A constant learning rate, or a schedule ``lr(step) -> float`` called once per ``update`` with
 ``step`` = the number of updates made so far including this one (``1`` on the first ``update``)."""
 
@@ -256,3 +258,42 @@ def next_count(count: int | torch.Tensor) -> int:
     """``count + 1`` as an ``int``: the number of the update being made, and the count after it (a 0-d
     tensor from an older state is read once)."""
     return int(count) + 1
+
+
+def check_mask(what: str, mask: Any) -> DecayMask:
+    """``weight_decay_mask`` as given: ``None``, a callable or a mapping of bools (else TypeError)."""
+    if mask is None or callable(mask):
+        return mask
+    if isinstance(mask, Mapping):
+        bad = [k for k, v in mask.items() if not isinstance(v, bool)]
+        if bad:
+            raise TypeError(f"{what}: weight_decay_mask[{bad[0]!r}] must be True or False, got {mask[bad[0]]!r}")
+        return mask
+    raise TypeError(
+        f"{what}: weight_decay_mask must be None, a function (fqn, shape) -> bool or a mapping fqn -> bool, "
+        f"got {type(mask).__name__}"
+    )
+
+
+def split_by_decay(what: str, mask: DecayMask, params: Sharded[Any], fqns: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``fqns`` (in order) split into those weight decay applies to and the others, as ``mask`` says.
+
+    Example:
+        >>> split_by_decay("adamw", lambda fqn, shape: len(shape) >= 2, params, ["0.weight", "0.bias"])   # doctest: +SKIP
+        (['0.weight'], ['0.bias'])
+    """
+    if mask is None:
+        return list(fqns), []
+    if isinstance(mask, Mapping):
+        unknown = [k for k in mask if k not in params.plan.specs]
+        if unknown:
+            raise ValueError(f"{what}: weight_decay_mask names {unknown[0]!r}, which is not a parameter of this tree")
+        flags = [mask.get(f, True) for f in fqns]
+    else:
+        flags = []
+        for f in fqns:
+            got = mask(f, tuple(params.plan.specs[f].shape))
+            if not isinstance(got, bool):
+                raise TypeError(f"{what}: weight_decay_mask({f!r}, shape) must return True or False, got {got!r}")
+            flags.append(got)
+    return [f for f, d in zip(fqns, flags) if d], [f for f, d in zip(fqns, flags) if not d]

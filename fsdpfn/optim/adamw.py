@@ -19,10 +19,12 @@ from fsdpfn.layout import Sharded
 from fsdpfn.layout.autobucket import FUSED_DEVICES
 from fsdpfn.layout.plan import OPTIMIZER_MEMO
 from fsdpfn.optim._common import (
+    DecayMask,
     GradientTransformation,
     LearningRate,
     check_grads,
     check_lr,
+    check_mask,
     check_number,
     check_params,
     check_state_tree,
@@ -35,6 +37,7 @@ from fsdpfn.optim._common import (
     prepare_params,
     real,
     resolve_lr,
+    split_by_decay,
     state_tree,
 )
 
@@ -90,6 +93,7 @@ def adamw(
     amsgrad: bool = False,
     maximize: bool = False,
     inplace: bool = True,
+    weight_decay_mask: DecayMask = None,
 ) -> GradientTransformation:
     """``torch.optim.AdamW`` as an optax-shaped transformation over ``Sharded`` parameters.
 
@@ -109,6 +113,11 @@ def adamw(
     are viewed as real pairs, exactly as ``torch.optim.AdamW`` does; the fused and foreach kernels agree
     to rounding (a few ulps).
 
+    ``weight_decay_mask`` says which parameters ``weight_decay`` applies to, as ``torch.optim`` parameter
+    groups with ``weight_decay=0.0`` for the rest do: a function ``(fqn, shape) -> bool`` of each
+    parameter's name and full (unsharded) shape, e.g. ``lambda fqn, shape: len(shape) >= 2`` (no decay for
+    biases and norms, the GPT recipe), or a mapping ``fqn -> bool`` (parameters it leaves out decay).
+
     Example:
         >>> opt = fsdpfn.optim.adamw(lr=lambda step: 1e-3 * min(1.0, step / 100))   # doctest: +SKIP
         >>> state = opt.init(params)                                               # doctest: +SKIP
@@ -124,6 +133,7 @@ def adamw(
     eps = check_number(what, "eps", eps)
     weight_decay = check_number(what, "weight_decay", weight_decay)
     amsgrad, maximize, inplace = bool(amsgrad), bool(maximize), bool(inplace)
+    mask = check_mask(what, weight_decay_mask)
 
     def init(params: Sharded[torch.Tensor]) -> AdamWState:
         """Zero moments (and step counters) for every trainable parameter; ``None`` elsewhere.
@@ -169,10 +179,16 @@ def adamw(
             t.dtype in _FUSED_DTYPES and _fusable([t, real(grads[f]), *(real(m[f]) for m in moments)], t.dtype)
             for f, t in zip(fqns, tensors)
         )
-        # fused: one call, nothing temporary; foreach: groups that bound its temporaries
-        groups = [list(fqns)] if fused else foreach_groups(fqns, tensors)
+        # fused: one call per weight decay, nothing temporary; foreach: groups that bound its temporaries
+        decayed, plain = split_by_decay(where, mask, params, fqns)
+        size = dict(zip(fqns, tensors))
+        groups = [
+            (group, wd)
+            for part, wd in ((decayed, weight_decay), (plain, 0.0)) if part
+            for group in ([part] if fused else foreach_groups(part, [size[f] for f in part]))
+        ]  # fmt: skip
         with torch.no_grad():
-            for group in groups:
+            for group, wd in groups:
                 _ADAMW(
                     [real(new_params[f]) for f in group],
                     [real(grads[f]) for f in group],
@@ -186,7 +202,7 @@ def adamw(
                     beta1=beta1,
                     beta2=beta2,
                     lr=lr_now,
-                    weight_decay=weight_decay,
+                    weight_decay=wd,
                     eps=eps,
                     maximize=maximize,
                 )

@@ -12,10 +12,12 @@ from torch.optim.sgd import sgd as _torch_sgd
 from fsdpfn.layout import Sharded
 from fsdpfn.layout.plan import OPTIMIZER_MEMO
 from fsdpfn.optim._common import (
+    DecayMask,
     GradientTransformation,
     LearningRate,
     check_grads,
     check_lr,
+    check_mask,
     check_number,
     check_params,
     check_state_tree,
@@ -28,6 +30,7 @@ from fsdpfn.optim._common import (
     prepare_params,
     real,
     resolve_lr,
+    split_by_decay,
     state_tree,
 )
 
@@ -63,6 +66,7 @@ def sgd(
     nesterov: bool = False,
     maximize: bool = False,
     inplace: bool = True,
+    weight_decay_mask: DecayMask = None,
 ) -> GradientTransformation:
     """``torch.optim.SGD`` as an optax-shaped transformation over ``Sharded`` parameters.
 
@@ -74,6 +78,7 @@ def sgd(
     and the inputs stay untouched. Gradients are never modified (torch's foreach Nesterov path adds into
     the gradients; here it works on a copy). Runs ``torch.optim.sgd.sgd(..., foreach=True)`` on this
     rank's shards, in groups of at most an eighth of their bytes (or the largest shard: bounded temporaries); complex parameters are viewed as real pairs (SGD is elementwise, so this is exact).
+    ``weight_decay_mask`` says which parameters ``weight_decay`` applies to, as in ``adamw``.
 
     Example:
         >>> opt = fsdpfn.optim.sgd(lr=0.1, momentum=0.9, nesterov=True)   # doctest: +SKIP
@@ -86,6 +91,7 @@ def sgd(
     dampening = check_number(what, "dampening", dampening)
     weight_decay = check_number(what, "weight_decay", weight_decay)
     nesterov, maximize, inplace = bool(nesterov), bool(maximize), bool(inplace)
+    mask = check_mask(what, weight_decay_mask)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError(f"{what}: nesterov=True requires momentum > 0 and dampening == 0")
     counted = momentum != 0 and dampening != 0  # per-parameter step counters (see SGDState)
@@ -122,10 +128,11 @@ def sgd(
             state = SGDState(state.count, clone_tree(state.step), clone_tree(state.momentum_buffer))
         number = next_count(state.count)  # of the update being made, counted from 1
         lr_now = resolve_lr(where, lr, number)
-        if fqns:
-            with torch.no_grad():
-                for group in foreach_groups(fqns, [new_params[f] for f in fqns]):  # bounded temporaries
-                    _step(group, new_params, grads, state, lr_now, momentum, dampening, weight_decay, nesterov, maximize, counted)
+        decayed, plain = split_by_decay(where, mask, params, fqns)
+        with torch.no_grad():
+            for part, wd in ((decayed, weight_decay), (plain, 0.0)):
+                for group in foreach_groups(part, [new_params[f] for f in part]) if part else ():  # bounded temporaries
+                    _step(group, new_params, grads, state, lr_now, momentum, dampening, wd, nesterov, maximize, counted)
         return new_params, state._replace(count=number)
 
     return GradientTransformation(init, update)
