@@ -22,7 +22,7 @@ from torch import nn
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import reduce_scale
-from fsdpfn.transform.call import Call, OpenCall
+from fsdpfn.transform.call import Call, OpenCall, outer_saved_hooks
 from fsdpfn.transform.casting import cast_inputs, cast_output
 from fsdpfn.transform.eager import caller_frame, eager, functorch_active, in_backward, on_stack, under_compile
 from fsdpfn.transform.fusion import plan_fusion
@@ -237,6 +237,7 @@ class Apply(UnitHooks):
         try:
             opened.overridden = override_forwards(self, call) if call.remat else []
             if call.reshard:
+                call.outer_hooks = outer_saved_hooks()
                 opened.hooks = torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack)
                 opened.hooks.__enter__()
             if any(u.name == "" for u in plan.units):

@@ -58,6 +58,20 @@ class Packed:
     spec: Any = None  # a saved DTensor's spec (its local tensor is what aliases the unit's buffer)
 
 
+@dataclass(frozen=True)
+class OuterSaved:
+    """A saved tensor handed to the ``saved_tensors_hooks`` that were active around the ``apply`` call
+    (``torch.autograd.graph.save_on_cpu()``, a user's compression): what their pack returned."""
+
+    value: Any
+
+
+def outer_saved_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The ``(pack, unpack)`` saved-tensor hooks active now (``None``: none, or a torch without the query)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
 class Call:
     """Per-call bookkeeping of ``fsdp(module)(params, ...)``.
 
@@ -88,6 +102,9 @@ class Call:
         self.pending: dict[str, list[Handle]] = {}
         self.pending_back: dict[str, list[Handle]] = {}
         self.storages: dict[int, tuple[str, str]] = {}
+        # the saved-tensor hooks around the call: what pack does not replace goes to them (autograd runs
+        # only the innermost hooks, so without this the call's own would silently switch theirs off)
+        self.outer_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
         self.tracks_grad: dict[str, dict[str, bool]] = {}  # per group: which gathered tensors take a gradient
         self.packed_units: set[str] = set()  # units backward will have to re-gather
         self.members_done: dict[str, set[str]] = {}  # fused groups: units whose forward finished
@@ -219,7 +236,14 @@ class Call:
     @eager
     def pack(self, t: torch.Tensor) -> Any:
         """Replace a saved tensor that aliases a resharded unit's buffer by a ``Packed`` reference (a
-        ``DTensor``, as tensor-parallel modules save, by one to its local tensor)."""
+        ``DTensor``, as tensor-parallel modules save, by one to its local tensor); any other goes to the
+        saved-tensor hooks that were active around the call, if any (``OuterSaved``)."""
+        got = self._pack_own(t)
+        if got is t and self.outer_hooks is not None:
+            return OuterSaved(self.outer_hooks[0](t))
+        return got
+
+    def _pack_own(self, t: torch.Tensor) -> Any:
         if not self.storages or not isinstance(t, torch.Tensor) or t.numel() == 0:
             return t
         local = t._local_tensor if isinstance(t, DTensor) else t
@@ -234,9 +258,9 @@ class Call:
 
     @eager
     def unpack(self, x: Any) -> torch.Tensor:
-        """Re-gather a packed tensor's unit on first use in backward."""
+        """Re-gather a packed tensor's unit on first use in backward (``OuterSaved``: the outer hooks' unpack)."""
         if not isinstance(x, Packed):
-            return x
+            return self.outer_hooks[1](x.value) if isinstance(x, OuterSaved) and self.outer_hooks is not None else x
         base = self.regather(x.unit)[x.fqn]
         local = base.as_strided(x.size, x.stride, x.offset)
         return local if x.spec is None else DTensor(local, x.spec, requires_grad=False)
