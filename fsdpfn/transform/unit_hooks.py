@@ -123,7 +123,7 @@ class UnitHooks:
                 stable_graph_choice()
                 for mod in self.unit_modules(unit.name):
                     pre, post = self.unit_hooks(unit.name)
-                    mod.register_forward_pre_hook(pre, with_kwargs=True)
+                    mod.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)  # before the module's own (as FSDP2)
                     mod.register_forward_hook(post, always_call=True)
                 self._hooked.add(unit.name)
 
