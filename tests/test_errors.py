@@ -156,6 +156,7 @@ TRIGGERS = {
     "apply-unit-bypassed": (lambda m, p, a: _bypass(donate=False), RuntimeError, r"apply: the forward used a tensor on the meta device .* call the unit's module itself, or make the child a unit of its own .* Units not gathered yet in this call: 'body'"),
     "apply-unit-bypassed-donated": (lambda m, p, a: _bypass(donate=True), RuntimeError, r"apply: the forward used a tensor on the meta device .* Units not gathered yet in this call: 'body'"),
     "fsdp-prefetch": (lambda m, p, a: fsdpfn.fsdp(m, prefetch=-1), ValueError, r"prefetch must be an int >= 0"),
+    "shard-lazy": (lambda m, p, a: fsdpfn.shard(nn.Sequential(nn.LazyLinear(3)), fsdpfn.init_mesh()), ValueError, r"shard: '0.weight' of Sequential is not initialised yet \(a lazy module, such as nn.LazyLinear.*run the model once on a sample batch"),
     "grad-sparse": (lambda m, p, a: _embeds_functional(sparse=True), RuntimeError, r"parameter\(s\) 'emb.weight' got a sparse gradient \(e.g. nn.Embedding\(..., sparse=True\)\).*build the layer with sparse=False"),
     "apply-inplace-param": (lambda m, p, a: _embeds_functional(max_norm=0.5), RuntimeError, r"apply: the forward changed 'emb.weight' in place \(nn.Embedding\(max_norm=...\) renormalises its weight in place.*never reaches the shards"),
     "fsdp-reduce-op": (lambda m, p, a: fsdpfn.fsdp(m, reduce_op="mean"), ValueError, r"reduce_op='mean' is not a reduction"),

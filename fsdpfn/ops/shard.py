@@ -9,6 +9,7 @@ from typing import Any, Literal, Union
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.parameter import UninitializedTensorMixin
 
 from fsdpfn.core import Comm, link_of
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
@@ -257,6 +258,12 @@ def shard(
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(f"shard: offload_policy must be a fsdpfn.OffloadPolicy, got {type(offload_policy).__name__}")
     mesh_device = getattr(mesh, "device_type", None)
+    for fqn, t in [*module.named_parameters(), *module.named_buffers()]:  # torch's own error says "load_state_dict"
+        if isinstance(t, UninitializedTensorMixin):
+            raise ValueError(
+                f"shard: {fqn!r} of {type(module).__name__} is not initialised yet (a lazy module, such as "
+                "nn.LazyLinear, makes it at its first forward): run the model once on a sample batch, then shard it"
+            )
     for fqn, p in module.named_parameters():  # before any group is touched: a wrong mesh fails fast
         if mesh_device is not None and p.device.type != mesh_device and not p.is_meta:
             raise ValueError(
