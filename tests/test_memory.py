@@ -352,11 +352,15 @@ def _uneven_peaks(widths, batch):
 @settings(max_examples=min(settings().max_examples, 4))
 @given(widths=st.lists(st.integers(16, 96), min_size=7, max_size=13), batch=st.integers(1, 32), world=st.integers(2, 3))
 def test_a_step_grouped_as_group_sizes_within_chose_stays_within_its_budget_when_measured(widths, batch, world):
-    # fsdp's first call makes these groups; the planner is validated within 10% of measured peaks
+    # fsdp's first call makes these groups; the planner is validated within 10% of measured peaks, beside
+    # what it cannot see (docs/memory.md): the first call plans with the module's forward alone, counting one
+    # output-sized gradient for the loss's backward, whose square().mean() here holds up to three more at
+    # backward's start (on 16-wide stacks at batch 28 that start is the step's peak)
+    loss_backward = 3 * batch * widths[-1] * 4
     for choice, got in spmd(world, _uneven_peaks, widths, batch):
         assert [g for g in got.groups if g != "<root>"] == ["+".join(str(i) for i in range(sum(choice.sizes[:k]), sum(choice.sizes[: k + 1])))
                                                          for k in range(len(choice.sizes))]
-        assert got.peak <= 1.10 * choice.budget, (choice, got)
+        assert got.peak <= 1.10 * choice.budget + loss_backward, (choice, got)
 
 
 def _fused_peaks(widths, batch):
