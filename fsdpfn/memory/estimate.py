@@ -290,7 +290,7 @@ def _estimate_one(
         if layout not in by_layout:
             by_layout[layout] = rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
                                              buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before,
-                                             fsdp2, forward_spans, boundary or {})
+                                             fsdp2, forward_spans, boundary)
             if fsdp2:  # only FSDP2's backward bound: the other phases are fsdpfn's
                 by_layout[layout] = {"backward": by_layout[layout]["fsdp2"]}
         per_rank.append(max(b.total for b in by_layout[layout].values()))

@@ -94,7 +94,8 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
                     root_early[k] += nbytes
     enclosing = [[j for j, o in enumerate(others) if j < k and _encloses(o.name, g.name)] for k, g in enumerate(others)]
     # the gradients flowing into and out of each group's backward (its members run one after another)
-    between = [max((boundary or {}).get(u, 0) for u in g.name.split("+")) for g in others]
+    known = boundary or {}
+    between = [max(known.get(u, 0) for u in g.name.split("+")) for g in others]
     if fsdp2:
         return {"fsdp2": fsdp2_backward(
             shards=sum(shard_bytes.values()) + buffer_bytes,

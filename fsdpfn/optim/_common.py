@@ -17,10 +17,12 @@ from fsdpfn.layout.autobucket import FOREACH_PARTS
 __all__ = ["DecayMask", "GradientTransformation", "LearningRate"]
 
 LearningRate = Union[float, Callable[[int], float]]
-# which parameters weight decay applies to: a predicate on (FQN, full shape), or FQN -> bool (missing: decays)
-DecayMask = Union[Callable[[str, tuple[int, ...]], bool], Mapping[str, bool], None]
 """A constant learning rate, or a schedule ``lr(step) -> float`` called once per ``update`` with
 ``step`` = the number of updates made so far including this one (``1`` on the first ``update``)."""
+
+DecayMask = Union[Callable[[str, tuple[int, ...]], bool], Mapping[str, bool], None]
+"""Which parameters weight decay applies to: a predicate on (FQN, full shape), or FQN -> bool (names it
+leaves out decay); ``None``: every trainable parameter."""
 
 
 class GradientTransformation(NamedTuple):
