@@ -164,20 +164,38 @@ def _check(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: dic
         torch.testing.assert_close(g, w, **scaled, msg=lambda m: f"{what} {name}: {m}")
 
 
+def _check_bf16(got: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    """bf16 gradients against torch's ``fully_shard`` in the same bf16 (close) and the fp32 reference: within
+    BF16, or, where torch's own bf16 result misses BF16 (a DPO loss's difference of log-probabilities can
+    cancel enough: seeds 3472 and 185), no further from it than torch is."""
+    _check(got, theirs, dict(rtol=1e-2, atol=1e-3), f"{what} vs torch")
+    try:
+        _check(theirs, want, BF16, f"torch ({what}'s run) vs reference")
+    except AssertionError:
+        for name, w in want.items():
+            ours_err = (got[name].float() - w.float()).abs().max().item()
+            torch_err = (theirs[name].float() - w.float()).abs().max().item()
+            assert ours_err <= 1.5 * torch_err + BF16["atol"], (what, name, ours_err, torch_err)
+    else:
+        _check(got, want, BF16, f"{what} vs reference")
+
+
 PATTERNS = dict(ckpt=st.sampled_from(["around", "inside", "composable"]), pattern=st.sampled_from(["dpo", "chunk"]))
 
 
 @settings(max_examples=6, deadline=None)
 @given(world=fst.world_sizes(1, 3), reshard=st.booleans(), mp=st.booleans(), seed=st.integers(0, 2**16), **PATTERNS)
+@example(world=2, reshard=False, mp=True, seed=185, ckpt="around", pattern="dpo")  # torch's bf16 misses BF16 here too
 def test_compat_patterns_equal_torch_and_the_reference(world, reshard, mp, seed, ckpt, pattern):
     want = _reference(ckpt, pattern, world, seed)
     theirs = spmd(world, _compat, "torch", ckpt, pattern, reshard, mp, seed)
     ours = spmd(world, _compat, "fsdpfn", ckpt, pattern, reshard, mp, seed)
     for rank in range(world):
-        _check(ours[rank], want, BF16 if mp else FP32, f"fsdpfn.compat rank {rank} vs reference")
-        _check(theirs[rank], want, BF16 if mp else FP32, f"torch rank {rank} vs reference")  # the harness itself
         if mp:  # the same bf16 arithmetic as torch's: closer to it than to the fp32 reference
-            _check(ours[rank], theirs[rank], dict(rtol=1e-2, atol=1e-3), f"fsdpfn.compat rank {rank} vs torch")
+            _check_bf16(ours[rank], theirs[rank], want, f"fsdpfn.compat rank {rank}")
+        else:
+            _check(ours[rank], want, FP32, f"fsdpfn.compat rank {rank} vs reference")
+            _check(theirs[rank], want, FP32, f"torch rank {rank} vs reference")  # the harness itself
 
 
 @settings(max_examples=6, deadline=None)
@@ -198,19 +216,7 @@ def test_functional_patterns_equal_the_reference(world, reshard, mp, seed, ckpt,
         if not mp:
             _check(got, want, FP32, f"functional rank {rank}")
             continue
-        # bf16 gradients against an fp32 reference: the same bf16 arithmetic as torch's FSDP2, and no further
-        # from the reference than torch is (a DPO loss's difference of log-probabilities can cancel enough for
-        # torch's own bf16 result to miss BF16's tolerance: seed 3472 above)
-        _check(got, theirs[rank], dict(rtol=1e-2, atol=1e-3), f"functional rank {rank} vs torch")
-        try:
-            _check(theirs[rank], want, BF16, f"torch rank {rank} vs reference")
-        except AssertionError:
-            for name, w in want.items():
-                ours_err = (got[name].float() - w.float()).abs().max().item()
-                torch_err = (theirs[rank][name].float() - w.float()).abs().max().item()
-                assert ours_err <= 1.5 * torch_err + BF16["atol"], (rank, name, ours_err, torch_err)
-        else:
-            _check(got, want, BF16, f"functional rank {rank}")
+        _check_bf16(got, theirs[rank], want, f"functional rank {rank}")  # seed 3472 above: torch misses BF16
 
 
 @pytest.mark.parametrize("impl", ["torch", "fsdpfn"])
