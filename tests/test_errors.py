@@ -42,6 +42,28 @@ def _changed(model):
     return model
 
 
+class _Tied(nn.Module):
+    def __init__(self, tied):
+        super().__init__()
+        self.embed, self.head = nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.embed(x)))
+
+
+def _tie_changed(tied_before):
+    """Tie (or untie) ``head.weight`` after ``shard``, then run a step."""
+    model = _Tied(tied_before)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["head"])
+    if tied_before:
+        model.head.weight = nn.Parameter(torch.empty(3, 3, device="meta"))
+    else:
+        model.head.weight = model.embed.weight
+    fsdpfn.fsdp(model)(params, torch.ones(1, 3))
+
+
 def _donated():
     model = _TwoLayer()
     fsdpfn.shard(model, fsdpfn.init_mesh())
@@ -151,6 +173,8 @@ TRIGGERS = {
     "apply-not-sharded": (lambda m, p, a: a(dict(p.items()), torch.ones(1, 3)), TypeError, r"first argument must be the fsdpfn.Sharded"),
     "apply-other-module": (lambda m, p, a: a(fsdpfn.shard(_TwoLayer(out=5), fsdpfn.init_mesh()), torch.ones(1, 3)), ValueError, r"leaf 'blocks.1.weight' was sharded as \(5, 4\)"),
     "apply-stale": (lambda m, p, a: fsdpfn.fsdp(_changed(m))(p, torch.ones(1, 3)), ValueError, r"is now \(3, 4\) torch.float32; the plan is stale"),
+    "apply-tied-after-shard": (lambda m, p, a: _tie_changed(False), ValueError, r"apply: _Tied ties 'embed.weight' and 'head.weight' \(one parameter\), but params holds 'embed.weight' and 'head.weight' as separate leaves: the tie was made after fsdpfn.shard.*Tie the weights before calling fsdpfn.shard"),
+    "apply-untied-after-shard": (lambda m, p, a: _tie_changed(True), ValueError, r"apply: params ties 'head.weight' to 'embed.weight' \(one leaf\), but _Tied now holds them as two parameters: the tie was undone after fsdpfn.shard"),
     "apply-extra-params": (lambda m, p, a: fsdpfn.fsdp(m)(fsdpfn.shard(nn.Sequential(nn.Linear(3, 4)), fsdpfn.init_mesh()), torch.ones(1, 3)), ValueError, r"has leaf '0.weight' but _TwoLayer has no such parameter"),
     "apply-nested": (lambda m, p, a: _nested(m, p, a), RuntimeError, r"called inside another apply of the same parameters"),
     "apply-unit-bypassed": (lambda m, p, a: _bypass(donate=False), RuntimeError, r"apply: the forward used a tensor on the meta device .* call the unit's module itself, or make the child a unit of its own .* Units not gathered yet in this call: 'body'"),
@@ -339,6 +363,22 @@ def _compat_replaced():
     model(torch.ones(1, 3))
 
 
+def _compat_new_param():
+    """A plain parameter registered under a fully_shard root after fully_shard (before the root's first
+    forward): LoRA-style, an adapter nobody shards or reduces."""
+    model = _compat_model()
+    model.blocks[1].lora = nn.Linear(4, 2, bias=False)
+    model(torch.ones(1, 3))
+
+
+def _compat_replaced_module():
+    """A submodule swapped for a fresh one after the root's first forward."""
+    model = _compat_model()
+    model(torch.ones(1, 3))
+    model.blocks[0] = nn.Linear(3, 4)
+    model(torch.ones(1, 3))
+
+
 def _compat_replicate_on_fsdp():
     from fsdpfn.compat import replicate
 
@@ -393,6 +433,8 @@ COMPAT_TRIGGERS = {
     "compat-reset-non-root": (lambda m, p, a: (lambda mm: (mm(torch.ones(1, 3)), mm.blocks[1].reset_iter_state()))(_compat_model()), RuntimeError, r"^reset_iter_state must be called on the root FSDP module\nthe root is FSDP_TwoLayer, not this FSDPLinear"),
     "compat-sparse": (lambda m, p, a: _embeds_compat(sparse=True), RuntimeError, r"parameter\(s\) 'emb.weight' got a sparse gradient"),
     "compat-inplace-param": (lambda m, p, a: _embeds_compat(max_norm=0.5), RuntimeError, r"apply: the forward changed 'emb.weight' in place .*with fully_shard, the DTensor parameters under torch.no_grad\(\)"),
+    "compat-unmanaged-param": (lambda m, p, a: _compat_new_param(), ValueError, r"fully_shard: parameter 'blocks.1.lora.weight' of Linear is a plain Parameter, not a parameter fully_shard manages: it was replaced or added after fully_shard.*each rank would train its own copy.*Change the model before calling fully_shard, list the parameter in ignored_params"),
+    "compat-replaced-module": (lambda m, p, a: _compat_replaced_module(), ValueError, r"fully_shard: parameter 'blocks.0.weight' of Linear is a plain Parameter, not a parameter fully_shard manages: it was replaced or added after fully_shard"),
     "compat-replicate-on-fsdp": (lambda m, p, a: _compat_replicate_on_fsdp(), RuntimeError, r"Cannot apply `replicate\(\)` on a Module already managed by `fully_shard`"),
 }
 TRIGGERS.update(COMPAT_TRIGGERS)

@@ -172,6 +172,7 @@ def _shard(
         placements=placements,
         managed=managed,
         kind=kind,
+        ignored=frozenset(ignored),
     )
     for st in inner:
         if st.parent is None:

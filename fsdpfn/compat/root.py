@@ -24,6 +24,7 @@ from fsdpfn.compat.executor import CompatApply, LocalShards
 from fsdpfn.compat.planned import PlannedGroups, plans_groups
 from fsdpfn.compat.state import UnitState, drop_unsharded, sharded_as, state_of
 from fsdpfn.compat.tp import TPParam
+from fsdpfn.compat.tree import ModuleTree, find_unmanaged, unmanaged_parameter_error
 from fsdpfn.core import Comm, link_of
 from fsdpfn.layout import ParamInfo, Sharded, build_plan
 from fsdpfn.layout.autobucket import LinkCost
@@ -53,6 +54,7 @@ class RootContext:
         self._fusion: Any = None  # what the plan's groups were built from
         self.planned = PlannedGroups()  # the groups the first forward plans (compat/planned.py)
         self.planning = False  # the first forward's fusion planner is running the module on fake tensors
+        self.ignored: frozenset[str] = frozenset()  # FQNs of the parameters left unmanaged (ignored_params)
         self._build()
         self.apply = CompatApply(self)
 
@@ -106,6 +108,7 @@ class RootContext:
                 for mod, attr in m.slots:
                     slot_of[(id(mod), attr)] = (name, m)
         aliases, ignored = {}, []
+        ignored_ids = self.state.ignored.union(*(st.ignored for st in states.values()))
         owner_name: dict[int, str] = {}
         units_of: dict[int, list[str]] = {}  # per ManagedParam: the units enclosing all its names, outermost first
         self.managed: dict[str, Any] = {}
@@ -116,6 +119,8 @@ class RootContext:
             hit = slot_of.get((id(mod), attr))
             if hit is None:
                 _check_not_managed_elsewhere(fqn, p, type(self.module).__name__)
+                if id(p) not in ignored_ids and fqn not in self.ignored:
+                    raise unmanaged_parameter_error(fqn, p, mod, self.state.kind)
                 ignored.append(fqn)
                 continue
             m = hit[1]
@@ -190,6 +195,27 @@ class RootContext:
                 self.acc.update(st.acc)
                 st.acc = self.acc
         self.states = states
+        self.ignored = frozenset(ignored)
+        self.tree = ModuleTree(self.module)
+
+    def _check_tree(self) -> None:
+        """After the module tree changed: raise if it now holds a parameter no unit manages (it would
+        train on each rank alone); otherwise the caller rebuilds the plan over the tree as it is."""
+        slots = {(id(mod), attr): (m, st) for st in self.states.values() for m in st.managed for mod, attr in m.slots}
+
+        def managed(fqn: str, mod: nn.Module, attr: str, p: object) -> bool:
+            hit = slots.get((id(mod), attr))
+            if hit is None:
+                return p is None or fqn in self.ignored
+            return p is hit[0].param or hit[1].unsharded is not None
+
+        found = find_unmanaged(self.module, managed)
+        if found is not None:
+            fqn, p, mod = found
+            raise unmanaged_parameter_error(fqn, p, mod, self.state.kind)
+
+    def _explicitly_unsharded(self, m: Any) -> bool:
+        return any(st.unsharded is not None and any(x is m for x in st.managed) for st in self.states.values())
 
     def _link(self) -> LinkCost:
         """The mesh's all-gather cost, measured on first need (``min_bucket_bytes="auto"``) and kept."""
@@ -256,7 +282,11 @@ class RootContext:
         for fqn, m in self.managed.items():
             mod, attr = m.slots[0]
             current = mod._parameters.get(attr)
-            if current is not m.param and isinstance(current, DTensor):
+            if current is not m.param:
+                if not isinstance(current, DTensor):
+                    if self._explicitly_unsharded(m):
+                        continue  # FSDPModule.unshard() registered the full parameters until this forward ends
+                    raise unmanaged_parameter_error(fqn, current, mod, self.state.kind)
                 _check_replacement(fqn, m.param, current)
                 for mo, at in m.slots:
                     mo._parameters[at] = current
@@ -265,6 +295,9 @@ class RootContext:
             meta = meta or m.param.is_meta
         if meta:
             check_materialized(self)
+        if self.tree.changed():
+            self._check_tree()
+            stale = True  # a benign change (a parameter-free module swapped, a unit moved): plan the tree as it is
         fusing = self._fusion[0] or self.state.min_bucket_bytes
         if stale or (fusing and self._fusion != self._fusion_inputs(self.states)):
             self._build()  # e.g. model.to(dtype): same units, new dtypes; or a knob that splits a fused group

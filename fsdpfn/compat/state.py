@@ -55,6 +55,7 @@ class UnitState:
     placements: tuple[Any, ...]
     managed: list[ManagedParam]
     kind: str = "fully_shard"  # or "replicate"
+    ignored: frozenset[int] = frozenset()  # ids of the ignored_params given (unmanaged on purpose)
     parent: UnitState | None = None  # the state of the nearest fully_shard call above (set by that call)
     # knobs (FSDPModule.set_*)
     requires_gradient_sync: bool = True

@@ -96,8 +96,36 @@ def check_module(module: nn.Module, plan: ShardPlan) -> None:
     extra = [n for n in module_params if n not in known]
     if extra:
         raise ValueError(f"apply: module parameters {extra} are not in params; was it sharded from another module?")
+    _check_ties(module_params, plan, type(module).__name__)
     module_buffers = dict(module.named_buffers())
     missing = [b for b in plan.buffers if b not in module_buffers]
     if missing:
         raise ValueError(f"apply: params has buffers {missing} that the module does not have")
     plan.memo[key] = signature
+
+
+def _check_ties(module_params: dict[str, Any], plan: ShardPlan, module_type: str) -> None:
+    """The module must tie exactly the names ``plan`` ties (one leaf and its aliases). A tie made after
+    ``shard`` (``model.head.weight = model.embed.weight``) would otherwise train two leaves apart while
+    the user's model shares one; a tie undone after ``shard`` would train one leaf for two weights."""
+    names_of: dict[int, list[str]] = {}
+    for fqn, p in module_params.items():
+        names_of.setdefault(id(p), []).append(fqn)
+    owner_of = {fqn: plan.aliases.get(fqn, fqn) for fqn in module_params}
+    for names in names_of.values():
+        owners = list(dict.fromkeys(owner_of[n] for n in names))
+        if len(owners) > 1:
+            raise ValueError(
+                f"apply: {module_type} ties {' and '.join(repr(n) for n in names)} (one parameter), but params "
+                f"holds {' and '.join(repr(o) for o in owners)} as separate leaves: the tie was made after "
+                "fsdpfn.shard, so training would keep them apart. Tie the weights before calling fsdpfn.shard "
+                "(then both names share one leaf)"
+            )
+    for alias, owner in plan.aliases.items():
+        a, o = module_params.get(alias), module_params.get(owner)
+        if a is not None and o is not None and a is not o:
+            raise ValueError(
+                f"apply: params ties {alias!r} to {owner!r} (one leaf), but {module_type} now holds them as two "
+                "parameters: the tie was undone after fsdpfn.shard. Shard the module as it is now (fsdpfn.shard "
+                "again), or tie them back"
+            )
