@@ -288,3 +288,33 @@ def test_a_units_output_view_changed_in_place_by_its_caller_keeps_every_gradient
     want = {n: p.grad for n, p in model.named_parameters()}
     for rank, got in enumerate(spmd(world, _in_place_grads, layer, reshard, seed)):
         _check(got, want, FP32, f"{layer} rank {rank}")
+
+
+def _autograd_grad(ckpt: str, reshard: bool, seed: int, subset: bool) -> dict[str, torch.Tensor]:
+    from fsdpfn.compat import fully_shard
+
+    torch.manual_seed(seed)
+    model = Model(ckpt)
+    for b in model.body.blocks:
+        fully_shard(b, reshard_after_forward=reshard)
+    fully_shard(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xa, _ = _batches(world, seed)
+    named = [(n, p) for i, (n, p) in enumerate(model.named_parameters()) if not subset or i % 3 == 0]
+    loss = model(xa[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]).pow(2).sum().div(16)
+    grads = torch.autograd.grad(loss, [p for _, p in named])
+    assert all(p.grad is None for p in model.parameters()), "autograd.grad must not touch .grad"
+    return {n: g.full_tensor() for (n, _), g in zip(named, grads)}
+
+
+@settings(max_examples=4, deadline=None)
+@given(world=fst.world_sizes(1, 3), reshard=st.booleans(), seed=st.integers(0, 2**16), subset=st.booleans(),
+       ckpt=st.sampled_from(["none", "inside", "around"]))  # fmt: skip
+def test_autograd_grad_of_the_sharded_parameters_gives_their_reduced_gradients(world, reshard, seed, subset, ckpt):
+    """``torch.autograd.grad(loss, model.parameters())`` (or some of them) returns each ``DTensor``
+    parameter's averaged gradient and leaves ``.grad`` alone, as on an unsharded model; torch 2.13's
+    ``fully_shard`` raises ("The differentiated Tensor at index 0 appears to not have been used in the
+    graph"): its sharded parameters are not in the graph."""
+    want = _reference("none", "sum", world, seed)
+    for rank, got in enumerate(spmd(world, _autograd_grad, ckpt, reshard, seed, subset)):
+        _check(got, {n: want[n] for n in got}, FP32, f"rank {rank}")
