@@ -93,6 +93,23 @@ def _bypass(donate):
     return fsdpfn.fsdp(model)(params, torch.ones(1, 3))  # with donate=False it once ran on the module's own weights
 
 
+class _TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.body = nn.Embedding(5, 3), nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.body(self.embed(x)) @ self.embed.weight.t()  # 'embed' is a unit: not gathered here
+
+
+def _weight_elsewhere():
+    """A unit's weight used by the root's forward: torch's CPU matmul took the donated meta tensor and
+    returned uninitialised memory (gradients of 1e29, no error)."""
+    model = _TiedHead()
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["embed"])
+    fsdpfn.fsdp(model)(params, torch.tensor([[1, 2]]))
+
+
 def _nested(model, params, apply):
     class Inner(nn.Module):
         def forward(self, x):
@@ -177,8 +194,9 @@ TRIGGERS = {
     "apply-untied-after-shard": (lambda m, p, a: _tie_changed(True), ValueError, r"apply: params ties 'head.weight' to 'embed.weight' \(one leaf\), but _Tied now holds them as two parameters: the tie was undone after fsdpfn.shard"),
     "apply-extra-params": (lambda m, p, a: fsdpfn.fsdp(m)(fsdpfn.shard(nn.Sequential(nn.Linear(3, 4)), fsdpfn.init_mesh()), torch.ones(1, 3)), ValueError, r"has leaf '0.weight' but _TwoLayer has no such parameter"),
     "apply-nested": (lambda m, p, a: _nested(m, p, a), RuntimeError, r"called inside another apply of the same parameters"),
-    "apply-unit-bypassed": (lambda m, p, a: _bypass(donate=False), RuntimeError, r"apply: the forward used a tensor on the meta device .* call the unit's module itself, or make the child a unit of its own .* Units not gathered yet in this call: 'body'"),
-    "apply-unit-bypassed-donated": (lambda m, p, a: _bypass(donate=True), RuntimeError, r"apply: the forward used a tensor on the meta device .* Units not gathered yet in this call: 'body'"),
+    "apply-unit-bypassed": (lambda m, p, a: _bypass(donate=False), RuntimeError, r"apply: parameter 'body.0.weight' of unit 'body' was used outside that unit's forward \(by aten\..*call the unit's module itself, or make the child a unit of its own"),
+    "apply-unit-bypassed-donated": (lambda m, p, a: _bypass(donate=True), RuntimeError, r"apply: parameter 'body.0.weight' of unit 'body' was used outside that unit's forward"),
+    "apply-unit-weight-elsewhere": (lambda m, p, a: _weight_elsewhere(), RuntimeError, r"apply: parameter 'embed.weight' of unit 'embed' was used outside that unit's forward \(by aten\.t\.default\).*a head computing x @ embed.weight.t\(\) while 'embed' is a unit of its own"),
     "fsdp-prefetch": (lambda m, p, a: fsdpfn.fsdp(m, prefetch=-1), ValueError, r"prefetch must be an int >= 0"),
     "shard-lazy": (lambda m, p, a: fsdpfn.shard(nn.Sequential(nn.LazyLinear(3)), fsdpfn.init_mesh()), ValueError, r"shard: '0.weight' of Sequential is not initialised yet \(a lazy module, such as nn.LazyLinear.*run the model once on a sample batch"),
     "grad-sparse": (lambda m, p, a: _embeds_functional(sparse=True), RuntimeError, r"parameter\(s\) 'emb.weight' got a sparse gradient \(e.g. nn.Embedding\(..., sparse=True\)\).*build the layer with sparse=False"),

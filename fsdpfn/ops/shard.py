@@ -15,6 +15,7 @@ from fsdpfn.core import Comm, link_of
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
 from fsdpfn.ops.extension import AllGatherTransform, extension_of, shard_mesh, subclass_transform
 from fsdpfn.ops.materialize import is_meta, materialize_and_shard
+from fsdpfn.ops.placeholder import Placeholder
 from fsdpfn.ops.placement import PlacementFn, placement_dim
 from fsdpfn.ops.tp import TPLayout, tp_layout, unwrap
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -111,35 +112,56 @@ def _donate(module: nn.Module, params: Iterable[nn.Parameter]) -> None:
 
 
 def _refuse_direct_calls(module: nn.Module, plan: Any, built_on_meta: bool) -> None:
-    """A forward pre-hook on ``module`` that names the mistake when the module is called directly instead
-    of through ``fsdp(module)``: its weights live in the ``Sharded`` tree, and torch's own error ("Tensor on
-    device meta ...") says nothing of it. The probe is one of the root unit's parameters: ``apply`` swaps
-    the root unit in before it calls the module (and ``torch.func.functional_call`` swaps values in), so
-    the probe is ``meta`` only in a direct call. Planning runs (fake tensors) and compiled code pass
-    untouched; a module whose parameters are all in units has no probe and keeps torch's error."""
-    root = next((u for u in plan.units if not u.name), None)
-    if root is None or not root.fqns:
-        return
-    fqn = root.fqns[0]
-    path, _, attr = fqn.rpartition(".")
-    owner = module.get_submodule(path)
+    """Forward pre-hooks on ``module`` and on each submodule owning a sharded parameter that name the
+    mistake when one is called directly instead of through ``fsdp(module)``: its weights live in the
+    ``Sharded`` tree, and what torch does with the ``meta`` tensors left in its slots is no help: an
+    error about "Tensor on device meta" at best, and for a ``Conv2d`` or a ``Linear`` without bias on the
+    CPU none at all (its kernel takes the ``meta`` weight and returns uninitialised memory). Each hook
+    probes one of its module's own parameters: ``apply`` swaps gathered values in before a module runs
+    (and ``torch.func.functional_call`` swaps values in), so the probe is ``meta`` only in a direct call;
+    inside ``apply`` a unit's module bypassed by the forward holds ``Placeholder``s, whose own error
+    names the parameter. Planning runs (fake tensors) and compiled code pass untouched."""
     where = ("built on the meta device, its parameters exist only as the shards" if built_on_meta else
              "its parameters were donated to fsdpfn.shard (they are meta now)")
+    probes: dict[str, tuple[str, str]] = {}  # module path -> (attr probed, an FQN for the message)
+    for fqn in plan.params:
+        path, _, attr = fqn.rpartition(".")
+        probes.setdefault(path, (attr, fqn))
+    root = next((u for u in plan.units if not u.name), None)
+    if root is None or not root.fqns:
+        probes.pop("", None)  # every parameter in units: the root has none of its own to probe
+    else:
+        path, _, attr = root.fqns[0].rpartition(".")
+        probes[""] = (attr, root.fqns[0])  # the root's probe: a root-unit parameter, wherever it lives
+        owner_of_root_probe = module.get_submodule(path)
+    for path, (attr, fqn) in probes.items():
+        mod = module.get_submodule(path)
+        owner = owner_of_root_probe if path == "" else mod
+        if path == "":
+            what = f"{type(module).__name__} was called directly"
+        else:
+            what = f"{type(mod).__name__} {path!r} of {type(module).__name__} was called directly (outside apply)"
+        mod.register_forward_pre_hook(_direct_call_check(owner, attr, what, where, fqn))
 
+
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _direct_call_check(owner: nn.Module, attr: str, what: str, where: str, fqn: str) -> Any:
     def check(_module: nn.Module, _args: Any) -> None:
         # planning runs and compiled code first, before the probe is touched (a planner watches reads)
-        if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(_FAKE) is not None:
             return
         probe = owner._parameters.get(attr)
-        if probe is None or not probe.is_meta:
-            return
+        if probe is None or not probe.is_meta or isinstance(probe, Placeholder):
+            return  # (a Placeholder: inside apply; its own error names the parameter when it is used)
         raise RuntimeError(
-            f"{type(module).__name__} was called directly, but {where} (e.g. {fqn!r}): run it through "
-            "apply = fsdpfn.fsdp(model) as apply(params, ...) with the Sharded tree shard returned, or pass "
-            "donate=False to shard to keep the module's own weights usable"
+            f"{what}, but {where} (e.g. {fqn!r}): run it through apply = fsdpfn.fsdp(model) as "
+            "apply(params, ...) with the Sharded tree shard returned, or pass donate=False to shard to keep the "
+            "module's own weights usable"
         )
 
-    module.register_forward_pre_hook(check)
+    return check
 
 
 def _meta_like(p: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Which threads are inside an ``apply`` call of a module: one module, one thread at a time.
 
-``apply`` puts each unit's gathered values (and, with ``donate=False``, meta placeholders) into the
+``apply`` puts each unit's gathered values (and, outside the unit's forward, ``Placeholder``s) into the
 module's own parameter slots for the length of a call, and its unit hooks act for the innermost open call.
 Two threads running forwards of one module at once would read each other's values: rank-threads sharing a
 module, or a thread pool serving two parameter trees through one ``apply``, would get wrong numbers with no

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fsdpfn.layout import Sharded, ShardPlan
+from fsdpfn.ops.placeholder import Placeholder
 from fsdpfn.transform.casting import cast_inputs, cast_output
 from fsdpfn.transform.eager import eager, functorch_active, in_backward, stable_graph_choice, uncompiled_forward
 from fsdpfn.transform.traced import enter_unit, exit_unit
@@ -80,26 +81,29 @@ class UnitHooks:
         return out
 
     def _swap_placeholders(self, plan: ShardPlan) -> Swap:
-        """Put a meta tensor (same shape and dtype) in every unit parameter's slot that
-        holds real values (``shard(..., donate=False)`` leaves the module's own weights there), for the
-        call: code that bypasses a unit's forward (a child of the unit called directly) then fails as it
-        does on a donated module, instead of silently computing with the module's stale weights. The unit
-        hooks swap the gathered values over the placeholder and put it back; the call's end restores the
-        module's own."""
+        """Put a ``Placeholder`` (same shape and dtype, refusing every operation by name) in every unit
+        parameter's slot for the call: code that bypasses a unit's forward (a child of the unit called
+        directly, a unit's weight used by another module) then fails naming the parameter, instead of
+        computing with the module's stale weights (``shard(..., donate=False)``) or with a donated ``meta``
+        tensor (torch's CPU matmul takes one and returns uninitialised memory). The unit hooks swap the
+        gathered values over the placeholder and put it back; the call's end restores the module's own."""
         out: Swap = []
         if not self.placeholders:
             return out
-        for name, _ in (slot for u in plan.units if u.name for slot in self._unit_slots(plan, u.name)):
-            table, attr = self._target(name, "p")
-            cur = table[attr]
-            if type(cur) not in (torch.Tensor, nn.Parameter) or cur.is_meta:
-                continue  # donated (already meta), or a tensor subclass (TP's DTensors) this does not mimic
-            key = ("placeholder", name, tuple(cur.shape), cur.dtype)
-            stand_in = plan.memo.get(key)
-            if stand_in is None:  # no requires_grad_: torch.func transforms refuse it inside their function
-                stand_in = plan.memo[key] = torch.empty(cur.shape, dtype=cur.dtype, device="meta")
-            out.append((table, attr, cur))
-            table[attr] = stand_in
+        for unit in plan.units:
+            if not unit.name:
+                continue
+            for name, _ in self._unit_slots(plan, unit.name):
+                table, attr = self._target(name, "p")
+                cur = table[attr]
+                if type(cur) not in (torch.Tensor, nn.Parameter):
+                    continue  # a tensor subclass (TP's DTensors) this does not mimic
+                key = ("placeholder", name, tuple(cur.shape), cur.dtype)
+                stand_in = plan.memo.get(key)
+                if stand_in is None:  # no requires_grad_: torch.func transforms refuse it inside their function
+                    stand_in = plan.memo[key] = Placeholder(cur.shape, cur.dtype, name, unit.name)
+                out.append((table, attr, cur))
+                table[attr] = stand_in
         return out
 
     def _swap_buffers(self, params: Sharded[torch.Tensor]) -> Swap:
