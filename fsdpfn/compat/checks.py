@@ -37,6 +37,7 @@ __all__ = [
     "check_modules",
     "check_not_scalar",
     "check_reshard",
+    "explain_sharded_read",
     "shard_dim_of",
     "state_name",
 ]
@@ -229,6 +230,29 @@ def check_materialized(ctx: RootContext) -> None:
                 "For example, call module.to_empty(device) to materialize to device and "
                 "call module.reset_parameters() on each module to initialize values."
             )
+
+
+def explain_sharded_read(exc: BaseException, ctx: RootContext, call: Any) -> RuntimeError | None:
+    """The error to raise instead of DTensor's "got mixed torch.Tensor and DTensor" from a root's forward:
+    torch's message, then what usually causes it under fully_shard (a unit's parameter read outside that
+    unit's forward, where it is this rank's shard) and the units not gathered at that point. ``None``:
+    ``exc`` is something else."""
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or "got mixed torch.Tensor and DTensor" not in text:
+        return None
+    gathered = set(call.gathered) | set(getattr(call, "regathered", {}))
+    idle = [u.name for u in call.plan.units if u.name and call.plan.group_of.get(u.name, u.name) not in gathered]
+    shown = ", ".join(repr(n) for n in idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
+    kind = ctx.state.kind
+    return RuntimeError(_say(
+        text,
+        f"Under {kind}, a module's parameters are full tensors only while its own {kind} module runs; "
+        "elsewhere they are this rank's shards (DTensors). Code that reads a unit's parameter from another "
+        "module's forward (a head computing x @ self.embed.weight.t() while embed has its own fully_shard) "
+        f"meets the shard there, as with torch's {kind}. Use the parameter inside its module's forward, or "
+        f"shard both modules in one call ({kind}([model.embed, model.head])) or only their parent. Units "
+        f"not gathered at that point: {shown or 'none'}",
+    ))
 
 
 def _post_order_params(modules: tuple[nn.Module, ...]) -> list[torch.Tensor]:

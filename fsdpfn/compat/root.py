@@ -19,12 +19,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdpfn.compat.checks import check_materialized, state_name
+from fsdpfn.compat.checks import check_materialized, explain_sharded_read, state_name
 from fsdpfn.compat.executor import CompatApply, LocalShards
 from fsdpfn.compat.planned import PlannedGroups, plans_groups
 from fsdpfn.compat.state import UnitState, drop_unsharded, sharded_as, state_of
 from fsdpfn.compat.tp import TPParam
-from fsdpfn.compat.tree import ModuleTree, find_unmanaged, unmanaged_parameter_error
+from fsdpfn.compat.tree import ModuleTree, check_managed, unmanaged_parameter_error
 from fsdpfn.core import Comm, link_of
 from fsdpfn.layout import ParamInfo, Sharded, build_plan
 from fsdpfn.layout.autobucket import LinkCost
@@ -198,22 +198,6 @@ class RootContext:
         self.ignored = frozenset(ignored)
         self.tree = ModuleTree(self.module)
 
-    def _check_tree(self) -> None:
-        """After the module tree changed: raise if it now holds a parameter no unit manages (it would
-        train on each rank alone); otherwise the caller rebuilds the plan over the tree as it is."""
-        slots = {(id(mod), attr): (m, st) for st in self.states.values() for m in st.managed for mod, attr in m.slots}
-
-        def managed(fqn: str, mod: nn.Module, attr: str, p: object) -> bool:
-            hit = slots.get((id(mod), attr))
-            if hit is None:
-                return p is None or fqn in self.ignored
-            return p is hit[0].param or hit[1].unsharded is not None
-
-        found = find_unmanaged(self.module, managed)
-        if found is not None:
-            fqn, p, mod = found
-            raise unmanaged_parameter_error(fqn, p, mod, self.state.kind)
-
     def _explicitly_unsharded(self, m: Any) -> bool:
         return any(st.unsharded is not None and any(x is m for x in st.managed) for st in self.states.values())
 
@@ -296,7 +280,7 @@ class RootContext:
         if meta:
             check_materialized(self)
         if self.tree.changed():
-            self._check_tree()
+            check_managed(self.module, self.states.values(), self.ignored, self.state.kind)
             stale = True  # a benign change (a parameter-free module swapped, a unit moved): plan the tree as it is
         fusing = self._fusion[0] or self.state.min_bucket_bytes
         if stale or (fusing and self._fusion != self._fusion_inputs(self.states)):
@@ -317,7 +301,7 @@ class RootContext:
             out = inside(*args, **kwargs)
         except BaseException as exc:
             self.close(opened)
-            explained = explain_inplace_error(exc, opened.call)
+            explained = explain_inplace_error(exc, opened.call) or explain_sharded_read(exc, self, opened.call)
             if explained is None:
                 raise
             raise explained from exc

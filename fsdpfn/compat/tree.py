@@ -15,11 +15,15 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-__all__ = ["ModuleTree", "find_unmanaged", "unmanaged_parameter_error"]
+if TYPE_CHECKING:
+    from fsdpfn.compat.state import UnitState
+
+__all__ = ["ModuleTree", "check_managed", "unmanaged_parameter_error"]
 
 
 class ModuleTree:
@@ -59,15 +63,19 @@ def unmanaged_parameter_error(fqn: str, param: object, module: nn.Module, kind: 
     )
 
 
-def find_unmanaged(
-    root: nn.Module, is_managed: Callable[[str, nn.Module, str, object], bool], names: Iterable[str] = ()
-) -> tuple[str, object, nn.Module] | None:
-    """The first parameter of ``root`` (by FQN, duplicates included) that ``is_managed(fqn, module, attr,
-    param)`` rejects and whose FQN is not in ``names`` (ignored parameters), else ``None``."""
-    skip = set(names)
+def check_managed(root: nn.Module, states: Iterable[UnitState], ignored: frozenset[str], kind: str) -> None:
+    """Raise ``unmanaged_parameter_error`` for the first parameter of ``root`` (by FQN, duplicates
+    included) that no state in ``states`` manages in that slot and that is not ignored (``ignored``: the
+    FQNs left unmanaged on purpose). A slot holding the full parameters of an explicit ``unshard()`` is
+    managed."""
+    slots = {(id(mod), attr): (m, st) for st in states for m in st.managed for mod, attr in m.slots}
     for path, mod in root.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
             fqn = f"{path}.{attr}" if path else attr
-            if fqn not in skip and not is_managed(fqn, mod, attr, p):
-                return fqn, p, mod
-    return None
+            hit = slots.get((id(mod), attr))
+            if hit is None:
+                ok = p is None or fqn in ignored
+            else:
+                ok = p is hit[0].param or hit[1].unsharded is not None
+            if not ok:
+                raise unmanaged_parameter_error(fqn, p, mod, kind)
