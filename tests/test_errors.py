@@ -174,6 +174,8 @@ TRIGGERS = {
     "donated-called-directly": (lambda m, p, a: _donated()(torch.ones(1, 3)), RuntimeError, r"_TwoLayer was called directly, but its parameters were donated to fsdpfn.shard .*run it through apply = fsdpfn.fsdp\(model\)"),
     "units-tensor": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.1.weight"], donate=False), ValueError, r"units: 'blocks.1.weight' is a tensor of _TwoLayer, not a submodule: a unit is a module .*name the module that owns it, 'blocks.1'"),
     "units-twice": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0", "blocks.0"], donate=False), ValueError, r"units: 'blocks.0' is named twice"),
+    "donated-state-dict": (lambda m, p, a: _donated().state_dict(), RuntimeError, r"state_dict: the parameters of _TwoLayer were donated to fsdpfn.shard: its state_dict would hold meta tensors, not the trained values. Save the Sharded tree instead: fsdpfn.save\(path, params\)"),
+    "donated-load-state-dict": (lambda m, p, a: _donated().blocks[1].load_state_dict(nn.Linear(4, 2).state_dict()), RuntimeError, r"load_state_dict: the parameters of Linear were donated to fsdpfn.shard: values loaded into it would never reach the Sharded tree. Load into the tree: params = fsdpfn.load\(path, params\)"),
     "shard-donated": (lambda m, p, a: fsdpfn.shard(_donated(), fsdpfn.init_mesh()), ValueError, r"parameters were donated to an earlier shard\(\) call"),
     "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3, donate=False), TypeError, r"units must be a list of submodule names"),
     "meta-no-reset": (lambda m, p, a: fsdpfn.shard(_meta_module(), fsdpfn.init_mesh()), ValueError, r"has no reset_parameters\(\); pass init="),

@@ -13,9 +13,9 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from fsdpfn.core import Comm, link_of
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
+from fsdpfn.ops.donation import donate_parameters, guard, was_donated
 from fsdpfn.ops.extension import AllGatherTransform, extension_of, shard_mesh, subclass_transform
 from fsdpfn.ops.materialize import is_meta, materialize_and_shard
-from fsdpfn.ops.placeholder import Placeholder
 from fsdpfn.ops.placement import PlacementFn, placement_dim
 from fsdpfn.ops.tp import TPLayout, tp_layout, unwrap
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -91,86 +91,6 @@ def resolve_units(module: nn.Module, units: Units) -> list[str]:
             chosen.append(name)
     order = {fqn: i for i, fqn in enumerate(named)}
     return sorted(chosen, key=order.__getitem__)  # each name once: a repeat raised above
-
-
-_DONATED = "_fsdpfn_donated"  # set on a module whose parameters shard() moved to meta
-
-
-def _donate(module: nn.Module, params: Iterable[nn.Parameter]) -> None:
-    """Replace ``params`` (this module's sharded parameters) by ``meta`` parameters of the same shape,
-    dtype and ``requires_grad`` under every name they have: their storage is released unless the caller
-    still holds the old ``Parameter`` objects."""
-    ids = {id(p) for p in params}
-    new: dict[int, nn.Parameter] = {}
-    for mod in module.modules():
-        for attr, p in list(mod._parameters.items()):
-            if p is not None and id(p) in ids:
-                if id(p) not in new:
-                    new[id(p)] = nn.Parameter(_meta_like(p), requires_grad=p.requires_grad)
-                mod._parameters[attr] = new[id(p)]
-    setattr(module, _DONATED, True)
-
-
-def _refuse_direct_calls(module: nn.Module, plan: Any, built_on_meta: bool) -> None:
-    """Forward pre-hooks on ``module`` and on each submodule owning a sharded parameter that name the
-    mistake when one is called directly instead of through ``fsdp(module)``: its weights live in the
-    ``Sharded`` tree, and what torch does with the ``meta`` tensors left in its slots is no help: an
-    error about "Tensor on device meta" at best, and for a ``Conv2d`` or a ``Linear`` without bias on the
-    CPU none at all (its kernel takes the ``meta`` weight and returns uninitialised memory). Each hook
-    probes one of its module's own parameters: ``apply`` swaps gathered values in before a module runs
-    (and ``torch.func.functional_call`` swaps values in), so the probe is ``meta`` only in a direct call;
-    inside ``apply`` a unit's module bypassed by the forward holds ``Placeholder``s, whose own error
-    names the parameter. Planning runs (fake tensors) and compiled code pass untouched."""
-    where = ("built on the meta device, its parameters exist only as the shards" if built_on_meta else
-             "its parameters were donated to fsdpfn.shard (they are meta now)")
-    probes: dict[str, tuple[str, str]] = {}  # module path -> (attr probed, an FQN for the message)
-    for fqn in plan.params:
-        path, _, attr = fqn.rpartition(".")
-        probes.setdefault(path, (attr, fqn))
-    root = next((u for u in plan.units if not u.name), None)
-    if root is None or not root.fqns:
-        probes.pop("", None)  # every parameter in units: the root has none of its own to probe
-    else:
-        path, _, attr = root.fqns[0].rpartition(".")
-        probes[""] = (attr, root.fqns[0])  # the root's probe: a root-unit parameter, wherever it lives
-        owner_of_root_probe = module.get_submodule(path)
-    for path, (attr, fqn) in probes.items():
-        mod = module.get_submodule(path)
-        owner = owner_of_root_probe if path == "" else mod
-        if path == "":
-            what = f"{type(module).__name__} was called directly"
-        else:
-            what = f"{type(mod).__name__} {path!r} of {type(module).__name__} was called directly (outside apply)"
-        mod.register_forward_pre_hook(_direct_call_check(owner, attr, what, where, fqn))
-
-
-_FAKE = torch._C._TorchDispatchModeKey.FAKE
-
-
-def _direct_call_check(owner: nn.Module, attr: str, what: str, where: str, fqn: str) -> Any:
-    def check(_module: nn.Module, _args: Any) -> None:
-        # planning runs and compiled code first, before the probe is touched (a planner watches reads)
-        if torch.compiler.is_compiling() or torch._C._get_dispatch_mode(_FAKE) is not None:
-            return
-        probe = owner._parameters.get(attr)
-        if probe is None or not probe.is_meta or isinstance(probe, Placeholder):
-            return  # (a Placeholder: inside apply; its own error names the parameter when it is used)
-        raise RuntimeError(
-            f"{what}, but {where} (e.g. {fqn!r}): run it through apply = fsdpfn.fsdp(model) as "
-            "apply(params, ...) with the Sharded tree shard returned, or pass donate=False to shard to keep the "
-            "module's own weights usable"
-        )
-
-    return check
-
-
-def _meta_like(p: torch.Tensor) -> torch.Tensor:
-    """A ``meta`` tensor standing for ``p``: a TP ``DTensor`` keeps its mesh, placements and global shape
-    (the module's TP plan still describes it) over a ``meta`` local tensor."""
-    if isinstance(p, DTensor):
-        local = torch.empty_like(p._local_tensor, device="meta")
-        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-    return torch.empty_like(p, device="meta")
 
 
 def _dp_placements(mesh: Any, dim: int) -> tuple[Any, ...]:
@@ -264,7 +184,7 @@ def shard(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard: expected an nn.Module, got {type(module).__name__}")
-    if getattr(module, _DONATED, False):
+    if was_donated(module):
         raise ValueError(
             f"shard: this {type(module).__name__}'s parameters were donated to an earlier shard() call (they are "
             "on the meta device now; sharding it again would initialise new weights). Reuse the Sharded tree that "
@@ -374,13 +294,13 @@ def shard(
     )
     if meta:
         shards, buffers = materialize_and_shard(module, plan, groups.device, init)
-        _refuse_direct_calls(module, plan, built_on_meta=True)
+        guard(module, plan, built_on_meta=True)
     else:
         shards = {f: shard_tensor(unwrap(found[f]).detach(), plan.specs[f], groups.rank) for f in plan.params}
         buffers = {fqn: b.detach().clone() for fqn, b in module.named_buffers()}
         if donate:
-            _donate(module, found.values())
-            _refuse_direct_calls(module, plan, built_on_meta=False)
+            donate_parameters(module, found.values())
+            guard(module, plan, built_on_meta=False)
     return Sharded._from_children([shards[f] for f in plan.params] + [buffers[b] for b in plan.buffers], plan)
 
 
