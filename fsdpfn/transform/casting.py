@@ -5,16 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as tree
 
+from fsdpfn import trees
 from fsdpfn.layout import ShardPlan
 
 __all__ = ["cast_floats", "cast_inputs", "cast_output"]
 
 
 def cast_floats(x: Any, dtype: torch.dtype) -> Any:
-    """Every floating-point tensor in the pytree ``x`` cast to ``dtype`` (other leaves unchanged)."""
-    return tree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
+    """Every floating-point tensor in the pytree ``x`` (dataclasses included: ``fsdpfn.trees``) cast to
+    ``dtype`` (other leaves unchanged)."""
+    return trees.map_leaves(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, x)
 
 
 def cast_inputs(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any], unit: str) -> Any:

@@ -18,8 +18,8 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as tree
 
+from fsdpfn import trees
 from fsdpfn.ops.shard import recompute_reads_values
 from fsdpfn.transform.eager import eager
 from fsdpfn.transform.reentrant import reentrant_error, took_gradients, untracked
@@ -45,7 +45,7 @@ class BackwardSwaps:
     def arm_on(self, call: Call, unit: str, out: Any) -> None:
         """Swap ``unit``'s values in (from ``call``) when a backward first reaches a tensor of ``out``."""
         hook = None
-        for t in tree.tree_leaves(out):
+        for t in trees.leaves(out):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
                 hook = hook or functools.partial(self._enter, call, unit)
                 t.grad_fn.register_prehook(hook)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as tree
 from torch import nn
 
+from fsdpfn import trees
 from fsdpfn.ops.api import check_shards, gather_collective
 from fsdpfn.ops.functions import Buckets, apply_buckets
 from fsdpfn.transform.casting import cast_inputs
@@ -50,7 +50,7 @@ class RematSpec:
 
 
 def _flatten_out(spec: RematSpec, out: Any) -> tuple[torch.Tensor, ...]:
-    leaves, spec.out_tree = tree.tree_flatten(out)
+    leaves, spec.out_tree = trees.flatten(out)
     spec.out_consts = {i: v for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)}
     return tuple(v for v in leaves if isinstance(v, torch.Tensor))
 
@@ -60,7 +60,7 @@ def unflatten_out(spec: RematSpec, tensors: Sequence[torch.Tensor]) -> Any:
     it = iter(tensors)
     n = len(spec.out_consts) + len(tensors)
     leaves = [spec.out_consts[i] if i in spec.out_consts else next(it) for i in range(n)]
-    return tree.tree_unflatten(leaves, spec.out_tree)
+    return trees.unflatten(leaves, spec.out_tree)
 
 
 class remat(torch.autograd.Function):  # noqa: N801 - public name from the design
@@ -137,14 +137,14 @@ def _remat_forward(apply: Apply, call: Call, name: str, units: tuple[Any, ...], 
     def forward(*args: Any, **kwargs: Any) -> Any:
         b = gather_collective(plan, units, call.scale)
         shards = check_shards(call.params, b.fqns)
-        flat, in_tree = tree.tree_flatten((args, kwargs))
+        flat, in_tree = trees.flatten((args, kwargs))
         where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
 
         def run(full: dict[str, torch.Tensor], tensors: Any) -> Any:
             leaves = list(flat)
             for i, t in zip(where, tensors):
                 leaves[i] = t
-            a, kw = cast_inputs(plan, *tree.tree_unflatten(leaves, in_tree), name)
+            a, kw = cast_inputs(plan, *trees.unflatten(leaves, in_tree), name)
             swapped = [s for u in units for s in apply._swap(plan, full, u.name)]
             apply._remat_depth += 1
             try:
