@@ -8,12 +8,13 @@ constants to the unit's autograd function (gradients of 1.0 off, silently). Here
 node whose children are its ``init`` fields, rebuilt with ``dataclasses.replace`` (as FSDP2 does).
 
 Example:
+    >>> import torch
     >>> @dataclasses.dataclass
     ... class Out:
     ...     logits: torch.Tensor
     ...     n: int = 0
-    >>> leaves, spec = flatten({"out": Out(torch.ones(2), 3)})
-    >>> leaves
+    >>> values, spec = flatten({"out": Out(torch.ones(2), 3)})
+    >>> values
     [tensor([1., 1.]), 3]
     >>> unflatten([torch.zeros(2), 3], spec)
     {'out': Out(logits=tensor([0., 0.]), n=3)}
