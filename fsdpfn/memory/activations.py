@@ -16,6 +16,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fsdpfn import trees
+
 __all__ = ["ForwardCost", "forward_cost"]
 
 
@@ -79,7 +81,7 @@ def forward_cost(
             values[fqn] = torch.empty(b.shape, dtype=b.dtype, device=device)
         fake = lambda x: _fake(mode, x, device, cast_inputs)  # noqa: E731
         seen: dict[int, int] = {}
-        args, kwargs = pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs)
+        args, kwargs = trees.map_leaves(fake, args), trees.map_leaves(fake, kwargs)
         saved_params: set[str] = set()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -102,7 +104,7 @@ def forward_cost(
         boundary: dict[str, int] = {}
 
         def finish(unit: str, args: Any, kwargs: Any, out: Any) -> None:
-            grads = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            grads = [t for t in trees.leaves((args, kwargs, out)) if isinstance(t, torch.Tensor) and t.requires_grad]
             boundary[unit] = max(boundary.get(unit, 0), sum(t.untyped_storage().nbytes() for t in grads))
 
         hooks = [module.get_submodule(u).register_forward_pre_hook(lambda *_, _u=u: start(_u)) for u in units if u]
@@ -127,7 +129,7 @@ def forward_cost(
         finally:
             for h in hooks:
                 h.remove()
-        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = [t for t in trees.leaves(out) if isinstance(t, torch.Tensor)]
         output = sum(t.untyped_storage().nbytes() for t in outs)
         output_grad = output
         if loss_fn is not None:

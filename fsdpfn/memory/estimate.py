@@ -14,6 +14,7 @@ from typing import Any, Literal, Union
 import torch
 from torch import nn
 
+from fsdpfn import trees
 from fsdpfn.layout import ParamInfo, build_plan
 from fsdpfn.layout.plan import is_partition
 from fsdpfn.layout.autobucket import FUSED_DEVICES, LinkCost
@@ -348,5 +349,5 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _tensor_bytes(batch: Any) -> int:
-    leaves = torch.utils._pytree.tree_leaves(batch)
+    leaves = trees.leaves(batch)
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
