@@ -130,6 +130,25 @@ class FSDPModule:
         if st.root is not None:
             st.root.running = False
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and also forget the gradients this module's parameters accumulated
+        unreduced while gradient sync was off (``set_requires_gradient_sync(False)``): a microbatch dropped
+        with ``model.zero_grad()`` must not reach the next reduction. (FSDP2 keeps them: the dropped
+        microbatch is silently part of the next step's gradient. ``optimizer.zero_grad()`` cannot reach
+        them: it sees only the sharded parameters; use ``model.zero_grad()``.)"""
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        st = unit_state(self)
+        root = st.root
+        if root is None or not root.acc:
+            return
+        if root.state is st:
+            root.acc.clear()
+            return
+        mine = {id(p) for p in self.parameters()}
+        for fqn, m in root.managed.items():
+            if id(m.param) in mine:
+                root.acc.pop(fqn, None)
+
     # --- gradient knobs -----------------------------------------------------------------------------
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for compatibility: fsdpfn finishes every reduction inside backward, so there is no
