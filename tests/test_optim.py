@@ -309,13 +309,25 @@ def _inplace_worker(kind: str, hp: dict):
     # inplace=True: same storage, new containers
     ptrs = [t.data_ptr() for t in tensors((params, state))]
     objs = [id(t) for t in tensors((params, state))]
+    frozen = params["1.bias"]
     p_new, s_new = opt.update(grads, state, params)
     same_storage = [t.data_ptr() for t in tensors((p_new, s_new))] == ptrs
     same_objects = [id(t) for t in tensors((p_new, s_new))] == objs
     equal = all(torch.equal(a, b) for a, b in zip(tensors((p_copy, s_copy)), tensors((p_new, s_new))))
     grads_kept = all(torch.equal(grads[k], v) for k, v in saved.items() if v is not None)
-    frozen_same = p_new["1.bias"] is params["1.bias"]
-    return untouched, no_shared, same_storage, same_objects, equal, grads_kept, frozen_same, p_new is not params
+    frozen_same = p_new["1.bias"] is frozen
+    # the tree passed in is donated: its leaves refuse to be read (they are p_new's now), its metadata reads
+    refused = []
+    for read in (lambda: params["0.weight"], lambda: list(params.values()), lambda: tensors(params),
+                 lambda: params.replace({})):  # fmt: skip
+        try:
+            read()
+            refused.append(False)
+        except fsdpfn.layout.DonatedError as e:
+            refused.append(f"donated to fsdpfn.optim.{kind}.update" in str(e) and "inplace=False" in str(e))
+    metadata = params.plan is p_new.plan and "donated" in repr(params)
+    return (untouched, no_shared, same_storage, same_objects, equal, grads_kept, frozen_same, p_new is not params,
+            all(refused), metadata)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -452,7 +464,7 @@ def _step_high_water(widths: list[int], kind: str) -> tuple[int, int, int]:
     tracker.track_external(*params.values(), *grads.values(), *(t for t in torch.utils._pytree.tree_leaves(state) if isinstance(t, torch.Tensor)))
     with tracker:
         before = tracker.get_tracker_snapshot()[torch.device("cpu")]["Total"]
-        opt.update(grads, state, params)
+        params, state = opt.update(grads, state, params)
     high = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"] - before
     sizes = [v.numel() * v.element_size() for v in params.values()]
     return high, sum(sizes), max(sizes)

@@ -5,12 +5,13 @@ Nothing in this package communicates or imports ``torch.distributed``; it import
 
 from fsdpfn.layout.bucket import BucketLayout
 from fsdpfn.layout.plan import ParamInfo, ShardPlan, UnitPlan, build_plan
-from fsdpfn.layout.sharded import Sharded
+from fsdpfn.layout.sharded import DonatedError, Sharded
 from fsdpfn.layout.spec import ShardSpec, contiguous_stride, shard_tensor, unshard_tensors
 from fsdpfn.layout.unreduced import Unreduced
 
 __all__ = [
     "BucketLayout",
+    "DonatedError",
     "ParamInfo",
     "ShardPlan",
     "ShardSpec",

@@ -17,9 +17,13 @@ import torch.utils._pytree as torch_pytree
 from fsdpfn.layout.plan import ShardPlan
 from fsdpfn.layout.spec import ShardSpec
 
-__all__ = ["Sharded"]
+__all__ = ["DonatedError", "Sharded"]
 
 T = TypeVar("T")
+
+
+class DonatedError(RuntimeError):
+    """A ``Sharded`` tree was read after an in-place update donated it (``fsdpfn.optim``'s ``update``)."""
 
 
 class Sharded(Generic[T]):
@@ -34,7 +38,7 @@ class Sharded(Generic[T]):
         >>> zeros = torch.utils._pytree.tree_map(torch.zeros_like, params)  # still a Sharded  # doctest: +SKIP
     """
 
-    __slots__ = ("_leaves", "_plan", "_mode")
+    __slots__ = ("_leaves_", "_plan", "_mode", "_donated")
 
     def __init__(self, leaves: Mapping[str, T], plan: ShardPlan) -> None:
         if not isinstance(plan, ShardPlan):
@@ -48,17 +52,36 @@ class Sharded(Generic[T]):
                 + (f"; missing {missing}" if missing else "")
                 + (f"; not in the plan {extra}" if extra else "")
             )
-        self._leaves = {k: leaves[k] for k in keys}
+        self._leaves_ = {k: leaves[k] for k in keys}
         self._plan = plan
         self._mode: Any = None  # transient: how value_and_grad wants this tree's gradients reduced
+        self._donated: str | None = None  # what took this tree's leaves (an in-place optimizer update)
 
     @classmethod
     def _from_children(cls, children: list[Any], plan: ShardPlan) -> Sharded[Any]:
         obj = cls.__new__(cls)
-        obj._leaves = dict(zip(plan.keys, children))
+        obj._leaves_ = dict(zip(plan.keys, children))
         obj._plan = plan
         obj._mode = None
+        obj._donated = None
         return obj
+
+    @property
+    def _leaves(self) -> dict[str, T]:
+        if self._donated is not None:
+            raise DonatedError(
+                f"this Sharded was donated to {self._donated}, which updated its shards in place and returned "
+                "them in a new tree: use the tree it returned (params, state = opt.update(grads, state, params)). "
+                "To keep the values from before the step, copy them first "
+                "(torch.utils._pytree.tree_map(torch.clone, params)), or make the optimizer with inplace=False"
+            )
+        return self._leaves_
+
+    def donate(self, to: str) -> None:
+        """Mark this tree as donated to ``to`` (an in-place update that returned its leaves in a new tree):
+        from now on reading its leaves raises ``DonatedError`` (metadata still reads), as JAX refuses a
+        donated buffer, instead of silently showing the updated values under the old name."""
+        self._donated = to
 
     # --- mapping protocol ---------------------------------------------------------------------
     def __getitem__(self, key: str) -> T:
@@ -136,6 +159,8 @@ class Sharded(Generic[T]):
         return Sharded._from_children([updates.get(k, v) for k, v in self._leaves.items()], self._plan)
 
     def __repr__(self) -> str:
+        if self._donated is not None:
+            return f"Sharded(<donated to {self._donated}>; {self._plan.describe()})"
         shown = ", ".join(f"{k!r}: {_short(v)}" for k, v in list(self._leaves.items())[:4])
         more = ", ..." if len(self._leaves) > 4 else ""
         return f"Sharded({{{shown}{more}}}; {self._plan.describe()})"

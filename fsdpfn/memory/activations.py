@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fsdpfn import trees
+import fsdpfn.trees as trees
 
 __all__ = ["ForwardCost", "forward_cost"]
 

@@ -14,7 +14,7 @@ from typing import Any, Literal, Union
 import torch
 from torch import nn
 
-from fsdpfn import trees
+import fsdpfn.trees as trees
 from fsdpfn.layout import ParamInfo, build_plan
 from fsdpfn.layout.plan import is_partition
 from fsdpfn.layout.autobucket import FUSED_DEVICES, LinkCost

@@ -206,6 +206,8 @@ def adamw(
                     eps=eps,
                     maximize=maximize,
                 )
+        if inplace:
+            params.donate(where)  # its leaves are new_params' now: reading the old tree raises
         return new_params, state._replace(count=number)
 
     return GradientTransformation(init, update)

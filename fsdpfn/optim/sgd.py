@@ -133,6 +133,8 @@ def sgd(
             for part, wd in ((decayed, weight_decay), (plain, 0.0)):
                 for group in foreach_groups(part, [new_params[f] for f in part]) if part else ():  # bounded temporaries
                     _step(group, new_params, grads, state, lr_now, momentum, dampening, wd, nesterov, maximize, counted)
+        if inplace:
+            params.donate(where)  # its leaves are new_params' now: reading the old tree raises
         return new_params, state._replace(count=number)
 
     return GradientTransformation(init, update)

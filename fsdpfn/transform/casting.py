@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fsdpfn import trees
+import fsdpfn.trees as trees
 from fsdpfn.layout import ShardPlan
 
 __all__ = ["cast_floats", "cast_inputs", "cast_output"]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fsdpfn import trees
+import fsdpfn.trees as trees
 from fsdpfn.ops.shard import recompute_reads_values
 from fsdpfn.transform.eager import eager
 from fsdpfn.transform.reentrant import reentrant_error, took_gradients, untracked

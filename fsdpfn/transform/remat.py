@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fsdpfn import trees
+import fsdpfn.trees as trees
 from fsdpfn.ops.api import check_shards, gather_collective
 from fsdpfn.ops.functions import Buckets, apply_buckets
 from fsdpfn.transform.casting import cast_inputs
