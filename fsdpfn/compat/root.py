@@ -196,6 +196,7 @@ class RootContext:
                 st.acc = self.acc
         self.states = states
         self.ignored = frozenset(ignored)
+        self.fqns = [fqn for fqn, _ in self.module.named_parameters(remove_duplicate=False)]
         self.tree = ModuleTree(self.module)
 
     def _explicitly_unsharded(self, m: Any) -> bool:
@@ -280,8 +281,11 @@ class RootContext:
         if meta:
             check_materialized(self)
         if self.tree.changed():
-            check_managed(self.module, self.states.values(), self.ignored, self.state.kind)
-            stale = True  # a benign change (a parameter-free module swapped, a unit moved): plan the tree as it is
+            fqns = check_managed(self.module, self.states.values(), self.ignored, self.state.kind)
+            if fqns == self.fqns:
+                self.tree = ModuleTree(self.module)  # a parameter-free module swapped: nothing to plan again
+            else:
+                stale = True  # a unit moved (its parameters' names changed): plan the tree as it is
         fusing = self._fusion[0] or self.state.min_bucket_bytes
         if stale or (fusing and self._fusion != self._fusion_inputs(self.states)):
             self._build()  # e.g. model.to(dtype): same units, new dtypes; or a knob that splits a fused group

@@ -63,12 +63,13 @@ def unmanaged_parameter_error(fqn: str, param: object, module: nn.Module, kind: 
     )
 
 
-def check_managed(root: nn.Module, states: Iterable[UnitState], ignored: frozenset[str], kind: str) -> None:
+def check_managed(root: nn.Module, states: Iterable[UnitState], ignored: frozenset[str], kind: str) -> list[str]:
     """Raise ``unmanaged_parameter_error`` for the first parameter of ``root`` (by FQN, duplicates
     included) that no state in ``states`` manages in that slot and that is not ignored (``ignored``: the
     FQNs left unmanaged on purpose). A slot holding the full parameters of an explicit ``unshard()`` is
-    managed."""
+    managed. Returns every parameter's FQN, in ``named_parameters(remove_duplicate=False)`` order."""
     slots = {(id(mod), attr): (m, st) for st in states for m in st.managed for mod, attr in m.slots}
+    fqns: list[str] = []
     for path, mod in root.named_modules(remove_duplicate=False):
         for attr, p in mod._parameters.items():
             fqn = f"{path}.{attr}" if path else attr
@@ -79,3 +80,6 @@ def check_managed(root: nn.Module, states: Iterable[UnitState], ignored: frozens
                 ok = p is hit[0].param or hit[1].unsharded is not None
             if not ok:
                 raise unmanaged_parameter_error(fqn, p, mod, kind)
+            if p is not None:
+                fqns.append(fqn)
+    return fqns
