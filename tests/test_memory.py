@@ -484,6 +484,42 @@ def test_a_meta_model_gives_the_estimate_of_the_real_one():
     assert all(not p.is_meta for p in real.parameters())  # the planner never touches the model's tensors
 
 
+class _Masked(nn.Module):
+    """A forward that tests its integer input, as Hugging Face models test ``torch.all(attention_mask == 1)``."""
+
+    def __init__(self, always_masks: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(11, 16)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+        self.always_masks = always_masks
+
+    def forward(self, ids, mask):
+        h = self.embed(ids)
+        if self.always_masks or not bool(torch.all(mask == 1)):  # data-dependent: fake tensors cannot answer
+            h = h * mask[..., None]
+        return self.blocks(h)
+
+
+def test_a_forward_that_tests_its_integer_inputs_is_planned_on_their_values():
+    """The planner's fake forward keeps integer inputs real (ops on real tensors alone run for real), so a
+    check on a mask answers from its values; before, the forward failed on fake tensors, ``estimate``
+    raised and ``fsdp``'s first call silently kept ``shard``'s groups."""
+    ids = torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    units = [f"blocks.{i}" for i in range(4)]
+    with torch.device("meta"):
+        model, masking = _Masked(), _Masked(always_masks=True)
+    kept = mask.clone()
+    for w in (1, 2, 8):
+        got = fsdpfn.memory.estimate(model, w, (ids, mask), units=units)
+        assert got == fsdpfn.memory.estimate(masking, w, (ids, mask), units=units)  # the masking branch ran
+        plain = fsdpfn.memory.estimate(model, w, (ids, torch.ones_like(ids)), units=units)
+        assert plain.phases["forward"].activations < got.phases["forward"].activations  # the other branch
+        fsdpfn.memory.group_sizes_within(model, w, (ids, mask), units=units, optimizer="adamw")
+    assert torch.equal(mask, kept)  # the user's batch is not touched
+
+
 def test_a_gpu_step_is_planned_on_a_machine_without_one():
     # fake CUDA tensors abort a CPU-only torch; the planner counts the forward on CPU instead. The
     # optimizer differs: fused AdamW (no scratch) on CPU, foreach kernels (one group of scratch) on CUDA.

@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import fsdpfn.trees as trees
 
@@ -69,7 +71,7 @@ def forward_cost(
 
     args, kwargs = _split(batch)
     # compiled blocks run eagerly here: compiling them for fake inputs would fill (and evict) their caches
-    with torch.compiler.set_stance("force_eager"), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with torch.compiler.set_stance("force_eager"), FakeTensorMode(allow_non_fake_inputs=True) as mode, _RealWhereReal():
         values: dict[str, torch.Tensor] = {}
         params: dict[int, str] = {}
         for fqn, p in module.named_parameters(remove_duplicate=False):
@@ -171,8 +173,29 @@ def _differentiable(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+class _RealWhereReal(TorchDispatchMode):
+    """Inside the fake mode: an op whose tensors are all real runs for real (every mode off), so the
+    forward's data-dependent checks on its integer inputs see values (Hugging Face models test
+    ``torch.all(attention_mask == 1)``: a fake mask cannot answer, and the whole plan fell back); any op
+    touching a fake tensor, and every factory (``torch.zeros(...)``), stays fake."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
 def _fake(mode: Any, x: Any, device: torch.device, cast: torch.dtype | None) -> Any:
+    """A forward input for the fake run: integer and boolean tensors on ``device`` keep their values (a
+    real copy: the forward may test them), anything else becomes a fake tensor of its shape."""
     if not isinstance(x, torch.Tensor):
         return x
+    real = not isinstance(x, FakeTensor) and not x.is_meta and x.device == device
+    if real and not (x.dtype.is_floating_point or x.dtype.is_complex):
+        with _disable_current_modes():
+            return x.clone()
     dtype = cast if cast is not None and x.dtype.is_floating_point else x.dtype
     return torch.empty_strided(x.shape, x.stride(), dtype=dtype, device=device)
