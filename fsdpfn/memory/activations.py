@@ -193,9 +193,8 @@ def _fake(mode: Any, x: Any, device: torch.device, cast: torch.dtype | None) -> 
     real copy: the forward may test them), anything else becomes a fake tensor of its shape."""
     if not isinstance(x, torch.Tensor):
         return x
-    real = not isinstance(x, FakeTensor) and not x.is_meta and x.device == device
-    if real and not (x.dtype.is_floating_point or x.dtype.is_complex):
+    if not isinstance(x, FakeTensor) and not x.is_meta and not (x.dtype.is_floating_point or x.dtype.is_complex):
         with _disable_current_modes():
-            return x.clone()
+            return x.to(device, copy=True)  # (the device the forward is counted on: this machine has it)
     dtype = cast if cast is not None and x.dtype.is_floating_point else x.dtype
     return torch.empty_strided(x.shape, x.stride(), dtype=dtype, device=device)
