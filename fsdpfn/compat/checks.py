@@ -240,7 +240,7 @@ def explain_sharded_read(exc: BaseException, ctx: RootContext, call: Any) -> Run
     text = str(exc)
     if not isinstance(exc, RuntimeError) or "got mixed torch.Tensor and DTensor" not in text:
         return None
-    gathered = set(call.gathered) | set(getattr(call, "regathered", {}))
+    gathered = set(call.gathered) | set(call.regathered)
     idle = [u.name for u in call.plan.units if u.name and call.plan.group_of.get(u.name, u.name) not in gathered]
     shown = ", ".join(repr(n) for n in idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
     kind = ctx.state.kind

@@ -113,7 +113,9 @@ class RootContext:
         units_of: dict[int, list[str]] = {}  # per ManagedParam: the units enclosing all its names, outermost first
         self.managed: dict[str, Any] = {}
         self.tp: dict[str, TPParam] = {}  # tensor-parallel parameters: how the forward must see them
+        fqns: list[str] = []  # every parameter name, as params() compares after a change of the module tree
         for fqn, p in self.module.named_parameters(remove_duplicate=False):
+            fqns.append(fqn)
             path, _, attr = fqn.rpartition(".")
             mod = self.module.get_submodule(path)
             hit = slot_of.get((id(mod), attr))
@@ -196,7 +198,7 @@ class RootContext:
                 st.acc = self.acc
         self.states = states
         self.ignored = frozenset(ignored)
-        self.fqns = [fqn for fqn, _ in self.module.named_parameters(remove_duplicate=False)]
+        self.fqns = fqns
         self.tree = ModuleTree(self.module)
 
     def _explicitly_unsharded(self, m: Any) -> bool:

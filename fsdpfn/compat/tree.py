@@ -31,7 +31,6 @@ class ModuleTree:
     submodule was replaced, added or removed, or a module's parameters were added or removed, since."""
 
     def __init__(self, root: nn.Module):
-        self.root = root
         self._edges: list[tuple[dict[str, nn.Module | None], str, nn.Module | None]] = []
         self._sizes: list[tuple[dict, int, dict, int]] = []
         for mod in root.modules():
