@@ -399,6 +399,18 @@ def _compat_replaced_module():
     model(torch.ones(1, 3))
 
 
+def _compat_optimizer_before():
+    """The optimizer made before the root's fully_shard: it holds the root's plain parameters."""
+    from fsdpfn.compat import fully_shard
+
+    model = _TwoLayer()
+    fully_shard(model.blocks[1], mesh=fsdpfn.init_mesh())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fully_shard(model, mesh=fsdpfn.init_mesh())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+
+
 def _compat_sharded_read():
     """The root's forward reads a unit's weight, where it is the shard (a DTensor)."""
     from fsdpfn.compat import fully_shard
@@ -465,6 +477,7 @@ COMPAT_TRIGGERS = {
     "compat-inplace-param": (lambda m, p, a: _embeds_compat(max_norm=0.5), RuntimeError, r"apply: the forward changed 'emb.weight' in place .*with fully_shard, the DTensor parameters under torch.no_grad\(\)"),
     "compat-unmanaged-param": (lambda m, p, a: _compat_new_param(), ValueError, r"fully_shard: parameter 'blocks.1.lora.weight' of Linear is a plain Parameter, not a parameter fully_shard manages: it was replaced or added after fully_shard.*each rank would train its own copy.*Change the model before calling fully_shard, list the parameter in ignored_params"),
     "compat-replaced-module": (lambda m, p, a: _compat_replaced_module(), ValueError, r"fully_shard: parameter 'blocks.0.weight' of Linear is a plain Parameter, not a parameter fully_shard manages: it was replaced or added after fully_shard"),
+    "compat-optimizer-before": (lambda m, p, a: _compat_optimizer_before(), ValueError, r"optimizer step: SGD's param_groups\[0\]\['params'\]\[0\] is parameter 'weight' of Linear as it was before fully_shard replaced it with a sharded DTensor parameter.*the model would not train. Build the optimizer after fully_shard"),
     "compat-sharded-read": (lambda m, p, a: _compat_sharded_read(), RuntimeError, r"got mixed torch.Tensor and DTensor.*\nUnder fully_shard, a module's parameters are full tensors only while its own fully_shard module runs.*Units not gathered at that point: 'embed'$"),
     "compat-replicate-on-fsdp": (lambda m, p, a: _compat_replicate_on_fsdp(), RuntimeError, r"Cannot apply `replicate\(\)` on a Module already managed by `fully_shard`"),
 }

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpfn.compat.checks import check_mesh, check_modules, check_not_scalar, check_reshard, shard_dim_of
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
+from fsdpfn.compat.replaced_params import watch_optimizer_steps
 from fsdpfn.compat.state import ManagedParam, UnitState, mark_sharded, set_state, sharded_as, state_of
 from fsdpfn.compat.tp import SpmdMesh, spmd_layout, tp_param
 from fsdpfn.core import default_mesh, mesh_groups
@@ -143,6 +144,8 @@ def _shard(
                     )
                 by_id[id(p)] = ManagedParam(p, [(mod, attr)], dim, where=where, extension=extension)
                 managed.append(by_id[id(p)])
+    if managed:
+        watch_optimizer_steps()  # an optimizer still holding the parameters replaced below is refused at step()
     hooked: set[int] = set()
     for earlier, mod, attr in joins:
         earlier.slots.append((mod, attr))

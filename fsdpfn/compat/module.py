@@ -16,6 +16,7 @@ from torch import nn
 from fsdpfn.compat.hooks import check_all_gather, check_reduce_scatter, update_custom
 from fsdpfn.compat.dispatch import dispatch, unit_state
 from fsdpfn.compat.root import lazy_root
+from fsdpfn.compat.replaced_params import note_replacement
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
 from fsdpfn.layout.plan import is_byte_count
 from fsdpfn.ops.api import is_positive_number
@@ -366,6 +367,7 @@ class FSDPModule:
             current = mod._parameters.get(attr)
             if current is not None and current is not m.param:
                 m.param = current
+                note_replacement()
                 for mo, at in m.slots:
                     mo._parameters[at] = current
         return out

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from fsdpfn.compat.checks import check_materialized, explain_sharded_read, state_name
 from fsdpfn.compat.executor import CompatApply, LocalShards
 from fsdpfn.compat.planned import PlannedGroups, plans_groups
+from fsdpfn.compat.replaced_params import note_replacement
 from fsdpfn.compat.state import UnitState, drop_unsharded, sharded_as, state_of
 from fsdpfn.compat.tp import TPParam
 from fsdpfn.compat.tree import ModuleTree, check_managed, unmanaged_parameter_error
@@ -278,6 +279,7 @@ class RootContext:
                 for mo, at in m.slots:
                     mo._parameters[at] = current
                 m.param = current
+                note_replacement()  # an optimizer holding the earlier one is refused at its next step
             stale = stale or m.param.dtype != self.plan.dtypes[fqn]
             meta = meta or m.param.is_meta
         if meta:
