@@ -1,0 +1,90 @@
+"""Forwards under ``torch.inference_mode`` between training steps, and two backwards through one
+retained graph (``l1.backward(retain_graph=True); l2.backward()``).
+
+An evaluation forward under ``inference_mode`` gathers units into inference tensors: a library that keeps
+them (``reshard_after_forward=False``) or updates them in place later breaks the next training step;
+torch's ``fully_shard`` raises there ("Inplace update to inference tensor outside InferenceMode", "Inference
+tensors cannot be saved for backward"; torch 2.13). Two backwards through one graph must reduce both
+gradients and accumulate them. fsdpfn matches one process in both cases, in both layers.
+"""
+
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fsdpfn
+from fsdpfn.testing import spmd
+
+
+def _model(width: int, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3))
+
+
+def _batch(rank: int, seed: int) -> torch.Tensor:
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(seed + 13 * rank))
+
+
+def _losses(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return out.pow(2).mean(), out.sum().tanh()
+
+
+def _reference(world: int, width: int, seed: int, pattern: str) -> dict[str, torch.Tensor]:
+    model = _model(width, seed)
+    total = 0.0
+    for r in range(world):
+        out = model(_batch(r, seed))
+        total = total + (sum(_losses(out)) if pattern == "retain" else out.pow(2).mean())
+    (total / world).backward()
+    return {k: p.grad for k, p in model.named_parameters()}
+
+
+def _compat(width: int, seed: int, pattern: str, reshard: bool) -> dict[str, torch.Tensor]:
+    from fsdpfn.compat import fully_shard
+
+    model = _model(width, seed)
+    for block in (model[0], model[2], model):
+        fully_shard(block, reshard_after_forward=reshard)
+    x = _batch(dist.get_rank(), seed)
+    if pattern == "retain":
+        l1, l2 = _losses(model(x))
+        l1.backward(retain_graph=True)
+        l2.backward()
+    else:
+        with torch.inference_mode():
+            model(x)
+        model(x).pow(2).mean().backward()
+    return {k: p.grad.to_local() for k, p in model.named_parameters()}
+
+
+def _functional(width: int, seed: int, reshard: bool) -> dict[str, torch.Tensor]:
+    model = _model(width, seed)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2"])
+    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
+    x = _batch(dist.get_rank(), seed)
+    with torch.inference_mode():
+        apply(params, x)
+    _, grads = fsdpfn.value_and_grad(lambda p, x: apply(p, x).pow(2).mean())(params, x)
+    return {k: grads[k] for k in grads.keys()}
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    world=st.integers(1, 3),
+    width=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    case=st.sampled_from(["compat-retain", "compat-inference", "functional-inference"]),
+    reshard=st.booleans(),
+)
+def test_inference_mode_forwards_and_retained_graphs_match_one_process(world, width, seed, case, reshard):
+    layer, pattern = case.split("-")
+    want = _reference(world, width, seed, pattern)
+    if layer == "compat":
+        got = spmd(world, _compat, width, seed, pattern, reshard)
+    else:
+        got = spmd(world, _functional, width, seed, reshard)
+    for k, w in want.items():
+        full = fsdpfn.unshard_tensors([g[k] for g in got], fsdpfn.ShardSpec(tuple(w.shape), world))
+        torch.testing.assert_close(full, w, rtol=1e-5, atol=1e-6)
