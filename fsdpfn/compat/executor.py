@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
+from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.functions import Buckets, CallInfo
 from fsdpfn.transform.apply import Apply
 from fsdpfn.transform.call import Call, _reduce_dtypes
@@ -28,11 +29,14 @@ __all__ = ["CompatApply", "CompatCall", "LocalShards"]
 class LocalShards(torch.autograd.Function):
     """The local shards of ``DTensor`` parameters, differentiably: one autograd node for all of them
     (``DTensor.to_local`` costs an autograd node and a ``from_local`` in backward per parameter). The
-    backward wraps each shard gradient in a ``DTensor`` with its parameter's spec."""
+    backward waits for the reductions its units' backward left in flight, adds their results (kept out of
+    autograd, ``fsdpfn.ops.deferred``) and wraps each shard gradient in a ``DTensor`` with its parameter's
+    spec."""
 
     @staticmethod
-    def forward(ctx: Any, specs: tuple[Any, ...], deferred: list[Any], *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, specs: tuple[Any, ...], fqns: tuple[str, ...], deferred: DeferredReductions, *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.specs = specs
+        ctx.fqns = fqns
         ctx.deferred = deferred
         ctx.set_materialize_grads(False)
         # fresh tensor objects: autograd metadata must not land on the DTensors' own local tensors
@@ -42,10 +46,17 @@ class LocalShards(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        for handle in ctx.deferred:  # the units' reduce-scatters, left in flight by their backward
-            handle.wait()
-        ctx.deferred.clear()
-        return (None, None, *(None if g is None else DTensor(g.contiguous(), s, requires_grad=False) for g, s in zip(grads, ctx.specs)))
+        deferred: DeferredReductions = ctx.deferred
+        deferred.wait()  # the units' reduce-scatters, left in flight by their backward; then their results
+        grads = tuple(deferred.add_to(f, g) for f, g in zip(ctx.fqns, grads))
+        graph = torch.is_grad_enabled()  # create_graph: the DTensor gradients stay differentiable (a MAML step)
+        return (None, None, None, *(None if g is None else _as_dtensor(g, s, graph) for g, s in zip(grads, ctx.specs)))
+
+
+def _as_dtensor(g: torch.Tensor, spec: Any, graph: bool) -> DTensor:
+    if graph:
+        return DTensor.from_local(g.contiguous(), spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+    return DTensor(g.contiguous(), spec, requires_grad=False)
 
 
 class CompatCall(Call):

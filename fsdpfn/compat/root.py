@@ -31,6 +31,7 @@ from fsdpfn.layout import ParamInfo, Sharded, build_plan
 from fsdpfn.layout.autobucket import LinkCost
 from fsdpfn.layout.plan import FUSED
 from fsdpfn.ops.api import gather_collective
+from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.extension import shard_mesh, subclass_transform
 from fsdpfn.ops.functions import Buckets
 from fsdpfn.transform.apply import OpenCall
@@ -48,7 +49,7 @@ class RootContext:
         self.state = state
         self.running = False
         self.opened: OpenCall | None = None  # the running call
-        self.deferred: list[Any] = []
+        self.deferred = DeferredReductions()
         self.comm: Comm | None = None
         self.states: dict[str, UnitState] = {}
         self.acc: dict[str, torch.Tensor] = {}  # unreduced grads of every unit (fqns are unique)
@@ -264,7 +265,7 @@ class RootContext:
         return gather_collective(self.plan, (unit,), scale, None if st is None else st.custom)
 
     # --- calls ------------------------------------------------------------------------------------
-    def params(self, deferred: list[Any] | None = None) -> Sharded[torch.Tensor]:
+    def params(self, deferred: DeferredReductions | None = None) -> Sharded[torch.Tensor]:
         """This call's tree: the local shards of the registered ``DTensor`` parameters."""
         stale = meta = False
         for fqn, m in self.managed.items():
@@ -294,7 +295,8 @@ class RootContext:
         if stale or (fusing and self._fusion != self._fusion_inputs(self.states)):
             self._build()  # e.g. model.to(dtype): same units, new dtypes; or a knob that splits a fused group
         params = [m.param for m in self.managed.values()]
-        local = LocalShards.apply(tuple(p._spec for p in params), deferred if deferred is not None else [], *params)
+        fqns = tuple(self.managed)
+        local = LocalShards.apply(tuple(p._spec for p in params), fqns, deferred if deferred is not None else DeferredReductions(), *params)
         return Sharded._from_children(list(local), self.plan)
 
     def run(self, inside: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -325,7 +327,7 @@ class RootContext:
             self.state.reduce_group_changed = False
             # every rank reaches this point together: where a separate reduce-scatter group is created
             self.comm.separate_reduce_group(any(st.separate_reduce_group for st in self.states.values()))
-        self.deferred = []  # this forward's reductions; its LocalShards backward waits for them
+        self.deferred = DeferredReductions()  # this forward's reductions; its LocalShards backward adds them
         params = self.params(self.deferred)
         opened, args, kwargs = self.apply.begin(params, args, kwargs, traced)
         self.opened = opened

@@ -74,6 +74,8 @@ class Comm:
             else None
         )
         self.exchange_min_bytes = EXCHANGE_MIN_BYTES  # CPU: exchanges from this size (tests lower it)
+        # the autograd graph task in which a gather's backward last reduced with a scale (ops/functions.py)
+        self.scaled_backward_task = -1
         # reduce-scatters run here: the shard group, or a second group over its ranks (separate_reduce_group)
         self.reduce_group = shard_group
         self.reduce_exchange = self.exchange

@@ -18,6 +18,8 @@ import torch
 from fsdpfn.core import Comm, Handle
 from fsdpfn.core.custom import CustomComms
 from fsdpfn.layout import BucketLayout
+from fsdpfn.ops.deferred import DeferredReductions
+from fsdpfn.ops.grad_checks import UsedElsewhere, check_dense, second_order_error
 from fsdpfn.ops.extension import AllGatherTransform, ExtensionGather
 
 __all__ = ["Buckets", "CallInfo", "ReduceFunction", "UnshardFunction", "apply_buckets", "collective_pair", "reduce_collective"]
@@ -257,8 +259,10 @@ class CallInfo:
     and passes no gradient to the shards (deferred reduction). ``carry``: full gradients accumulated
     earlier into a sink; the backward adds (and removes) them before it reduces. ``keep_none``: a member
     that received no gradient on this rank gets ``None`` instead of its (still reduced) shard gradient.
-    ``deferred``: the backward's reduce-scatter is not waited for: its handles go to this list, which the
-    caller drains before anything reads the shard gradients (they only flow to leaves it controls).
+    ``deferred``: while it is ``active``, the backward's reduce-scatter is not waited for: its handles
+    and results go to that ``DeferredReductions`` instead of autograd, and its owner adds them to the
+    gradients once the handles are done. ``in_graph_backward``: this reduction was made by a backward that
+    builds a graph (``create_graph=True``), so differentiating its result is a second-order derivative.
     """
 
     pending: Sequence[Handle] | None = None
@@ -266,50 +270,11 @@ class CallInfo:
     sink_dtypes: dict[str, torch.dtype] | None = None
     carry: dict[str, torch.Tensor] | None = None
     keep_none: bool = False
-    deferred: list[Handle] | None = None
+    deferred: DeferredReductions | None = None
+    in_graph_backward: bool = False  # a reduction a backward with create_graph=True made (see second_order_error)
 
 
 _NO_INFO = CallInfo()  # never mutated: a call without extras
-
-
-class UsedElsewhere:
-    """The check behind ``keep_none``: members that got no gradient on this rank, with their reduced shard
-    gradients. All zero: no rank used them, and ``None`` is the answer (FSDP2's). Not all zero: another
-    rank's gradient was reduced in (a mixture of experts, a branch taken on some ranks), and ``None`` here
-    would leave this rank's shards un-updated while the other ranks update theirs: refused by name. It sits
-    in a deferred-reduction list after the reduction's own handles and runs when the list is drained.
-
-    Example:
-        >>> UsedElsewhere({"experts.1.weight": reduced_shard}).wait()   # doctest: +SKIP
-    """
-
-    def __init__(self, reduced: dict[str, torch.Tensor]):
-        self.reduced = reduced
-
-    def wait(self) -> None:
-        names = list(self.reduced)
-        used = torch.stack([t.ne(0).any() for t in self.reduced.values()]).tolist()  # one host sync
-        elsewhere = [n for n, u in zip(names, used) if u]
-        if not elsewhere:
-            return
-        listed = ", ".join(repr(n) for n in elsewhere[:4]) + (f" and {len(elsewhere) - 4} more" if len(elsewhere) > 4 else "")
-        error = RuntimeError(
-            f"parameter(s) {listed} got no gradient on this rank but a gradient on another (their reduced "
-            "gradient is not zero): the forward used them on some ranks only (a mixture of experts, a branch "
-            "taken on some ranks). Leaving them None here would update their shards on some ranks only. Call "
-            "set_reduce_scatter_unused_params(True) on the fully_shard module (FSDP2's switch for this; "
-            "FSDP2 itself fails here with mismatched reduce-scatters) so every rank gets the reduced "
-            "gradient, zeros where no rank used a parameter"
-        )
-        if torch._C._current_graph_task_id() == -1:  # drained outside a backward
-            raise error
-
-        def fail() -> None:
-            raise error
-
-        # at the end of this backward: its remaining reductions still run on every rank, so the peers
-        # are not left waiting in one while this rank unwinds
-        torch.autograd.Variable._execution_engine.queue_callback(fail)
 
 
 class _BucketCollective(torch.autograd.Function):
@@ -324,7 +289,7 @@ class _BucketCollective(torch.autograd.Function):
             info.pending = None  # the handles hold the gathered buffer: ctx keeps info until backward
             return tuple(b.finish(pending))
         if info is not None and info.deferred is not None and b.kind == "reduce":
-            return tuple(b.run_deferred(tensors, info.deferred))
+            return tuple(b.run_deferred(tensors, info.deferred.handles))
         return tuple(b.run(tensors))
 
     @staticmethod
@@ -345,6 +310,13 @@ class _BucketCollective(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         b: Buckets = ctx.buckets
         info: CallInfo = ctx.info
+        # A reduction made by a create_graph backward, differentiated now. Its own scale is exact (it is
+        # the derivative of the average), but when a scaled reduction already ran in this backward, that
+        # one took the mean over ranks of this backward's loss, and the gather backward this path reaches
+        # next would take it again (a MAML step's fast weights): refused. A Hessian-vector product or a
+        # penalty on the gradients meets one scaled reduction per path and stays exact.
+        if info.in_graph_backward and b.scale != 1.0 and b.comm.scaled_backward_task == torch._C._current_graph_task_id():
+            raise second_order_error(b)
         check_dense(b.fqns, grads)
         if info.sink is not None:  # deferred reduction: keep the full gradients, reduce later
             for f, g in zip(b.fqns, grads):
@@ -354,6 +326,8 @@ class _BucketCollective(torch.autograd.Function):
             return (None,) * (2 + len(b.fqns))
         adj = b.adjoint
         assert adj is not None, "collective without an adjoint"
+        if adj.kind == "reduce" and adj.scale != 1.0:
+            b.comm.scaled_backward_task = torch._C._current_graph_task_id()
         by_name = dict(zip(b.fqns, grads))
         if info.carry is not None:  # gradients accumulated without reduction in earlier backwards
             for f in b.fqns:
@@ -363,20 +337,35 @@ class _BucketCollective(torch.autograd.Function):
                     by_name[f] = acc if g is None else acc + g
         # Even when no gradient reached this rank the collective runs: the peers may have one.
         picked = [by_name.get(f) for f in adj.fqns]
-        # double backward (create_graph) may read the result inside this backward: wait for it then
-        later = info.deferred is not None and not torch.is_grad_enabled()
-        out = apply_buckets(adj, picked, CallInfo(deferred=info.deferred) if later else None)
+        # Left in flight only in the owner's own backward, and never when it builds a graph (create_graph
+        # may read the result inside this backward). Its results then go to the owner, not to autograd.
+        deferred = info.deferred
+        later = deferred is not None and deferred.active and not torch.is_grad_enabled()
+        if later:
+            made = CallInfo(deferred=deferred)
+        elif torch.is_grad_enabled() and adj.kind == "reduce":
+            made = CallInfo(in_graph_backward=True)  # create_graph: the reduced gradient may be differentiated
+        else:
+            made = None
+        out = apply_buckets(adj, picked, made)
         res = dict(zip(adj.fqns, out))
         if info.keep_none:
             missing = {f: res[f] for f in b.fqns if by_name.get(f) is None and res.get(f) is not None}
             if missing:  # read only once the reduction is done: after its handles, if it is in flight
                 check = UsedElsewhere(missing)
                 if later:
-                    info.deferred.append(check)  # type: ignore[union-attr]  # later: deferred is a list
+                    deferred.handles.append(check)  # type: ignore[union-attr]  # later: deferred is set
                 else:
                     check.wait()
-            return (None, None, *(res.get(f) if by_name.get(f) is not None else None for f in b.fqns))
-        return (None, None, *(res.get(f) for f in b.fqns))
+            grads_out = [res.get(f) if by_name.get(f) is not None else None for f in b.fqns]
+        else:
+            grads_out = [res.get(f) for f in b.fqns]
+        if later:
+            for f, g in zip(b.fqns, grads_out):
+                if g is not None:
+                    deferred.keep(f, g)  # type: ignore[union-attr]
+            return (None,) * (2 + len(b.fqns))
+        return (None, None, *grads_out)
 
     @staticmethod
     def jvp(ctx: Any, _b: Any, _info: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -397,18 +386,6 @@ class _BucketCollective(torch.autograd.Function):
                 moved.append(t.movedim(d, 0))
         out = apply_buckets(b.batched(), moved)
         return tuple(out), tuple(0 for _ in out)
-
-
-def check_dense(fqns: Sequence[str], grads: Sequence[torch.Tensor | None]) -> None:
-    """Raise naming the parameters whose gradient is sparse (``nn.Embedding(sparse=True)``): a reduction
-    moves dense buckets (torch's ``fully_shard`` fails there too, deep inside its copy-in)."""
-    sparse = [f for f, g in zip(fqns, grads) if g is not None and g.layout != torch.strided]
-    if sparse:
-        raise RuntimeError(
-            f"fsdpfn: parameter(s) {', '.join(repr(f) for f in sparse)} got a sparse gradient (e.g. "
-            "nn.Embedding(..., sparse=True)); sharded gradients are reduced as dense tensors: build the "
-            "layer with sparse=False (its gradient is then a dense tensor of the weight's shape)"
-        )
 
 
 class UnshardFunction(_BucketCollective):

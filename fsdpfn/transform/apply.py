@@ -123,7 +123,6 @@ class Apply(UnitHooks):
             schedule=self.schedule(plan, functorch=functorch),
             sink=mode.sink if mode is not None else None,
             deferred=mode.deferred if mode is not None and not functorch else None,
-            deferred_infos=mode.deferred_infos if mode is not None else None,
         )
 
     def scale(self, plan: ShardPlan) -> float:

@@ -24,6 +24,7 @@ from fsdpfn.core.traced import Collectives
 from fsdpfn.layout import Sharded, UnitPlan
 from fsdpfn.layout.schedule import Schedule
 from fsdpfn.transform.eager import eager
+from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.functions import Buckets, CallInfo, apply_buckets
 from fsdpfn.ops.api import check_shards, gather_collective
 from fsdpfn.ops.shared import launch_shared, shares_gather
@@ -40,8 +41,7 @@ class GradMode:
 
     scale: float | None = None
     sink: dict[str, torch.Tensor] | None = None
-    deferred: list[Handle] | None = None  # reductions value_and_grad waits for after autograd.grad
-    deferred_infos: dict[str, CallInfo] = field(default_factory=dict)  # first gather of each unit (see Call)
+    deferred: DeferredReductions | None = None  # reductions value_and_grad waits for and adds after autograd.grad
     traced: bool = False  # the whole step is being traced into one graph (fsdpfn.compile_step)
     collectives: Collectives = "native"  # how the traced step writes its collectives
 
@@ -85,13 +85,11 @@ class Call:
         scale: float,
         schedule: Schedule,
         sink: dict[str, torch.Tensor] | None = None,
-        deferred: list[Handle] | None = None,
-        deferred_infos: dict[str, CallInfo] | None = None,
+        deferred: DeferredReductions | None = None,
     ):
         self.params = params
         self.sink = sink
         self.deferred = deferred
-        self.deferred_infos = deferred_infos if deferred_infos is not None else {}
         self.plan = params.plan
         self.scale = scale
         self.schedule = schedule
@@ -142,14 +140,8 @@ class Call:
         if name not in self.pending and name not in self.gathered:
             self._launch_span(name)  # the first group of a forward span (not prefetched): its span now
         info = self.info(name)
-        if info.deferred is not None:
-            if self.deferral_needs_leaves and any(t.grad_fn is not None for t in shards):
-                info.deferred = None  # an op between the leaves and the gather would read an unfinished gradient
-            elif name in self.deferred_infos:
-                # gathered twice for one backward: autograd adds both results before anyone waits
-                self.deferred_infos[name].deferred = info.deferred = None
-            else:
-                self.deferred_infos[name] = info
+        if info.deferred is not None and self.deferral_needs_leaves and any(t.grad_fn is not None for t in shards):
+            info.deferred = None  # shards computed from the leaves: their gradient must flow on through autograd
         outs = apply_buckets(b, shards, info)
         full = dict(zip(b.fqns, outs))
         self.gathered[name] = full
@@ -286,10 +278,8 @@ class Call:
         # full-size input before this unit's gradients are made, so the peak is never a unit's gradients
         # plus another's reduction (torch's CPU FSDP2 reduces synchronously: that is its peak). On CUDA
         # the overlap stays, as in FSDP2.
-        if self.deferred and self.plan.comm.groups.device_type != "cuda":
-            for handle in self.deferred:
-                handle.wait()
-            self.deferred.clear()
+        if self.deferred is not None and self.deferred.handles and self.plan.comm.groups.device_type != "cuda":
+            self.deferred.wait()
 
     def _prefetch_backward(self, name: str) -> None:
         for prev in self.backward_prefetch(name):

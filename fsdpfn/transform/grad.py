@@ -14,6 +14,7 @@ import torch
 
 from fsdpfn.layout import Sharded, Unreduced
 from fsdpfn.ops.api import check_shards, is_positive_number, reduce_scale
+from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.transform.call import GradMode
 from fsdpfn.transform.reentrant import has_reentrant_checkpoint, reentrant_error
 
@@ -41,6 +42,10 @@ def value_and_grad(
     backward: ``grads`` is an ``Unreduced`` tree of this rank's full gradients (in the reduction dtype),
     to be summed with ``fsdpfn.accumulate`` and reduced once with ``fsdpfn.reduce(acc, params)``.
 
+    ``fn`` may read the shards itself (a penalty on them) and take gradients of its own; called on a tree
+    that an enclosing differentiation tracks, the gradients keep their graph (nested, as JAX's ``grad``).
+    Differentiating fast weights made from such gradients needs ``reduce_op="sum"`` (docs/functional.md).
+
     ``check_finite=True`` checks every gradient for NaN/Inf (one small all-reduce, so that every rank
     agrees) and raises ``FloatingPointError`` on every rank naming the leaves and the ranks affected.
 
@@ -56,46 +61,66 @@ def value_and_grad(
         raise ValueError(f"value_and_grad: divide_by={divide_by!r} must be a positive number (or None)")
 
     def g(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        tree, inputs = grad_inputs(params, "value_and_grad")
+        nested = inside_a_graph(params)  # differentiated again by an enclosing gradient (MAML, a penalty)
+        tree, inputs = grad_inputs(params, "value_and_grad", keep_graph=nested)
         plan = params.plan
         sink: dict[str, torch.Tensor] | None = {} if not reduce else None
-        deferred: list[Any] = []
+        # Reductions are left in flight only in the backward below (a backward fn itself runs, e.g.
+        # torch.autograd.grad for a sharpness-aware step, gets finished values); their results are added
+        # to autograd's here, after the wait (fsdpfn.ops.deferred).
+        deferred = DeferredReductions(active=False)
         tree._mode = GradMode(scale=_scale(plan, reduce_op, divide_by), sink=sink, deferred=deferred if sink is None else None)
         with torch.enable_grad():
             out = fn(tree, *args, **kwargs)
         value, aux = split_value(out, has_aux, "value_and_grad")
+        deferred.active = True
         try:
-            found = _differentiate(value, inputs)
+            found = _differentiate(value, inputs, create_graph=nested)
         finally:
-            for handle in deferred:  # reduce-scatters left in flight by backward: done before any read
-                handle.wait()
+            deferred.active = False
+            deferred.wait()  # reduce-scatters left in flight by backward: done before any read
+        trainable = [k for k in plan.params if plan.requires_grad[k]]
+        found = [deferred.add_to(k, g) for k, g in zip(trainable, found)]
         grads: Any = Unreduced(sink, plan) if sink is not None else shard_grads(plan, found, inputs)
-        return finish(plan, value, aux, grads, has_aux=has_aux, check_finite=check_finite)
+        return finish(plan, value, aux, grads, has_aux=has_aux, check_finite=check_finite, detach=not nested)
 
     return g
 
 
-def finish(plan: Any, value: torch.Tensor, aux: Any, grads: Any, *, has_aux: bool, check_finite: bool) -> Any:
+def finish(plan: Any, value: torch.Tensor, aux: Any, grads: Any, *, has_aux: bool, check_finite: bool, detach: bool = True) -> Any:
     """The result of a differentiated step: ``(value, grads)`` or ``((value, aux), grads)``, ``value``
-    detached, the gradients checked for NaN/Inf when asked; counts the step for the collective guard."""
+    detached (unless ``detach=False``: a nested gradient), the gradients checked for NaN/Inf when asked;
+    counts the step for the collective guard."""
     if check_finite:
         check_grads_finite(grads, plan)
     plan.comm.guard.steps += 1
-    value = value.detach()
+    if detach:
+        value = value.detach()
     return ((value, aux), grads) if has_aux else (value, grads)
 
 
-def grad_inputs(params: Sharded[torch.Tensor], what: str) -> tuple[Sharded[torch.Tensor], list[torch.Tensor]]:
+def grad_inputs(params: Sharded[torch.Tensor], what: str, *, keep_graph: bool = False) -> tuple[Sharded[torch.Tensor], list[torch.Tensor]]:
     """A tree like ``params`` whose trainable leaves are fresh autograd leaves (``inputs``, in
-    ``plan.params`` order), to differentiate a function of ``params`` by."""
+    ``plan.params`` order), to differentiate a function of ``params`` by. With ``keep_graph`` a leaf that
+    an enclosing graph tracks stays connected to it (a view of it), so the gradient can be differentiated
+    again."""
     if not isinstance(params, Sharded):
         raise TypeError(f"{what}: the first argument must be a fsdpfn.Sharded, got {type(params).__name__}")
     plan = params.plan
     trainable = [k for k in plan.params if plan.requires_grad[k]]
     live = dict(params.items())
     for k, leaf in zip(trainable, check_shards(params, trainable)):  # named errors, not torch's
-        live[k] = leaf.detach().requires_grad_()
+        live[k] = leaf.view_as(leaf) if keep_graph and leaf.requires_grad else leaf.detach().requires_grad_()
     return Sharded._from_children(list(live.values()), plan), [live[k] for k in trainable]
+
+
+def inside_a_graph(params: Sharded[torch.Tensor]) -> bool:
+    """Whether ``params`` are tracked by an enclosing differentiation (``value_and_grad`` called inside a
+    function being differentiated, on its parameters or on fast weights made from them): the gradient
+    must then stay differentiable, as JAX's nested ``grad`` is."""
+    if not isinstance(params, Sharded) or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+        return False  # not a tree: grad_inputs names the mistake
+    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in params.values())
 
 
 def split_value(out: Any, has_aux: bool, what: str) -> tuple[torch.Tensor, Any]:
@@ -125,11 +150,11 @@ def shard_grads(plan: Any, found: Sequence[torch.Tensor | None], inputs: Sequenc
     return Sharded._from_children([by_name.get(k) for k in plan.keys], plan)
 
 
-def _differentiate(value: torch.Tensor, inputs: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+def _differentiate(value: torch.Tensor, inputs: list[torch.Tensor], *, create_graph: bool = False) -> Sequence[torch.Tensor | None]:
     if value.requires_grad and inputs:
         if has_reentrant_checkpoint(value):  # autograd.grad would lose its parameters' gradients
             raise reentrant_error("value_and_grad")
-        return torch.autograd.grad(value, inputs, allow_unused=True)
+        return torch.autograd.grad(value, inputs, allow_unused=True, create_graph=create_graph)
     return (None,) * len(inputs)
 
 

@@ -1,0 +1,58 @@
+"""Reductions a backward leaves in flight, and where their results wait.
+
+A unit's reduce-scatter in backward need not be waited for before the next unit's backward runs (on
+CUDA that wait would serialise the compute stream behind the reduce stream). Its result must then stay
+out of autograd: the engine adds the gradients that meet at one tensor as soon as they arrive (a shard
+also read by an L2 penalty, a unit gathered twice, fast weights made from the shards), and it would read
+a buffer the reduction has not filled yet. So a deferred result is kept here, by parameter, and whoever
+owns the backward (``value_and_grad``, a compat root's ``LocalShards``) waits for every handle and then
+adds the kept results to what autograd returned. FSDP2 likewise assigns its reduced gradients outside
+autograd.
+
+Deferral is for the owner's own backward only (``active``): a backward the user starts inside the
+differentiated function (``torch.autograd.grad`` for a sharpness-aware step, a gradient norm) must get
+finished values, so its reductions are waited for where they run.
+
+Example:
+    >>> deferred = DeferredReductions()               # doctest: +SKIP
+    >>> run_backward()  # reduce-scatters append their handles, keep their results   # doctest: +SKIP
+    >>> deferred.wait()                               # doctest: +SKIP
+    >>> grad = deferred.add_to("blocks.0.weight", grad_from_autograd)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["DeferredReductions"]
+
+
+class DeferredReductions:
+    """The handles of reductions left in flight (``handles``: anything with ``wait()``) and their results
+    by parameter FQN, to be added to the autograd gradients once every handle was waited for."""
+
+    __slots__ = ("active", "grads", "handles")
+
+    def __init__(self, active: bool = True):
+        self.handles: list[Any] = []
+        self.grads: dict[str, list[torch.Tensor]] = {}
+        self.active = active  # False: reductions run now wait for themselves (a backward the owner did not start)
+
+    def keep(self, fqn: str, grad: torch.Tensor) -> None:
+        """Keep ``grad``, a reduced shard gradient of ``fqn`` not yet waited for."""
+        self.grads.setdefault(fqn, []).append(grad)
+
+    def wait(self) -> None:
+        """Wait for every reduction in flight (in launch order)."""
+        for handle in self.handles:
+            handle.wait()
+        self.handles.clear()
+
+    def add_to(self, fqn: str, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """``grad`` (``None``: autograd returned none) plus the kept results of ``fqn``, which are then
+        forgotten. Call after ``wait``."""
+        for kept in self.grads.pop(fqn, ()):
+            grad = kept if grad is None else grad + kept
+        return grad
