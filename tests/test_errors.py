@@ -170,6 +170,11 @@ TRIGGERS = {
     "param-device": (lambda m, p, a: fsdpfn.shard(m, _cuda_mesh(), donate=False), ValueError, r"parameter 'blocks.0.weight' is on cpu but the mesh is on cuda; move the module"),
     "shard-module": (lambda m, p, a: fsdpfn.shard(torch.zeros(2), fsdpfn.init_mesh()), TypeError, r"expected an nn.Module"),
     "units-missing": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["block.1"], donate=False), ValueError, r"no submodule 'block.1'; did you mean 'blocks.1'"),
+    "grad-unreduced-direct": (
+        lambda m, p, a: fsdpfn.value_and_grad(lambda q, x: a(q, x).sum() + sum(q[k].pow(2).sum() for k in q.keys()), reduce=False)(p, torch.ones(1, 3)),
+        ValueError,
+        r"value_and_grad\(reduce=False\): fn's value depends on the shards of 'blocks.0.weight', 'blocks.0.bias', 'blocks.1.weight', 'blocks.1.bias' directly.*would be lost. Add that term's gradient after fsdpfn.reduce",
+    ),
     "grad-reduce-op": (lambda m, p, a: fsdpfn.value_and_grad(lambda q: q, reduce_op="mean"), ValueError, r"value_and_grad: reduce_op='mean' is not a reduction fsdpfn knows; use 'avg', 'sum' or None"),
     "donated-called-directly": (lambda m, p, a: _donated()(torch.ones(1, 3)), RuntimeError, r"_TwoLayer was called directly, but its parameters were donated to fsdpfn.shard .*run it through apply = fsdpfn.fsdp\(model\)"),
     "units-tensor": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.1.weight"], donate=False), ValueError, r"units: 'blocks.1.weight' is a tensor of _TwoLayer, not a submodule: a unit is a module .*name the module that owns it, 'blocks.1'"),

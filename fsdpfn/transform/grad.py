@@ -81,6 +81,8 @@ def value_and_grad(
             deferred.wait()  # reduce-scatters left in flight by backward: done before any read
         trainable = [k for k in plan.params if plan.requires_grad[k]]
         found = [deferred.add_to(k, g) for k, g in zip(trainable, found)]
+        if sink is not None:
+            _check_only_through_units(trainable, found)
         grads: Any = Unreduced(sink, plan) if sink is not None else shard_grads(plan, found, inputs)
         return finish(plan, value, aux, grads, has_aux=has_aux, check_finite=check_finite, detach=not nested)
 
@@ -148,6 +150,21 @@ def shard_grads(plan: Any, found: Sequence[torch.Tensor | None], inputs: Sequenc
     trainable = [k for k in plan.params if plan.requires_grad[k]]
     by_name = {k: torch.zeros_like(x) if g is None else g for k, g, x in zip(trainable, found, inputs)}
     return Sharded._from_children([by_name.get(k) for k in plan.keys], plan)
+
+
+def _check_only_through_units(trainable: Sequence[str], found: Sequence[torch.Tensor | None]) -> None:
+    """``reduce=False`` keeps each rank's full gradients for a later reduction, whose op is chosen then;
+    a gradient that reached a shard directly (``fn`` read the shards itself, an L2 term on them) has no
+    place among them and would be dropped: refused by name."""
+    direct = [k for k, g in zip(trainable, found) if g is not None]
+    if direct:
+        listed = ", ".join(repr(k) for k in direct[:4]) + (f" and {len(direct) - 4} more" if len(direct) > 4 else "")
+        raise ValueError(
+            f"value_and_grad(reduce=False): fn's value depends on the shards of {listed} directly, not only through "
+            "an fsdp apply (a penalty on the parameters, say). Their gradient is a shard gradient, with no place "
+            "among the unreduced full gradients, and would be lost. Add that term's gradient after fsdpfn.reduce "
+            "(or use the optimizer's weight_decay), or differentiate with reduce=True"
+        )
 
 
 def _differentiate(value: torch.Tensor, inputs: list[torch.Tensor], *, create_graph: bool = False) -> Sequence[torch.Tensor | None]:
