@@ -296,7 +296,7 @@ class RootContext:
             self._build()  # e.g. model.to(dtype): same units, new dtypes; or a knob that splits a fused group
         params = [m.param for m in self.managed.values()]
         fqns = tuple(self.managed)
-        local = LocalShards.apply(tuple(p._spec for p in params), fqns, deferred if deferred is not None else DeferredReductions(), *params)
+        local = LocalShards.apply(tuple(p._spec for p in params), fqns, deferred if deferred is not None else DeferredReductions(), self.comm, *params)
         return Sharded._from_children(list(local), self.plan)
 
     def run(self, inside: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

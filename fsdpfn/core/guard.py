@@ -45,6 +45,7 @@ __all__ = [
 
 # the label prefix of collectives that belong to fsdpfn itself (agreement, link probes), not to a unit
 INTERNAL = "fsdpfn:"
+DIGEST_MODULUS = 1_048_573  # a prime below 2**20: digests and their squares sum over ranks within int64
 
 
 def env_switch(name: str, value: str) -> bool:
@@ -175,11 +176,16 @@ class Guard:
         self.seq = 0
         self.steps = 0
         self.last_done: Fingerprint | None = None
+        # of the collectives since the last pass check (fsdpfn.core.pass_check): equal on every rank unless
+        # the ranks ran different units (matching sizes pair up anyway, mixing the units' data, silently)
+        self.digest = 0
+        self.pending_check: Any = None  # CUDA: the last check's sums on their way to the host
 
     def begin(self, kind: str, label: str, t: torch.Tensor, group: Any) -> Fingerprint:
         """Fingerprint the next collective; with checking on, compare it across ``group`` first."""
         self.seq += 1
         fp = Fingerprint(self.seq, kind, label, str(t.dtype), t.numel())
+        self.digest = (self.digest * 1_000_003 + fp.code()) % DIGEST_MODULUS
         if checking(self.owner) and dist.get_world_size(group) > 1 and not simulated_group(group):  # nothing to compare
             self._verify(fp, group)
         return fp

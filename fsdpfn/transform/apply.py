@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import reduce_scale
@@ -218,6 +219,8 @@ class Apply(UnitHooks):
             plan.memo.setdefault(("applies",), weakref.WeakSet()).add(self)  # what compile_step warms up
             functorch = functorch_active()
             eligible = not (functorch or traced or under_compile() or self._forward or in_backward())
+            if eligible and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+                check_pass(plan.comm)  # ranks that ran different units since the last forward: named, not mixed
             if plan.auto_fusion:
                 reshard_rule, fuse_key = self.fusion_rules()
                 plan_fusion(self.module, plan, args, kwargs, prefetch=self.prefetch, reshard_after_forward=reshard_rule, fuse_key=fuse_key,

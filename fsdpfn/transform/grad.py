@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, Unreduced
 from fsdpfn.ops.api import check_shards, is_positive_number, reduce_scale
 from fsdpfn.ops.deferred import DeferredReductions
@@ -79,6 +80,7 @@ def value_and_grad(
         finally:
             deferred.active = False
             deferred.wait()  # reduce-scatters left in flight by backward: done before any read
+        check_pass(plan.comm)  # every rank reduced the same units (else they were mixed): before any use
         trainable = [k for k in plan.params if plan.requires_grad[k]]
         found = [deferred.add_to(k, g) for k, g in zip(trainable, found)]
         if sink is not None:

@@ -1,0 +1,70 @@
+"""Whether every rank ran the same collectives since the last check, without ``FSDPFN_DEBUG``.
+
+Ranks that run different units (a layer dropped at random with per-rank randomness, a branch taken on
+some ranks) issue different collectives. When the counts differ, a wait times out naming the unit; when
+they match, collectives of equal size pair up across units and the ranks silently exchange the wrong
+units' weights and gradients (the gradients of block 2 averaged with block 1's). Each ``Guard`` folds the
+fingerprint of every collective into a digest; ``check_pass`` sums ``(d, d*d)`` over the mesh (one
+all-reduce of two integers, at the end of each backward and at the start of a forward that follows other
+collectives): all digests are equal exactly when
+``W * sum(d*d) == sum(d)**2``, which every rank reads from the same sums, so all raise together. On CUDA
+the sums are read at the next check, from pinned memory, so no step waits for the device (a divergence is
+then named one pass later).
+
+Example:
+    >>> check_pass(params.plan.comm)        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdpfn.core.comm import Comm
+from fsdpfn.core.guard import CollectivePlanError
+
+__all__ = ["check_pass"]
+
+_LABEL = "fsdpfn:check that ranks ran the same collectives"
+
+
+def check_pass(comm: Comm) -> None:
+    """Compare the digest of ``comm``'s collectives since the last call across its mesh (a collective:
+    every rank calls it at the same point) and raise ``CollectivePlanError`` on every rank if they differ."""
+    guard = comm.guard
+    if comm.dp_world == 1 or comm.groups.simulated:
+        guard.digest = 0
+        return
+    digest, guard.digest = guard.digest, 0
+    previous, guard.pending_check = guard.pending_check, None
+    if previous is not None:  # CUDA: the last check's sums, copied to the host since
+        event, host = previous
+        event.synchronize()
+        _verdict(comm, host.tolist())
+    if digest == 0:
+        return  # no collective since the last check (on every rank, unless they diverged before it)
+    with comm.untracked():
+        sums = torch.tensor([digest, digest * digest], dtype=torch.int64, device=comm.groups.device)
+        handle = comm.all_reduce_sum(sums, label=_LABEL)
+        handle.wait()  # CPU: the sums are ready; CUDA: the current stream waits, the host does not
+        if sums.device.type == "cuda":
+            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            host.copy_(sums, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            guard.pending_check = (event, host)
+            return
+        _verdict(comm, sums.tolist())
+
+
+def _verdict(comm: Comm, sums: list[int]) -> None:
+    total, squares = sums
+    if comm.dp_world * squares == total * total:
+        return
+    raise CollectivePlanError(
+        f"ranks ran different collectives since the last check (after {comm.guard.steps} completed passes): some "
+        "ranks ran units the others did not, and collectives of equal size paired up across units, so ranks "
+        "exchanged the wrong units' weights or gradients. A unit ran on some ranks only: a layer dropped at "
+        "random with randomness that differs per rank (seed it the same on every rank), a branch on data that "
+        "differs per rank, an exception caught on one rank. Make every rank run the same units in the same "
+        "order; FSDPFN_DEBUG=1 names each rank's collective where they part"
+    )
