@@ -19,8 +19,8 @@ from fsdpfn.core import Comm, Handle
 from fsdpfn.core.custom import CustomComms
 from fsdpfn.layout import BucketLayout
 from fsdpfn.ops.deferred import DeferredReductions
-from fsdpfn.ops.grad_checks import UsedElsewhere, check_dense, second_order_error
 from fsdpfn.ops.extension import AllGatherTransform, ExtensionGather
+from fsdpfn.ops.grad_checks import UsedElsewhere, check_dense, second_order_error
 
 __all__ = ["Buckets", "CallInfo", "ReduceFunction", "UnshardFunction", "apply_buckets", "collective_pair", "reduce_collective"]
 

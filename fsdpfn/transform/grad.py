@@ -124,7 +124,11 @@ def inside_a_graph(params: Sharded[torch.Tensor]) -> bool:
     must then stay differentiable, as JAX's nested ``grad`` is."""
     if not isinstance(params, Sharded) or not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
         return False  # not a tree: grad_inputs names the mistake
-    return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in params.values())
+    if params._mode is not None:  # the very tree an enclosing value_and_grad passed to its function
+        return any(isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in params.values())
+    # a tree computed from one (fast weights): non-leaf tensors. A tree of leaves that merely require
+    # grad (set by the user) is not nested: building a graph for it would only cost memory.
+    return any(isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None for leaf in params.values())
 
 
 def split_value(out: Any, has_aux: bool, what: str) -> tuple[torch.Tensor, Any]:
