@@ -250,9 +250,9 @@ def _shared_gather_refused():
     shards = {lay.dtype: [torch.zeros(lay.specs[0].local_shape(comm.rank), dtype=lay.dtype)] for lay in (a, b)}
     calls = {"dtypes": ([a, b], [shards[a.dtype], shards[b.dtype]]), "shards": ([a, a], [shards[a.dtype]])}
     errors = {}
-    for what, (layouts, given) in calls.items():
+    for what, (layouts, shard_lists) in calls.items():
         try:
-            comm.gather_buckets(layouts, given)
+            comm.gather_buckets(layouts, shard_lists)
         except ValueError as e:
             errors[what] = str(e)
     return comm.world, errors

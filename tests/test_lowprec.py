@@ -230,9 +230,6 @@ def _assert_like_one_process(got: dict, sizes: tuple[int, int, int], forms: tupl
 
 
 def _w_matches_one_process(sizes: tuple[int, int, int], forms: tuple) -> None:
-    import torch.distributed as dist
-
-    world = dist.get_world_size()
     got = _train_compat(COMPAT, sizes, forms)
     for name, form in zip(("l1.weight", "l2.weight"), forms):
         assert got["types"][name] == ("Tensor" if form is None else form.__name__), got["types"]
