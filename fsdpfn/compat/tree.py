@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -52,6 +53,13 @@ def unmanaged_parameter_error(fqn: str, param: object, module: nn.Module, kind: 
     """The error for parameter ``fqn`` of ``module`` that ``kind`` (``fully_shard``/``replicate``) did not
     make: it would train on each rank alone."""
     what = "None (deleted)" if param is None else f"a plain {type(param).__name__}"
+    if isinstance(param, torch.Tensor) and not isinstance(param, nn.Parameter):  # a value swapped in for a call
+        return ValueError(
+            f"{kind}: parameter {fqn!r} of {type(module).__name__} holds a plain tensor, not the sharded DTensor "
+            f"{kind} manages (torch.func.functional_call or a stateless swap with plain tensors?). Swap in DTensors "
+            "laid out like the parameters instead (e.g. {n: p * 2 for n, p in model.named_parameters()}): fsdpfn "
+            "gathers them and differentiates through them; or run an unsharded copy of the model"
+        )
     return ValueError(
         f"{kind}: parameter {fqn!r} of {type(module).__name__} is {what}, not a parameter {kind} manages: it was "
         f"replaced or added after {kind} (a submodule swapped, a new nn.Parameter assigned, adapters injected). "
