@@ -18,7 +18,7 @@ from fsdpfn.layout import Sharded, ShardPlan, UnitPlan
 from fsdpfn.layout.plan import ParamInfo, bucket_by_dtype
 from fsdpfn.ops import unshard
 from fsdpfn.ops.api import check_shards
-from fsdpfn.ops.functions import Buckets
+from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.tp import unwrap
 
 __all__ = ["full_state_dict", "load_full_state_dict"]

@@ -16,8 +16,9 @@ from torch.distributed.tensor import DTensor
 from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
+from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
-from fsdpfn.ops.functions import Buckets, CallInfo
+from fsdpfn.ops.functions import CallInfo
 from fsdpfn.transform.apply import Apply
 from fsdpfn.transform.call import Call, _reduce_dtypes
 

@@ -31,9 +31,9 @@ from fsdpfn.layout import ParamInfo, Sharded, build_plan
 from fsdpfn.layout.autobucket import LinkCost
 from fsdpfn.layout.plan import FUSED
 from fsdpfn.ops.api import gather_collective
+from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.extension import shard_mesh, subclass_transform
-from fsdpfn.ops.functions import Buckets
 from fsdpfn.transform.apply import OpenCall
 from fsdpfn.transform.eager import eager
 from fsdpfn.transform.validate import explain_inplace_error

@@ -16,7 +16,8 @@ import torch
 from fsdpfn.core.custom import CustomComms
 from fsdpfn.layout import Sharded, ShardPlan, UnitPlan, Unreduced, shard_tensor
 from fsdpfn.layout.plan import ParamInfo, bucket_by_dtype
-from fsdpfn.ops.functions import Buckets, apply_buckets, collective_pair, reduce_collective
+from fsdpfn.ops.buckets import Buckets, collective_pair, reduce_collective
+from fsdpfn.ops.functions import apply_buckets
 
 __all__ = ["accumulate", "check_shards", "gather_collective", "is_positive_number", "reduce", "reduce_scale", "reshard", "unshard"]
 

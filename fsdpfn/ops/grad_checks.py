@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from fsdpfn.ops.functions import Buckets
+    from fsdpfn.ops.buckets import Buckets
 
 __all__ = ["UsedElsewhere", "check_dense", "second_order_error"]
 

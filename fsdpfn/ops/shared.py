@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from fsdpfn.core import Handle
-from fsdpfn.ops.functions import Buckets
+from fsdpfn.ops.buckets import Buckets
 
 __all__ = ["launch_shared", "shares_gather"]
 

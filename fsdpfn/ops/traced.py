@@ -18,7 +18,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fsdpfn.core.traced import Collectives, traced_all_gather, traced_reduce_scatter
-from fsdpfn.ops.functions import Buckets
+from fsdpfn.ops.buckets import Buckets
 
 __all__ = ["TracedCollective", "run_traced", "traced_gather", "warm"]
 

@@ -23,11 +23,12 @@ from fsdpfn.core import Handle
 from fsdpfn.core.traced import Collectives
 from fsdpfn.layout import Sharded, UnitPlan
 from fsdpfn.layout.schedule import Schedule
-from fsdpfn.transform.eager import eager
-from fsdpfn.ops.deferred import DeferredReductions
-from fsdpfn.ops.functions import Buckets, CallInfo, apply_buckets
 from fsdpfn.ops.api import check_shards, gather_collective
+from fsdpfn.ops.buckets import Buckets
+from fsdpfn.ops.deferred import DeferredReductions
+from fsdpfn.ops.functions import CallInfo, apply_buckets
 from fsdpfn.ops.shared import launch_shared, shares_gather
+from fsdpfn.transform.eager import eager
 
 __all__ = ["Call", "GradMode", "OpenCall", "Packed"]
 

@@ -21,7 +21,8 @@ from torch import nn
 
 import fsdpfn.trees as trees
 from fsdpfn.ops.api import check_shards, gather_collective
-from fsdpfn.ops.functions import Buckets, apply_buckets
+from fsdpfn.ops.buckets import Buckets
+from fsdpfn.ops.functions import apply_buckets
 from fsdpfn.transform.casting import cast_inputs
 from fsdpfn.transform.eager import eager
 
