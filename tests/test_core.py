@@ -364,7 +364,7 @@ def test_layout_imports_nothing_of_fsdpfn_or_distributed():
 
 # DESIGN.md's layers, lowest first: a package may import only from packages of a lower rank (or itself).
 LAYER_RANK = {
-    "layout": 0, "policy": 0, "trees": 0,
+    "layout": 0, "policy": 0, "trees": 0, "messages": 0,
     "core": 1,
     "ops": 2, "debug": 2,
     "memory": 2.5,  # the planner: below transform, whose first call fuses units with it

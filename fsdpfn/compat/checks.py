@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpfn.compat.state import state_of
+from fsdpfn.messages import listing
 from fsdpfn.ops.placement import check_placement, check_placement_type
 
 if TYPE_CHECKING:
@@ -242,7 +243,7 @@ def explain_sharded_read(exc: BaseException, ctx: RootContext, call: Any) -> Run
         return None
     gathered = set(call.gathered) | set(call.regathered)
     idle = [u.name for u in call.plan.units if u.name and call.plan.group_of.get(u.name, u.name) not in gathered]
-    shown = ", ".join(repr(n) for n in idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
+    shown = listing(idle)
     kind = ctx.state.kind
     return RuntimeError(_say(
         text,

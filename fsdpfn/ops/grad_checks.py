@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fsdpfn.messages import listing
+
 if TYPE_CHECKING:
     from fsdpfn.ops.buckets import Buckets
 
@@ -42,7 +44,7 @@ class UsedElsewhere:
         elsewhere = [n for n, u in zip(names, used) if u]
         if not elsewhere:
             return
-        listed = ", ".join(repr(n) for n in elsewhere[:4]) + (f" and {len(elsewhere) - 4} more" if len(elsewhere) > 4 else "")
+        listed = listing(elsewhere)
         error = RuntimeError(
             f"parameter(s) {listed} got no gradient on this rank but a gradient on another (their reduced "
             "gradient is not zero): the forward used them on some ranks only (a mixture of experts, a branch "

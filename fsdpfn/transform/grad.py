@@ -14,6 +14,7 @@ import torch
 
 from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, Unreduced
+from fsdpfn.messages import listing
 from fsdpfn.ops.api import check_shards, is_positive_number, reduce_scale
 from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.transform.call import GradMode
@@ -164,7 +165,7 @@ def _check_only_through_units(trainable: Sequence[str], found: Sequence[torch.Te
     place among them and would be dropped: refused by name."""
     direct = [k for k, g in zip(trainable, found) if g is not None]
     if direct:
-        listed = ", ".join(repr(k) for k in direct[:4]) + (f" and {len(direct) - 4} more" if len(direct) > 4 else "")
+        listed = listing(direct)
         raise ValueError(
             f"value_and_grad(reduce=False): fn's value depends on the shards of {listed} directly, not only through "
             "an fsdp apply (a penalty on the parameters, say). Their gradient is a shard gradient, with no place "

@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from fsdpfn.layout import ShardPlan
+from fsdpfn.messages import listing
 
 __all__ = ["check_module", "explain_forward_error", "explain_inplace_error", "explain_meta_error"]
 
@@ -26,7 +27,7 @@ def explain_meta_error(exc: BaseException, call: Any) -> RuntimeError | None:
         return None
     plan = call.plan
     idle = [u.name for u in plan.units if u.name and plan.group_of.get(u.name, u.name) not in call.order]
-    shown = ", ".join(repr(n) for n in idle[:4]) + (f" and {len(idle) - 4} more" if len(idle) > 4 else "")
+    shown = listing(idle)
     return RuntimeError(
         f"apply: the forward used a tensor on the meta device ({exc}). Outside its own module's forward a "
         "unit's parameters are meta: fsdp gathers them only while the unit's module runs (its forward hooks). "
