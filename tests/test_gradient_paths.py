@@ -28,6 +28,15 @@ import fsdpfn
 from fsdpfn.testing import spmd
 
 UNIT_PLANS = [[], ["0"], ["0", "2"], ["2", "4"]]
+# what every property here draws: world size, model width, seed, unit plan, reshard after forward
+CASES = dict(
+    world=st.integers(1, 3),
+    width=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+    units=st.sampled_from(UNIT_PLANS),
+    reshard=st.booleans(),
+)
+LAYERS = st.sampled_from(["functional", "compat"])
 
 
 def _model(width: int, seed: int) -> nn.Module:
@@ -76,14 +85,7 @@ def _penalised(width: int, seed: int, lam: float, units: list[str], reshard: boo
 
 
 @settings(max_examples=10, deadline=None)
-@given(
-    world=st.integers(1, 3),
-    width=st.integers(1, 7),
-    seed=st.integers(0, 2**16),
-    lam=st.floats(0.001, 1.0),
-    units=st.sampled_from(UNIT_PLANS),
-    reshard=st.booleans(),
-)
+@given(**CASES, lam=st.floats(0.001, 1.0))
 @example(world=2, width=6, seed=0, lam=0.01, units=["0", "2"], reshard=False)
 def test_terms_on_the_shards_and_gradients_inside_the_function_are_exact(world, width, seed, lam, units, reshard):
     want = _penalised_reference(world, width, seed, lam)
@@ -132,15 +134,7 @@ def _gradient_penalty(layer: str, width: int, seed: int, lam: float, units: list
 
 
 @settings(max_examples=10, deadline=None)
-@given(
-    world=st.integers(1, 3),
-    width=st.integers(1, 7),
-    seed=st.integers(0, 2**16),
-    lam=st.floats(0.01, 1.0),
-    units=st.sampled_from(UNIT_PLANS),
-    layer=st.sampled_from(["functional", "compat"]),
-    reshard=st.booleans(),
-)
+@given(**CASES, lam=st.floats(0.01, 1.0), layer=LAYERS)
 def test_a_penalty_on_the_gradients_is_exact_with_the_average(world, width, seed, lam, units, layer, reshard):
     want = _gradient_penalty_reference(world, width, seed, lam)
     _close(_full(spmd(world, _gradient_penalty, layer, width, seed, lam, units, reshard), want, world), want)
@@ -190,15 +184,7 @@ def _maml(layer: str, width: int, seed: int, lr: float, units: list[str], reshar
 
 
 @settings(max_examples=10, deadline=None)
-@given(
-    world=st.integers(1, 3),
-    width=st.integers(1, 7),
-    seed=st.integers(0, 2**16),
-    lr=st.floats(0.05, 0.5),
-    units=st.sampled_from(UNIT_PLANS),
-    layer=st.sampled_from(["functional", "compat"]),
-    reshard=st.booleans(),
-)
+@given(**CASES, lr=st.floats(0.05, 0.5), layer=LAYERS)
 @example(world=2, width=5, seed=0, lr=0.3, units=["0", "2"], layer="functional", reshard=True)
 @example(world=2, width=5, seed=0, lr=0.3, units=["0", "2"], layer="compat", reshard=False)
 def test_maml_is_exact_with_summed_reductions(world, width, seed, lr, units, layer, reshard):

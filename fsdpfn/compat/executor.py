@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdpfn.core import Comm
 from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
@@ -36,7 +37,7 @@ class LocalShards(torch.autograd.Function):
     spec."""
 
     @staticmethod
-    def forward(ctx: Any, specs: tuple[Any, ...], fqns: tuple[str, ...], deferred: DeferredReductions, comm: Any, *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, specs: tuple[Any, ...], fqns: tuple[str, ...], deferred: DeferredReductions, comm: Comm, *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.specs = specs
         ctx.comm = comm
         ctx.fqns = fqns
@@ -51,8 +52,7 @@ class LocalShards(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         deferred: DeferredReductions = ctx.deferred
         deferred.wait()  # the units' reduce-scatters, left in flight by their backward; then their results
-        if ctx.comm is not None:
-            check_pass(ctx.comm)  # every rank reduced the same units (else they were mixed): before any use
+        check_pass(ctx.comm)  # every rank reduced the same units (else they were mixed): before any use
         grads = tuple(deferred.add_to(f, g) for f, g in zip(ctx.fqns, grads))
         graph = torch.is_grad_enabled()  # create_graph: the DTensor gradients stay differentiable (a MAML step)
         return (None, None, None, None, *(None if g is None else _as_dtensor(g, s, graph) for g, s in zip(grads, ctx.specs)))

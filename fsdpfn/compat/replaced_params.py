@@ -47,7 +47,7 @@ def watch_optimizer_steps() -> None:
     with _lock:
         if _hook is None:
             _hook = register_optimizer_step_pre_hook(_check_step)
-        _replacements[0] += 1
+    note_replacement()
 
 
 def note_replacement() -> None:

@@ -201,6 +201,7 @@ class RootContext:
         self.states = states
         self.ignored = frozenset(ignored)
         self.fqns = fqns
+        self.managed_fqns = tuple(self.managed)  # LocalShards' outputs, in order: where deferred results go
         self.tree = ModuleTree(self.module)
 
     def _explicitly_unsharded(self, m: Any) -> bool:
@@ -295,8 +296,7 @@ class RootContext:
         if stale or (fusing and self._fusion != self._fusion_inputs(self.states)):
             self._build()  # e.g. model.to(dtype): same units, new dtypes; or a knob that splits a fused group
         params = [m.param for m in self.managed.values()]
-        fqns = tuple(self.managed)
-        local = LocalShards.apply(tuple(p._spec for p in params), fqns, deferred if deferred is not None else DeferredReductions(), self.comm, *params)
+        local = LocalShards.apply(tuple(p._spec for p in params), self.managed_fqns, deferred if deferred is not None else DeferredReductions(), self.comm, *params)
         return Sharded._from_children(list(local), self.plan)
 
     def run(self, inside: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
