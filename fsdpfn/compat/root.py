@@ -282,7 +282,10 @@ class RootContext:
                     mo._parameters[at] = current
                 m.param = current
                 note_replacement()  # an optimizer holding the earlier one is refused at its next step
-            stale = stale or m.param.dtype != self.plan.dtypes[fqn]
+            # model.to(dtype) changes dtypes; freezing or unfreezing mid-training changes which buckets reduce
+            stale = (
+                stale or m.param.dtype != self.plan.dtypes[fqn] or m.param.requires_grad != self.plan.requires_grad[fqn]
+            )
             meta = meta or m.param.is_meta
         if meta:
             check_materialized(self)
