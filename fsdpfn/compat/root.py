@@ -7,7 +7,8 @@ parameters) sharing one ``Comm``. Each forward builds the ``Sharded`` tree from 
 parameters' local shards (``to_local()``, so autograd carries the reduced shard gradients back into the
 parameters' ``.grad``) and runs the module through ``Apply.run``. The per-unit knobs of ``FSDPModule``
 (resharding, gradient sync, divide factor, explicit prefetch) are read live by its executor
-(``fsdpfn.compat.executor``).
+(``fsdpfn.compat.executor``). What the tree holds is collected by ``fsdpfn.compat.collect``; the root
+plans again when it changes (dtypes, which parameters require a gradient, the module tree).
 """
 
 from __future__ import annotations
@@ -20,20 +21,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdpfn.compat.checks import check_materialized, explain_sharded_read, state_name
+from fsdpfn.compat.collect import collect_params, collect_units
 from fsdpfn.compat.executor import CompatApply, LocalShards
 from fsdpfn.compat.planned import PlannedGroups, plans_groups
 from fsdpfn.compat.replaced_params import note_replacement
-from fsdpfn.compat.state import UnitState, drop_unsharded, sharded_as, state_of
-from fsdpfn.compat.tp import TPParam
+from fsdpfn.compat.state import UnitState, drop_unsharded
 from fsdpfn.compat.tree import ModuleTree, check_managed, unmanaged_parameter_error
 from fsdpfn.core import Comm, link_of
-from fsdpfn.layout import ParamInfo, Sharded, build_plan
+from fsdpfn.layout import Sharded, ShardPlan, build_plan
 from fsdpfn.layout.autobucket import LinkCost
 from fsdpfn.layout.plan import FUSED
 from fsdpfn.ops.api import gather_collective
 from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
-from fsdpfn.ops.extension import shard_mesh, subclass_transform
 from fsdpfn.transform.apply import OpenCall
 from fsdpfn.transform.eager import eager
 from fsdpfn.transform.validate import explain_inplace_error
@@ -57,6 +57,7 @@ class RootContext:
         self.planned = PlannedGroups()  # the groups the first forward plans (compat/planned.py)
         self.planning = False  # the first forward's fusion planner is running the module on fake tensors
         self.ignored: frozenset[str] = frozenset()  # FQNs of the parameters left unmanaged (ignored_params)
+        self._plan_for_grads: dict[tuple[bool, ...], ShardPlan] = {}  # see _replan_for_grads
         self._build()
         self.apply = CompatApply(self)
 
@@ -70,87 +71,10 @@ class RootContext:
                 f"these modules were passed to one {self.state.kind} call; apply {self.state.kind} to a module "
                 "holding them all (e.g. the model) and run forward through it"
             )
-        module_names = {}
-        for fqn, mod in self.module.named_modules(remove_duplicate=False):
-            module_names.setdefault(id(mod), fqn)
-        states: dict[str, UnitState] = {}
-        unit_at: dict[str, str] = {}  # module path -> the unit (state name) of that module's fully_shard call
-        for fqn, mod in self.module.named_modules():
-            st = state_of(mod)
-            if st is None:
-                continue
-            name = next((n for n, s in states.items() if s is st), None)
-            if name is not None:
-                unit_at[fqn] = name
-                continue
-            unit_at[fqn] = fqn
-            if st.root is not None and st.root is not self:
-                who = state_name(self.state.kind)
-                raise RuntimeError(
-                    f"{who} state has already been lazily initialized for {fqn}\n{who} requires running forward "
-                    f"through the root module first\n{fqn!r} ({type(mod).__name__}) ran (forward or unshard) as a root "
-                    f"of its own before the root module {type(self.module).__name__}; call the root's forward first"
-                )
-            states[fqn] = st
+        states, unit_at = collect_units(self.module, self.state, self)
+        found = collect_params(self.module, self.state, states, unit_at, self.ignored)
+        self.managed, self.tp = found.managed, found.tp
         mesh = self.state.mesh
-        for name, st in states.items():
-            if st.mesh != mesh:
-                raise NotImplementedError(
-                    f"fully_shard: module {name!r} was sharded on a different mesh than the root "
-                    f"{type(self.module).__name__}; fsdpfn.compat runs one mesh per root"
-                )
-            if st.kind != self.state.kind:
-                raise NotImplementedError(
-                    f"{st.kind} on {name!r} under {self.state.kind} on the root: mixing fully_shard and replicate "
-                    "in one module tree is not supported"
-                )
-        slot_of = {}
-        for name, st in states.items():
-            for m in st.managed:
-                for mod, attr in m.slots:
-                    slot_of[(id(mod), attr)] = (name, m)
-        aliases, ignored = {}, []
-        ignored_ids = self.state.ignored.union(*(st.ignored for st in states.values()))
-        owner_name: dict[int, str] = {}
-        units_of: dict[int, list[str]] = {}  # per ManagedParam: the units enclosing all its names, outermost first
-        self.managed: dict[str, Any] = {}
-        self.tp: dict[str, TPParam] = {}  # tensor-parallel parameters: how the forward must see them
-        fqns: list[str] = []  # every parameter name, as params() compares after a change of the module tree
-        for fqn, p in self.module.named_parameters(remove_duplicate=False):
-            fqns.append(fqn)
-            path, _, attr = fqn.rpartition(".")
-            mod = self.module.get_submodule(path)
-            hit = slot_of.get((id(mod), attr))
-            if hit is None:
-                _check_not_managed_elsewhere(fqn, p, type(self.module).__name__)
-                if id(p) not in ignored_ids and fqn not in self.ignored:
-                    raise unmanaged_parameter_error(fqn, p, mod, self.state.kind)
-                ignored.append(fqn)
-                continue
-            m = hit[1]
-            enclosing = _enclosing_units(path, unit_at)
-            if id(m) in owner_name:
-                aliases[fqn] = owner_name[id(m)]
-                units_of[id(m)] = [u for u in units_of[id(m)] if u in enclosing]
-                continue
-            owner_name[id(m)] = fqn
-            units_of[id(m)] = enclosing
-            self.managed[fqn] = m
-            if m.tp is not None:
-                self.tp[fqn] = m.tp
-        infos = []
-        transforms = {}
-        for fqn, m in self.managed.items():
-            # A tied parameter belongs to the innermost unit holding all its names (as in fsdpfn.shard):
-            # gathered wherever any of them runs, one gradient summed over every use.
-            unit = units_of[id(m)][-1]
-            local = m.param.to_local()
-            infos.append(ParamInfo(fqn, m.gathered or tuple(m.param.shape), local.dtype, m.param.requires_grad, unit, m.dim))
-            if m.extension:  # FSDP2's all-gather extension: the subclass gathers in its own representation
-                owner = states.get(unit, self.state)
-                transforms[fqn] = subclass_transform(
-                    shard_mesh(mesh), tuple(m.param.shape), m.slots[0][0], owner.mp_policy, fallback=_local_of(m)
-                )
         if self.comm is None:
             box = self.state.comm_box  # share_comm_ctx: the first root to build makes the shared Comm
             shared = box[0] if box is not None else None
@@ -169,7 +93,7 @@ class RootContext:
         self._fusion = self._fusion_inputs(states)
         min_bytes, keys = self._fusion
         self.plan = build_plan(
-            infos,
+            found.infos,
             [],
             unit_names,
             min_bucket_bytes=min_bytes,
@@ -177,7 +101,7 @@ class RootContext:
             link=self._link,
             rank=groups.rank,
             world=groups.world,
-            aliases=aliases,
+            aliases=found.aliases,
             unit_dtypes={n: (s.mp_policy.gather_dtype, s.mp_policy.grad_reduce_dtype) for n, s in states.items()},
             unit_policies={n: s.mp_policy for n, s in states.items()},
             replicas=groups.replicas,
@@ -185,8 +109,8 @@ class RootContext:
             comm=self.comm,
             mp_policy=self.state.mp_policy,
             module_type=type(self.module).__name__,
-            ignored=tuple(ignored),
-            transforms=transforms,
+            ignored=tuple(found.ignored),
+            transforms=found.transforms,
         )
         if first and plans_groups(self.state, states):
             object.__setattr__(self.plan, "auto_fusion", True)  # the first forward may regroup (transform/fusion.py)
@@ -199,10 +123,24 @@ class RootContext:
                 self.acc.update(st.acc)
                 st.acc = self.acc
         self.states = states
-        self.ignored = frozenset(ignored)
-        self.fqns = fqns
+        self.ignored = frozenset(found.ignored)
+        self.fqns = found.fqns
         self.managed_fqns = tuple(self.managed)  # LocalShards' outputs, in order: where deferred results go
         self.tree = ModuleTree(self.module)
+        self._plan_for_grads[self._grad_pattern()] = self.plan
+
+    def _grad_pattern(self) -> tuple[bool, ...]:
+        return tuple(m.param.requires_grad for m in self.managed.values())
+
+    def _replan_for_grads(self) -> None:
+        """Freezing or unfreezing parameters changes which buckets reduce: one plan per ``requires_grad``
+        pattern, kept until something else changes (a GAN freezes its discriminator for every generator
+        step; a rebuild costs tens of milliseconds on a large model)."""
+        plan = self._plan_for_grads.get(self._grad_pattern())
+        if plan is None:
+            self._build()
+        else:
+            self.plan = plan
 
     def _explicitly_unsharded(self, m: Any) -> bool:
         return any(st.unsharded is not None and any(x is m for x in st.managed) for st in self.states.values())
@@ -268,7 +206,7 @@ class RootContext:
     # --- calls ------------------------------------------------------------------------------------
     def params(self, deferred: DeferredReductions | None = None) -> Sharded[torch.Tensor]:
         """This call's tree: the local shards of the registered ``DTensor`` parameters."""
-        stale = meta = False
+        stale = meta = regrad = False
         for fqn, m in self.managed.items():
             mod, attr = m.slots[0]
             current = mod._parameters.get(attr)
@@ -282,10 +220,8 @@ class RootContext:
                     mo._parameters[at] = current
                 m.param = current
                 note_replacement()  # an optimizer holding the earlier one is refused at its next step
-            # model.to(dtype) changes dtypes; freezing or unfreezing mid-training changes which buckets reduce
-            stale = (
-                stale or m.param.dtype != self.plan.dtypes[fqn] or m.param.requires_grad != self.plan.requires_grad[fqn]
-            )
+            stale = stale or m.param.dtype != self.plan.dtypes[fqn]  # model.to(dtype)
+            regrad = regrad or m.param.requires_grad != self.plan.requires_grad[fqn]  # frozen or unfrozen
             meta = meta or m.param.is_meta
         if meta:
             check_materialized(self)
@@ -297,7 +233,10 @@ class RootContext:
                 stale = True  # a unit moved (its parameters' names changed): plan the tree as it is
         fusing = self._fusion[0] or self.state.min_bucket_bytes
         if stale or (fusing and self._fusion != self._fusion_inputs(self.states)):
+            self._plan_for_grads.clear()
             self._build()  # e.g. model.to(dtype): same units, new dtypes; or a knob that splits a fused group
+        elif regrad:
+            self._replan_for_grads()
         params = [m.param for m in self.managed.values()]
         local = LocalShards.apply(tuple(p._spec for p in params), self.managed_fqns, deferred if deferred is not None else DeferredReductions(), self.comm, *params)
         return Sharded._from_children(list(local), self.plan)
@@ -374,26 +313,6 @@ def _end_eagerly(ctx: RootContext, opened: OpenCall, out: Any) -> Any:
     return ctx.end(opened, out)
 
 
-def _enclosing_units(module_path: str, unit_at: dict[str, str]) -> list[str]:
-    """The units whose modules contain the module at ``module_path``, outermost first (the root's
-    unit ``""`` always)."""
-    parts = module_path.split(".") if module_path else []
-    found = [unit_at[pre] for pre in (".".join(parts[:i]) for i in range(len(parts) + 1)) if pre in unit_at]
-    return found if found and found[0] == "" else ["", *found]
-
-
-def _check_not_managed_elsewhere(fqn: str, param: Any, root: str) -> None:
-    earlier = sharded_as(param)
-    if earlier is not None and earlier.param is param:
-        mod, attr = earlier.slots[0]
-        raise ValueError(
-            f"Parameter {fqn!r} is shared with a parameter already managed by another FSDP group: it is tied to "
-            f"{attr!r} of {type(mod).__name__}, which fully_shard placed under another root than {root}. fsdpfn "
-            "runs a tied parameter with the innermost fully_shard module holding all its uses: apply fully_shard "
-            "to a module containing both (e.g. the model) and run forward through it"
-        )
-
-
 def _check_replacement(fqn: str, old: DTensor, new: DTensor) -> None:
     if new.shape != old.shape or new.placements != old.placements or new.device_mesh != old.device_mesh:
         raise ValueError(
@@ -401,10 +320,6 @@ def _check_replacement(fqn: str, old: DTensor, new: DTensor) -> None:
             f"{new.placements}, but fully_shard sharded it as {tuple(old.shape)} {old.placements}; load a state dict "
             "from a model sharded the same way (or reshard it with torch.distributed.checkpoint)"
         )
-
-
-def _local_of(m: Any) -> Callable[[], torch.Tensor]:
-    return lambda: m.param._local_tensor
 
 
 def lazy_root(state: UnitState, module: nn.Module) -> RootContext:
