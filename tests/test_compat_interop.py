@@ -1,7 +1,9 @@
 """State interchange between torch's FSDP2 and fsdpfn.compat: a ``state_dict()`` of one loads into the other
 with ``load_state_dict`` (also ``assign=True``) and the loaded model then computes what the source computes; a
-``torch.distributed.checkpoint`` saved by one at one world size loads into the other at another, exactly; and a
-plain (non-DTensor) state dict is refused with an error that names the parameter, on every rank.
+``torch.distributed.checkpoint`` saved by one at one world size loads into the other at another, exactly; torch's
+``torch.distributed.checkpoint.state_dict`` helpers (full model and optimizer state on rank 0, loaded with
+``broadcast_from_rank0``) resume training at another world size as one process would; and a plain (non-DTensor)
+state dict is refused with an error that names the parameter, on every rank.
 
 ``IMPL`` names the module under test. Point it at ``"torch.distributed.fsdp"`` (or set the environment variable
 ``FSDPFN_COMPAT_UNDER_TEST``) to run torch against itself: that must pass.
@@ -16,6 +18,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed import checkpoint as dcp
 
 from fsdpfn.testing import spmd
@@ -148,6 +152,56 @@ def _load_plain_worker(lib_name, fqn):
     return err
 
 
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(2, 3, WIDTHS[0], generator=g), torch.randn(2, 3, WIDTHS[2], generator=g)
+
+
+def _adamw_steps(model, opt, steps, world, rank=None):
+    """Train ``steps`` steps of the mean squared error on the batches of ``world`` ranks: every rank's batch
+    summed and divided by ``world`` when ``rank`` is None (one process), else ``rank``'s own."""
+    import torch.nn.functional as F
+
+    for step in steps:
+        ranks = range(world) if rank is None else [rank]
+        loss = sum(F.mse_loss(model(x), y) for x, y in (_batch(r, step) for r in ranks))
+        (loss / world if rank is None else loss).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _export_full_state(lib_name, steps):
+    """Train, then take the full model and optimizer state with torch's helpers (rank 0 holds it; the others
+    get empty dicts)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+        model = _sharded(lib_name, SRC_SEED)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        _adamw_steps(model, opt, range(steps), dist.get_world_size(), dist.get_rank())
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=full), get_optimizer_state_dict(model, opt, options=full)
+
+
+def _resume_full_state(lib_name, msd, osd, start):
+    """A model from other values loads ``msd``/``osd`` (given on rank 0 only) and trains one step more."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+        model = _sharded(lib_name, DST_SEED)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        first = dist.get_rank() == 0
+        set_model_state_dict(model, msd if first else {}, options=options)
+        set_optimizer_state_dict(model, opt, osd if first else {}, options=options)
+        _adamw_steps(model, opt, [start], dist.get_world_size(), dist.get_rank())
+        return {n: _full(n, p) for n, p in model.named_parameters()}
+
+
 # ---- test side --------------------------------------------------------------------------------------------
 def _assert_full_equal(got, want, where):
     assert list(got) == list(want), f"{where}: parameter names {list(got)} != {list(want)}"
@@ -223,3 +277,26 @@ def test_plain_state_dict_is_refused_naming_the_parameter(fqn):
         what = "a plain full state dict" if fqn is None else f"a state dict whose {fqn} is a plain tensor"
         assert err is not None, f"rank {rank}: loading {what} raised nothing"
         assert re.search(pattern, err[1]), f"rank {rank}: loading {what}: the {err[0]} names no parameter: {err[1]}"
+
+
+@settings(max_examples=4, deadline=None)
+@given(save_world=st.integers(1, 3), load_world=st.integers(1, 3), steps=st.integers(1, 2))
+def test_full_state_helpers_resume_training_at_another_world_size(save_world, load_world, steps):
+    """``get_model_state_dict``/``get_optimizer_state_dict`` with ``full_state_dict=True, cpu_offload=True``
+    after ``steps`` AdamW steps at ``save_world``, loaded by ``set_*_state_dict`` with ``broadcast_from_rank0``
+    at ``load_world`` into a model from other values, then one step more: the parameters one process gets
+    training the same batches (every moment and step count carried over, or the step would differ)."""
+    _impl()
+    reference = _plain(SRC_SEED)
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    _adamw_steps(reference, opt, range(steps), save_world)
+    _adamw_steps(reference, opt, [steps], load_world)
+    want = {n: p.detach() for n, p in reference.named_parameters()}
+    msd, osd = spmd(save_world, _export_full_state, IMPL, steps, timeout=TIMEOUT)[0]
+    assert sorted(msd) == sorted(want), f"the exported model state has keys {sorted(msd)}"
+    for rank, got in enumerate(spmd(load_world, _resume_full_state, IMPL, msd, osd, steps, timeout=TIMEOUT)):
+        for n, w in want.items():
+            torch.testing.assert_close(
+                got[n], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"saved at world {save_world}, resumed at "
+                f"{load_world}, rank {rank}: {n}: {m}"
+            )
