@@ -5,6 +5,8 @@ saved tensors away. Instead each non-root unit's forward runs inside ``remat``, 
 (``setup_context`` style): its forward gathers the unit, runs the unit without recording a graph and
 drops the gathered copy, saving only the unit's shards and inputs; its backward gathers the unit again,
 recomputes just that unit with a graph, and returns the input gradients and the reduced shard gradients.
+The recomputation sees the random state the forward saw (CPU and the inputs' devices, as
+``torch.utils.checkpoint`` restores it), so dropout draws the same masks.
 ``apply`` uses it automatically when every active ``torch.func`` transform is a gradient transform
 (``grad``, ``vjp``, ``grad_and_value``): ``override_forwards`` routes the units' forwards through it for
 one call. Under ``jvp``/``vmap`` the units simply stay gathered.
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import DefaultDeviceType, get_device_states, set_device_states
 
 import fsdpfn.trees as trees
 from fsdpfn.ops.api import check_shards, gather_collective
@@ -48,6 +51,7 @@ class RematSpec:
     n_shards: int
     out_tree: Any = None
     out_consts: dict[int, Any] = field(default_factory=dict)
+    rng: tuple[Any, ...] = ()  # (CPU state, device ids, device states) when the forward ran
 
 
 def _flatten_out(spec: RematSpec, out: Any) -> tuple[torch.Tensor, ...]:
@@ -74,6 +78,7 @@ class remat(torch.autograd.Function):  # noqa: N801 - public name from the desig
     @staticmethod
     def forward(spec: RematSpec, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         shards, inputs = tensors[: spec.n_shards], tensors[spec.n_shards :]
+        spec.rng = (torch.get_rng_state(), *get_device_states(*tensors))
         full = dict(zip(spec.gather.fqns, spec.gather.run(shards)))
         with torch.no_grad():
             out = spec.run(full, inputs)
@@ -101,7 +106,12 @@ class remat(torch.autograd.Function):  # noqa: N801 - public name from the desig
             ins = [next(it) if need else x for x, need in zip(inputs, needs)]
             return _flatten_out(spec, spec.run({**fixed, **params}, ins))
 
-        outs, pullback = torch.func.vjp(unit, {f: full[f] for f in train}, [x for x, n in zip(inputs, needs) if n])
+        cpu_state, devices, device_states = spec.rng
+        device_type = DefaultDeviceType.get_device_type()
+        with torch.random.fork_rng(devices=devices, device_type=device_type):  # dropout: the forward's masks
+            torch.set_rng_state(cpu_state)
+            set_device_states(devices, device_states, device_type=device_type)
+            outs, pullback = torch.func.vjp(unit, {f: full[f] for f in train}, [x for x, n in zip(inputs, needs) if n])
         cot = tuple(g if g is not None else torch.zeros_like(o) for o, g in zip(outs, grad_outs))
         param_grads, input_grads = pullback(cot)
         reduce = spec.gather.adjoint
