@@ -155,6 +155,25 @@ def _embeds_compat(**kw):
     model(torch.arange(6).view(2, 3)).backward()
 
 
+def _embeds_no_grad(layer):
+    """An evaluation under ``torch.no_grad()`` (autograd sees no change) of ``_Embeds(max_norm=0.5)``."""
+    model = _Embeds(max_norm=0.5)
+    ids = torch.arange(6).view(2, 3)
+    if layer == "compat":
+        from fsdpfn.compat import fully_shard
+
+        fully_shard(model.body)
+        fully_shard(model)
+        with torch.no_grad():
+            return model(ids)
+    apply = fsdpfn.fsdp(model)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["emb", "body"] if layer == "remat" else ["body"])
+    if layer == "remat":  # torch.func.grad runs resharded units through remat, under no_grad in forward
+        return torch.func.grad(lambda p: apply(p, ids))(params)
+    with torch.no_grad():
+        return apply(params, ids)
+
+
 # id -> (trigger(model, params, apply), exception type, message regex)
 TRIGGERS = {
     "spec-dim": (lambda m, p, a: fsdpfn.ShardSpec((3, 4), 2, dim=2), ValueError, r"dim=2 is out of range for shape \(3, 4\)"),
@@ -208,6 +227,8 @@ TRIGGERS = {
     "shard-lazy": (lambda m, p, a: fsdpfn.shard(nn.Sequential(nn.LazyLinear(3)), fsdpfn.init_mesh()), ValueError, r"shard: '0.weight' of Sequential is not initialised yet \(a lazy module, such as nn.LazyLinear.*run the model once on a sample batch"),
     "grad-sparse": (lambda m, p, a: _embeds_functional(sparse=True), RuntimeError, r"parameter\(s\) 'emb.weight' got a sparse gradient \(e.g. nn.Embedding\(..., sparse=True\)\).*build the layer with sparse=False"),
     "apply-inplace-param": (lambda m, p, a: _embeds_functional(max_norm=0.5), RuntimeError, r"apply: the forward changed 'emb.weight' in place \(nn.Embedding\(max_norm=...\) renormalises its weight in place.*never reaches the shards"),
+    "apply-inplace-no-grad": (lambda m, p, a: _embeds_no_grad("functional"), RuntimeError, r"apply: the forward changed a parameter of unit '<root>' \('emb.weight'\) in place \(nn.Embedding\(max_norm=...\)"),
+    "remat-inplace-param": (lambda m, p, a: _embeds_no_grad("remat"), RuntimeError, r"apply: the forward changed a parameter of unit 'emb' \('emb.weight'\) in place"),
     "fsdp-reduce-op": (lambda m, p, a: fsdpfn.fsdp(m, reduce_op="mean"), ValueError, r"reduce_op='mean' is not a reduction"),
     "fsdp-reshard": (lambda m, p, a: fsdpfn.fsdp(m, reshard_after_forward=2), TypeError, r"reshard_after_forward must be a bool or a predicate on unit names"),
     "fsdp-reshard-predicate": (lambda m, p, a: fsdpfn.fsdp(m, reshard_after_forward=lambda u: "yes")(p, torch.ones(1, 3)), TypeError, r"predicate returned 'yes' for unit 'blocks.1'; it must return a bool"),
@@ -487,6 +508,7 @@ COMPAT_TRIGGERS = {
     "compat-reset-non-root": (lambda m, p, a: (lambda mm: (mm(torch.ones(1, 3)), mm.blocks[1].reset_iter_state()))(_compat_model()), RuntimeError, r"^reset_iter_state must be called on the root FSDP module\nthe root is FSDP_TwoLayer, not this FSDPLinear"),
     "compat-sparse": (lambda m, p, a: _embeds_compat(sparse=True), RuntimeError, r"parameter\(s\) 'emb.weight' got a sparse gradient"),
     "compat-inplace-param": (lambda m, p, a: _embeds_compat(max_norm=0.5), RuntimeError, r"apply: the forward changed 'emb.weight' in place .*with fully_shard, the DTensor parameters under torch.no_grad\(\)"),
+    "compat-inplace-no-grad": (lambda m, p, a: _embeds_no_grad("compat"), RuntimeError, r"apply: the forward changed a parameter of unit '<root>' \('emb.weight'\) in place .*with fully_shard, the DTensor parameters under torch.no_grad\(\)"),
     "compat-unmanaged-param": (lambda m, p, a: _compat_new_param(), ValueError, r"fully_shard: parameter 'blocks.1.lora.weight' of Linear is a plain Parameter, not a parameter fully_shard manages: it was replaced or added after fully_shard.*each rank would train its own copy.*Change the model before calling fully_shard, list the parameter in ignored_params"),
     "compat-replaced-module": (lambda m, p, a: _compat_replaced_module(), ValueError, r"fully_shard: parameter 'blocks.0.weight' of Linear is a plain Parameter, not a parameter fully_shard manages: it was replaced or added after fully_shard"),
     "compat-optimizer-before": (lambda m, p, a: _compat_optimizer_before(), ValueError, r"optimizer step: SGD's param_groups\[0\]\['params'\]\[0\] is parameter 'weight' of Linear as it was before fully_shard replaced it with a sharded DTensor parameter.*the model would not train. Build the optimizer after fully_shard"),

@@ -32,7 +32,7 @@ from fsdpfn.transform.recompute import BackwardSwaps
 from fsdpfn.transform.remat import override_forwards
 from fsdpfn.transform.traced import run_traced
 from fsdpfn.transform.unit_hooks import Swap, UnitHooks
-from fsdpfn.transform.validate import check_module, explain_forward_error
+from fsdpfn.transform.validate import changed_in_place, changed_in_place_error, check_module, explain_forward_error
 
 __all__ = ["Apply", "fsdp"]
 
@@ -277,6 +277,9 @@ class Apply(UnitHooks):
         """Finish a call whose forward returned ``out``: close it, keep it for backward, cast the output."""
         self.close(opened)
         call = opened.call
+        changed = changed_in_place(call)
+        if changed:  # a change autograd did not see (no graph): it would be lost, silently
+            raise changed_in_place_error([], changed)
         plan = call.plan
         if not call.remat_units:  # units run through remat gather outside the call: its order lacks them
             plan.memo[("order", id(self))] = list(call.order)

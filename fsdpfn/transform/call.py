@@ -97,6 +97,8 @@ class Call:
         self.reshard = schedule.any_reshard  # saved tensors of some group must be packed
         self.order: list[str] = []
         self.gathered: dict[str, dict[str, torch.Tensor]] = {}
+        self.versions: dict[str, tuple[int, ...]] = {}  # each gathered tensor's version counter when gathered
+        self.changed: list[tuple[str, tuple[str, ...]]] = []  # units changed in place, found at their release
         self.regathered: dict[str, dict[str, torch.Tensor]] = {}
         self.pending: dict[str, list[Handle]] = {}
         self.pending_back: dict[str, list[Handle]] = {}
@@ -146,6 +148,8 @@ class Call:
         outs = apply_buckets(b, shards, info)
         full = dict(zip(b.fqns, outs))
         self.gathered[name] = full
+        if not b.in_place and not torch.is_inference_mode_enabled():  # (inference tensors have no versions)
+            self.versions[name] = tuple(t._version for t in outs)  # a change in place here would be lost
         self.tracks_grad[name] = {f: o.requires_grad for f, o in full.items()}
         if name not in self.order:
             self.order.append(name)
@@ -210,6 +214,9 @@ class Call:
         """Forget unit ``name``'s gathered copy after its forward (reshard)."""
         full = self.gathered.pop(name, None)
         if full is not None:
+            was = self.versions.pop(name, ())
+            if any(t._version != v for t, v in zip(full.values(), was)):
+                self.changed.append((name, tuple(full)))
             for t in full.values():
                 if t.numel() and type(t) is torch.Tensor:
                     self.storages.pop(t.untyped_storage().data_ptr(), None)

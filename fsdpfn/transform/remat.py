@@ -28,6 +28,7 @@ from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.functions import apply_buckets
 from fsdpfn.transform.casting import cast_inputs
 from fsdpfn.transform.eager import eager
+from fsdpfn.transform.validate import changed_in_place_error
 
 if TYPE_CHECKING:
     from fsdpfn.transform.apply import Apply
@@ -52,6 +53,7 @@ class RematSpec:
     out_tree: Any = None
     out_consts: dict[int, Any] = field(default_factory=dict)
     rng: tuple[Any, ...] = ()  # (CPU state, device ids, device states) when the forward ran
+    name: str = ""  # the unit's, for errors
 
 
 def _flatten_out(spec: RematSpec, out: Any) -> tuple[torch.Tensor, ...]:
@@ -80,8 +82,11 @@ class remat(torch.autograd.Function):  # noqa: N801 - public name from the desig
         shards, inputs = tensors[: spec.n_shards], tensors[spec.n_shards :]
         spec.rng = (torch.get_rng_state(), *get_device_states(*tensors))
         full = dict(zip(spec.gather.fqns, spec.gather.run(shards)))
+        versions = None if spec.gather.in_place else [t._version for t in full.values()]
         with torch.no_grad():
             out = spec.run(full, inputs)
+        if versions is not None and any(t._version != v for t, v in zip(full.values(), versions)):
+            raise changed_in_place_error([], [(spec.name, tuple(full))])
         return tuple(t.clone() if any(t is i for i in inputs) else t for t in _flatten_out(spec, out))
 
     @staticmethod
@@ -164,7 +169,7 @@ def _remat_forward(apply: Apply, call: Call, name: str, units: tuple[Any, ...], 
                 apply._remat_depth -= 1
                 apply._restore(swapped)
 
-        spec = RematSpec(b, run, tuple(plan.requires_grad[f] for f in b.fqns), len(shards))
+        spec = RematSpec(b, run, tuple(plan.requires_grad[f] for f in b.fqns), len(shards), name=name)
         return unflatten_out(spec, remat.apply(spec, *shards, *(flat[i] for i in where)))
 
     return forward

@@ -12,7 +12,10 @@ from torch import nn
 from fsdpfn.layout import ShardPlan
 from fsdpfn.messages import listing
 
-__all__ = ["check_module", "explain_forward_error", "explain_inplace_error", "explain_meta_error"]
+__all__ = [
+    "changed_in_place", "changed_in_place_error", "check_module", "explain_forward_error", "explain_inplace_error",
+    "explain_meta_error",
+]
 
 
 def explain_meta_error(exc: BaseException, call: Any) -> RuntimeError | None:
@@ -50,9 +53,32 @@ def explain_inplace_error(exc: BaseException, call: Any) -> RuntimeError | None:
     found = _INPLACE.search(str(exc)) if isinstance(exc, RuntimeError) else None
     if found is None:
         return None
-    k = int(found.group(1))
-    names = [list(full)[k] for full in reversed(list(call.gathered.values())) if len(full) > k]
-    which = " or ".join(repr(n) for n in dict.fromkeys(names)) or "a unit's parameter"
+    k = int(found.group(1))  # autograd names the output's index in its unit's gather
+    units = changed_in_place(call) or [(u, tuple(full)) for u, full in reversed(list(call.gathered.items()))]
+    return changed_in_place_error([fqns[k] for _, fqns in units if len(fqns) > k])
+
+
+def changed_in_place(call: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """The units (name, parameter FQNs) whose gathered parameters ``call``'s forward changed in place so
+    far: their version counter moved since the gather (a unit's parameters are views of one buffer and
+    share it; units already released were checked then)."""
+    return call.changed + [
+        (name, tuple(full)) for name, full in call.gathered.items()
+        if any(t._version != v for t, v in zip(full.values(), call.versions.get(name, ())))
+    ]  # fmt: skip
+
+
+def changed_in_place_error(names: list[str], units: list[tuple[str, tuple[str, ...]]] = ()) -> RuntimeError:
+    """What ``apply`` raises when its forward changed gathered parameters in place: ``names`` when known,
+    else one of the parameters of ``units`` (under ``torch.no_grad()`` nothing but the version counters
+    notices: an evaluation with ``nn.Embedding(max_norm=...)``; with a graph autograd does, naming the
+    parameter, see ``explain_inplace_error``)."""
+    if names:
+        which = " or ".join(repr(n) for n in dict.fromkeys(names))
+    else:
+        which = "a parameter of " + " or ".join(
+            f"unit {u or '<root>'!r} ({listing(list(fqns))})" for u, fqns in units
+        ) if units else "a unit's parameter"
     return RuntimeError(
         f"apply: the forward changed {which} in place (nn.Embedding(max_norm=...) renormalises its weight in "
         "place; so does weight.mul_(...)). Inside the forward a unit's parameters are gathered copies: a "
