@@ -4,7 +4,9 @@ A parameter nobody sharded (a submodule swapped, a new ``nn.Parameter``, adapter
 on each rank alone: torch's ``fully_shard`` lets a swapped submodule through and its ranks drift apart.
 fsdpfn.compat refuses it by name (``tests/test_errors.py``: ``compat-unmanaged-param``,
 ``compat-replaced-module``); the changes that add no parameter keep training exactly as one process
-does with the same change, and so does a tie made after ``fully_shard`` between two sharded parameters.
+does with the same change, and so does a tie made after ``fully_shard`` between two sharded parameters,
+and a parametrization registered on a sharded weight (``torch.nn.utils.parametrize``: the same parameter
+moves to ``...parametrizations.weight.original``; torch's ``fully_shard`` then fails in the forward).
 """
 
 import torch
@@ -42,17 +44,34 @@ def _wrap_embed(m: _Net) -> None:
     m.embed = nn.Sequential(m.embed)  # the root's own parameter renamed ('embed.0.weight'): planned again
 
 
-CHANGES = {"swap-activation": _swap_activation, "tie": _tie_square, "wrap": _wrap_embed}
+class _Symmetric(nn.Module):
+    def forward(self, w):
+        return (w + w.t()) / 2
+
+
+def _parametrize_unit(m: _Net) -> None:
+    # moves the body unit's weight (the same parameter) to body.0.parametrizations.weight.original
+    torch.nn.utils.parametrize.register_parametrization(m.body[0], "weight", _Symmetric())
+
+
+def _parametrize_root(m: _Net) -> None:
+    torch.nn.utils.parametrize.register_parametrization(m.head, "weight", _Symmetric())
+
+
+CHANGES = {
+    "swap-activation": _swap_activation, "tie": _tie_square, "wrap": _wrap_embed,
+    "parametrize-unit": _parametrize_unit, "parametrize-root": _parametrize_root,
+}  # fmt: skip
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def _reference(width, seed, world, change, steps=3):
+def _reference(width, seed, world, change, when, steps=3):
     model = _Net(width, seed)
     for step in range(steps):
-        if step == 1:
+        if step == when:
             CHANGES[change](model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)  # remade: a tie changes the parameter list
         opt.zero_grad()
@@ -61,7 +80,7 @@ def _reference(width, seed, world, change, steps=3):
     return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _worker(width, seed, change, steps=3):
+def _worker(width, seed, change, when, steps=3):
     import torch.distributed as dist
 
     from fsdpfn.compat import fully_shard
@@ -70,7 +89,7 @@ def _worker(width, seed, change, steps=3):
     fully_shard(model.body)
     fully_shard(model)
     for step in range(steps):
-        if step == 1:  # after the root's first forward and step: the plan is rebuilt
+        if step == when:  # 1: after the root's first forward and step (the plan is rebuilt); 0: before
             CHANGES[change](model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         opt.zero_grad()
@@ -81,12 +100,14 @@ def _worker(width, seed, change, steps=3):
 
 @settings(max_examples=8, deadline=None)
 @given(world=st.integers(1, 3), width=st.integers(2, 7), seed=st.integers(0, 2**16),
-       change=st.sampled_from(sorted(CHANGES)))  # fmt: skip
-@example(world=2, width=3, seed=0, change="wrap")
-@example(world=2, width=3, seed=0, change="swap-activation")
-def test_a_tree_change_without_new_parameters_trains_as_one_process_does(world, width, seed, change):
-    want = _reference(width, seed, world, change)
-    results = spmd(world, _worker, width, seed, change)
+       change=st.sampled_from(sorted(CHANGES)), when=st.sampled_from([0, 1]))  # fmt: skip
+@example(world=2, width=3, seed=0, change="wrap", when=1)
+@example(world=2, width=3, seed=0, change="swap-activation", when=1)
+@example(world=2, width=3, seed=0, change="parametrize-unit", when=1)
+@example(world=2, width=3, seed=0, change="parametrize-root", when=0)
+def test_a_tree_change_without_new_parameters_trains_as_one_process_does(world, width, seed, change, when):
+    want = _reference(width, seed, world, change, when)
+    results = spmd(world, _worker, width, seed, change, when)
     for name, full in want.items():
         got = fsdpfn.unshard_tensors([r[name] for r in results], fsdpfn.ShardSpec(tuple(full.shape), world))
         torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-6, msg=lambda m: f"{change} {name}: {m}")

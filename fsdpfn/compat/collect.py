@@ -11,7 +11,7 @@ built from. Both are rerun whenever the root re-plans (``RootContext._build``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from fsdpfn.compat.tree import unmanaged_parameter_error
 from fsdpfn.layout import ParamInfo
 from fsdpfn.ops.extension import shard_mesh, subclass_transform
 
-__all__ = ["Collected", "collect_params", "collect_units"]
+__all__ = ["Collected", "collect_params", "collect_units", "follow_moved"]
 
 
 def collect_units(module: nn.Module, state: UnitState, owner: Any) -> tuple[dict[str, UnitState], dict[str, str]]:
@@ -94,6 +94,7 @@ def collect_params(
         >>> found.infos[0].unit                                                       # doctest: +SKIP
         'blocks.0'
     """
+    follow_moved(module, states.values())
     slot_of = {}
     for name, st in states.items():
         for m in st.managed:
@@ -137,6 +138,30 @@ def collect_params(
                 shard_mesh(state.mesh), tuple(m.param.shape), m.slots[0][0], owner.mp_policy, fallback=_local_of(m)
             )
     return found
+
+
+def follow_moved(root: nn.Module, states: Iterable[UnitState]) -> None:
+    """Point each managed parameter's slots at where ``root``'s tree holds it now. A parametrization
+    registered on a unit's weight after ``fully_shard`` (``torch.nn.utils.parametrize``, the
+    ``parametrizations.weight_norm`` family) moves the parameter to ``parametrizations.weight.original``
+    of the same unit: it stays the same ``DTensor``, gathered and reduced where it is now.
+
+    Example:
+        >>> parametrize.register_parametrization(model.blocks[0], "weight", Sym())   # doctest: +SKIP
+        >>> follow_moved(model, states.values())     # its slot is now ...parametrizations.weight.original
+    """
+    by_id = {id(m.param): m for st in states for m in st.managed}
+    now: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in root.modules():
+        for attr, p in mod._parameters.items():
+            if p is not None and id(p) in by_id:
+                now.setdefault(id(p), []).append((mod, attr))
+    for key, slots in now.items():
+        m = by_id[key]
+        kept = [(mod, attr) for mod, attr in m.slots if mod._parameters.get(attr) is m.param]
+        if len(kept) != len(m.slots) or len(slots) != len(kept):
+            seen = {(id(mod), attr) for mod, attr in kept}
+            m.slots[:] = kept + [(mod, attr) for mod, attr in slots if (id(mod), attr) not in seen]
 
 
 def _enclosing_units(module_path: str, unit_at: dict[str, str]) -> list[str]:

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdpfn.compat.checks import check_materialized, explain_sharded_read, state_name
-from fsdpfn.compat.collect import collect_params, collect_units
+from fsdpfn.compat.collect import collect_params, collect_units, follow_moved
 from fsdpfn.compat.executor import CompatApply, LocalShards
 from fsdpfn.compat.planned import PlannedGroups, plans_groups
 from fsdpfn.compat.replaced_params import note_replacement
@@ -207,6 +207,9 @@ class RootContext:
     def params(self, deferred: DeferredReductions | None = None) -> Sharded[torch.Tensor]:
         """This call's tree: the local shards of the registered ``DTensor`` parameters."""
         stale = meta = regrad = False
+        moved = self.tree.changed()
+        if moved:  # e.g. a parametrization registered after fully_shard moved a weight: follow it
+            follow_moved(self.module, self.states.values())
         for fqn, m in self.managed.items():
             mod, attr = m.slots[0]
             current = mod._parameters.get(attr)
@@ -225,7 +228,7 @@ class RootContext:
             meta = meta or m.param.is_meta
         if meta:
             check_materialized(self)
-        if self.tree.changed():
+        if moved:
             fqns = check_managed(self.module, self.states.values(), self.ignored, self.state.kind)
             if fqns == self.fqns:
                 self.tree = ModuleTree(self.module)  # a parameter-free module swapped: nothing to plan again
