@@ -660,8 +660,9 @@ def _w_unused():
     _close(res[COMPAT], res[TORCH], "reduce_scatter_unused_params grads vs torch")
     # fsdpfn, by default: a parameter used on rank 0 only is refused by name on rank 1, at the end of its
     # backward (None there would leave rank 1's shard un-updated while rank 0 updates its own; torch's
-    # fully_shard fails with mismatched reduce-scatters). Every reduction still ran on both ranks, so
-    # they go on in step.
+    # fully_shard fails with mismatched reduce-scatters); rank 0 learns it at the same point (the pass
+    # check's all-reduce) and raises too, instead of waiting for rank 1 in its next collective. Every
+    # reduction still ran on both ranks, so they go on in step.
     model = _build(_lib(COMPAT), mesh, net=dict(spare=True))
     model.blocks[1].use_spare = rank == 0
     try:
@@ -669,8 +670,10 @@ def _w_unused():
         raised = ""
     except RuntimeError as exc:
         raised = str(exc)
-    if rank == 0 or world == 1:
+    if world == 1:
         assert raised == "", raised
+    elif rank == 0:
+        assert raised.startswith(f"{world - 1} other rank(s) refused this backward"), raised
     else:
         assert "'blocks.1.spare.weight'" in raised and "got no gradient on this rank but a gradient on another" in raised, raised
         assert "set_reduce_scatter_unused_params(True)" in raised, raised

@@ -148,7 +148,7 @@ def follow_moved(root: nn.Module, states: Iterable[UnitState]) -> None:
 
     Example:
         >>> parametrize.register_parametrization(model.blocks[0], "weight", Sym())   # doctest: +SKIP
-        >>> follow_moved(model, states.values())     # its slot is now ...parametrizations.weight.original
+        >>> follow_moved(model, states.values())     # now ...parametrizations.weight.original   # doctest: +SKIP
     """
     by_id = {id(m.param): m for st in states for m in st.managed}
     now: dict[int, list[tuple[nn.Module, str]]] = {}

@@ -180,6 +180,9 @@ class Guard:
         # the ranks ran different units (matching sizes pair up anyway, mixing the units' data, silently)
         self.digest = 0
         self.pending_check: Any = None  # CUDA: the last check's sums on their way to the host
+        # an error this rank found in a backward that the other ranks cannot see (a parameter used on some
+        # ranks only): raised at the next pass check, where every rank learns that some rank refused
+        self.refusal: BaseException | None = None
 
     def begin(self, kind: str, label: str, t: torch.Tensor, group: Any) -> Fingerprint:
         """Fingerprint the next collective; with checking on, compare it across ``group`` first."""

@@ -7,7 +7,9 @@ units' weights and gradients (the gradients of block 2 averaged with block 1's).
 fingerprint of every collective into a digest; ``check_pass`` sums ``(d, d*d)`` over the mesh (one
 all-reduce of two integers, at the end of each backward and at the start of a forward that follows other
 collectives): all digests are equal exactly when
-``W * sum(d*d) == sum(d)**2``, which every rank reads from the same sums, so all raise together. On CUDA
+``W * sum(d*d) == sum(d)**2``, which every rank reads from the same sums, so all raise together. A third
+sum counts the ranks that found an error only they can see (``Guard.refusal``: a parameter used on some
+ranks only): the others raise with them instead of waiting in their next collective. On CUDA
 the sums are read at the next check, from pinned memory, so no step waits for the device (a divergence is
 then named one pass later).
 
@@ -35,29 +37,40 @@ def check_pass(comm: Comm) -> None:
         guard.digest = 0
         return
     digest, guard.digest = guard.digest, 0
+    refusal, guard.refusal = guard.refusal, None
     previous, guard.pending_check = guard.pending_check, None
     if previous is not None:  # CUDA: the last check's sums, copied to the host since
         event, host = previous
         event.synchronize()
-        _verdict(comm, host.tolist())
-    if digest == 0:
+        _verdict(comm, host.tolist(), None)
+    if digest == 0 and refusal is None:
         return  # no collective since the last check (on every rank, unless they diverged before it)
     with comm.untracked():
-        sums = torch.tensor([digest, digest * digest], dtype=torch.int64, device=comm.groups.device)
+        sums = torch.tensor([digest, digest * digest, refusal is not None], dtype=torch.int64, device=comm.groups.device)
         handle = comm.all_reduce_sum(sums, label=_LABEL)
         handle.wait()  # CPU: the sums are ready; CUDA: the current stream waits, the host does not
         if sums.device.type == "cuda":
-            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            host = torch.empty(3, dtype=torch.int64, pin_memory=True)
             host.copy_(sums, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             guard.pending_check = (event, host)
+            if refusal is not None:  # this rank knows now; the others at their next check
+                raise refusal
             return
-        _verdict(comm, sums.tolist())
+        _verdict(comm, sums.tolist(), refusal)
 
 
-def _verdict(comm: Comm, sums: list[int]) -> None:
-    total, squares = sums
+def _verdict(comm: Comm, sums: list[int], refusal: BaseException | None) -> None:
+    total, squares, refusing = sums
+    if refusal is not None:
+        raise refusal
+    if refusing:
+        raise RuntimeError(
+            f"{refusing} other rank(s) refused this backward (their error names the parameters and what to do: "
+            "a parameter used on some ranks only, see docs/errors.md 'compat-used-on-some-ranks'); this rank stops "
+            "with them rather than wait for them in its next collective"
+        )
     if comm.dp_world * squares == total * total:
         return
     raise CollectivePlanError(

@@ -19,6 +19,7 @@ import torch
 from fsdpfn.messages import listing
 
 if TYPE_CHECKING:
+    from fsdpfn.core.guard import Guard
     from fsdpfn.ops.buckets import Buckets
 
 __all__ = ["UsedElsewhere", "check_dense", "second_order_error"]
@@ -35,8 +36,9 @@ class UsedElsewhere:
         >>> UsedElsewhere({"experts.1.weight": reduced_shard}).wait()   # doctest: +SKIP
     """
 
-    def __init__(self, reduced: dict[str, torch.Tensor]):
+    def __init__(self, reduced: dict[str, torch.Tensor], guard: Guard | None = None):
         self.reduced = reduced
+        self.guard = guard  # the Comm's Guard: its next pass check makes every rank stop together
 
     def wait(self) -> None:
         names = list(self.reduced)
@@ -55,6 +57,11 @@ class UsedElsewhere:
         )
         if torch._C._current_graph_task_id() == -1:  # drained outside a backward
             raise error
+        if self.guard is not None:
+            # raised at the pass check that ends this backward (compat: LocalShards), where every rank
+            # learns that one refused and stops with it (core/pass_check.py); its reductions all ran
+            self.guard.refusal = error
+            return
 
         def fail() -> None:
             raise error
