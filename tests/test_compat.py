@@ -736,21 +736,31 @@ def _shard_of(t, world, rank):
 @settings(max_examples=10, deadline=None)
 @given(world=st.integers(1, 3), mask=st.integers(0, 7), unused_params=st.booleans())
 @example(world=2, mask=1, unused_params=False)  # used on rank 0 only: rank 1 must raise
-@example(world=3, mask=0b110, unused_params=False)  # rank 0 must raise; rank 2 holds no row of it
+@example(world=3, mask=0b110, unused_params=False)  # rank 0 must raise (and so the others); rank 2 holds no row
+@example(world=3, mask=0b011, unused_params=False)  # rank 2 did not use it but holds no row: the sets differ
 @example(world=3, mask=0b010, unused_params=True)
 def test_a_parameter_used_on_some_ranks_gets_the_mean_or_is_refused(world, mask, unused_params):
     """Property over worlds 1-3 and every subset of ranks using a parameter: with
     ``set_reduce_scatter_unused_params(True)`` every rank's shard gradient is the mean over ranks (zeros
-    where no rank used it); off, ``None`` where no rank used it, and where some did, exactly the ranks
-    that did not and hold a non-empty shard of it raise at the end of their backward, naming it (their
-    shards would otherwise miss the update); the users get the mean."""
+    where no rank used it); off, ``None`` where no rank used it, and where some ranks did and some did not
+    (whose shards would otherwise miss the update), every rank raises at the end of that backward: the
+    ranks that did not and hold a row of it naming it, the others saying that another rank refused (they
+    would otherwise wait for it in their next collective), or, when no rank holding a row missed it, that
+    ranks disagree on which parameters got a gradient."""
     users = {r for r in range(world) if mask >> r & 1}  # the ranks whose forward uses block 1's spare
     out = spmd(world, _w_used_on_some, sorted(users), unused_params, timeout=TIMEOUT)
+    holds = [_shard_of(torch.empty(2), world, r).numel() > 0 for r in range(world)]  # rows of spare (Linear(D, 2))
+    differ = not unused_params and 0 < len(users) < world
+    refusing = [r for r in range(world) if differ and r not in users and holds[r]]
     for rank, (raised, got, want) in enumerate(out):
-        holds = _shard_of(torch.empty(2), world, rank).numel() > 0  # a row of spare (Linear(D, 2)) lives here
-        refused = not unused_params and users and rank not in users and holds
-        if refused:
+        if rank in refusing:
             assert "'blocks.1.spare.weight'" in raised and "set_reduce_scatter_unused_params(True)" in raised, (rank, raised)
+            continue
+        if refusing:
+            assert raised.startswith(f"{len(refusing)} other rank(s) refused this backward"), (rank, raised)
+            continue
+        if differ:
+            assert raised.startswith("parameters got a gradient on some ranks and none on others"), (rank, raised)
             continue
         assert raised == "", (rank, raised)
         for n, w in want.items():

@@ -126,3 +126,58 @@ def _forward_only(skips: list[tuple[int, ...]]):
 @pytest.mark.parametrize("skips, want", [([(1,), (2,)], "raised at the next forward"), ([(1,), (1,)], "not raised")])
 def test_a_divergence_in_forward_only_passes_is_named_at_the_next_forward(skips, want):
     assert spmd(2, _forward_only, skips) == [want, want]
+
+
+class _Gated(nn.Module):
+    """A block whose ``gate`` runs on the ranks in ``users`` only, with a zero gradient (``0 * gate(x)``):
+    a rank that did not run it gets a reduced gradient of zeros, which alone cannot tell it apart from a
+    parameter no rank used."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Linear(4, 4)
+        self.gate = nn.Linear(4, 4)
+        self.users: tuple[int, ...] = ()
+
+    def forward(self, x):
+        x = torch.tanh(self.body(x))
+        return x + 0 * self.gate(x) if dist.get_rank() in self.users else x
+
+
+def _gated_step(seed: int, users: tuple[int, ...]):
+    from fsdpfn.compat import fully_shard
+
+    model = nn.Sequential(_Gated(seed), nn.Linear(4, 2))
+    model[0].users = users
+    fully_shard(model[0])
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    try:
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(seed + dist.get_rank()))).sum().backward()
+    except RuntimeError as exc:
+        return "raised", str(exc)
+    opt.step()
+    return "trained", {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+@settings(max_examples=6, deadline=None)
+@given(world=st.integers(2, 3), seed=st.integers(0, 2**16), users=st.lists(st.integers(0, 2), unique=True))
+@example(world=2, seed=0, users=[0])
+def test_a_parameter_used_on_some_ranks_with_a_zero_gradient_is_refused_on_every_rank(world, seed, users):
+    """compat, ``set_reduce_scatter_unused_params`` off: a rank where the parameter got no gradient gives
+    ``None`` (FSDP2's answer for a parameter no rank used), a rank that used it the reduced zeros; AdamW
+    then decays the shard on one rank and skips it on the other: silently different weights. The pass
+    check compares the ranks' sets of parameters without a gradient and every rank raises."""
+    users = tuple(u for u in users if u < world)
+    results = spmd(world, _gated_step, seed, users)
+    if 0 < len(users) < world:
+        for rank, (what, msg) in enumerate(results):
+            assert what == "raised", (rank, users)
+            assert "got a gradient on some ranks and none on others" in msg, msg
+            assert ("'0.gate.weight'" in msg) == (rank not in users), msg
+    else:  # every rank or none used it: the ranks agree (zeros everywhere, or None everywhere)
+        assert all(what == "trained" for what, _ in results), results
+        for name, value in results[0][1].items():
+            for rank, (_, got) in enumerate(results[1:], 1):
+                torch.testing.assert_close(got[name], value, msg=lambda m: f"rank {rank} {name}: {m}")

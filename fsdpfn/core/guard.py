@@ -183,6 +183,16 @@ class Guard:
         # an error this rank found in a backward that the other ranks cannot see (a parameter used on some
         # ranks only): raised at the next pass check, where every rank learns that some rank refused
         self.refusal: BaseException | None = None
+        # compat's parameters without a gradient on this rank since the last pass check (gradient None,
+        # FSDP2's answer when no rank used them): equal on every rank unless some used them and some not
+        self.missing = 0
+        self.missing_names: list[str] = []
+
+    def note_missing(self, names: list[str]) -> None:
+        """Fold parameters that got no gradient on this rank into ``missing`` (``check_pass`` compares it)."""
+        for name in names:
+            self.missing = (self.missing * 1_000_003 + zlib.crc32(name.encode())) % DIGEST_MODULUS
+        self.missing_names.extend(names)
 
     def begin(self, kind: str, label: str, t: torch.Tensor, group: Any) -> Fingerprint:
         """Fingerprint the next collective; with checking on, compare it across ``group`` first."""

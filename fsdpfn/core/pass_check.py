@@ -5,11 +5,14 @@ some ranks) issue different collectives. When the counts differ, a wait times ou
 they match, collectives of equal size pair up across units and the ranks silently exchange the wrong
 units' weights and gradients (the gradients of block 2 averaged with block 1's). Each ``Guard`` folds the
 fingerprint of every collective into a digest; ``check_pass`` sums ``(d, d*d)`` over the mesh (one
-all-reduce of two integers, at the end of each backward and at the start of a forward that follows other
+all-reduce of a few integers, at the end of each backward and at the start of a forward that follows other
 collectives): all digests are equal exactly when
 ``W * sum(d*d) == sum(d)**2``, which every rank reads from the same sums, so all raise together. A third
 sum counts the ranks that found an error only they can see (``Guard.refusal``: a parameter used on some
-ranks only): the others raise with them instead of waiting in their next collective. On CUDA
+ranks only): the others raise with them instead of waiting in their next collective. The last two
+compare, the same way, the digests of compat's parameters that got no gradient (``Guard.missing``): a
+parameter used on some ranks only, even with a reduced gradient of zeros, would be ``None`` on some ranks
+and zeros on others, so their optimizers would update the shards differently. On CUDA
 the sums are read at the next check, from pinned memory, so no step waits for the device (a divergence is
 then named one pass later).
 
@@ -23,6 +26,7 @@ import torch
 
 from fsdpfn.core.comm import Comm
 from fsdpfn.core.guard import CollectivePlanError
+from fsdpfn.messages import listing
 
 __all__ = ["check_pass"]
 
@@ -34,23 +38,30 @@ def check_pass(comm: Comm) -> None:
     every rank calls it at the same point) and raise ``CollectivePlanError`` on every rank if they differ."""
     guard = comm.guard
     if comm.dp_world == 1 or comm.groups.simulated:
-        guard.digest = 0
+        guard.digest = guard.missing = 0
+        guard.missing_names = []
+        refusal, guard.refusal = guard.refusal, None
+        if refusal is not None:
+            raise refusal
         return
     digest, guard.digest = guard.digest, 0
     refusal, guard.refusal = guard.refusal, None
+    missing, guard.missing = guard.missing, 0
+    names, guard.missing_names = guard.missing_names, []
     previous, guard.pending_check = guard.pending_check, None
     if previous is not None:  # CUDA: the last check's sums, copied to the host since
         event, host = previous
         event.synchronize()
-        _verdict(comm, host.tolist(), None)
+        _verdict(comm, host.tolist(), None, [])
     if digest == 0 and refusal is None:
         return  # no collective since the last check (on every rank, unless they diverged before it)
     with comm.untracked():
-        sums = torch.tensor([digest, digest * digest, refusal is not None], dtype=torch.int64, device=comm.groups.device)
+        values = [digest, digest * digest, refusal is not None, missing, missing * missing]
+        sums = torch.tensor(values, dtype=torch.int64, device=comm.groups.device)
         handle = comm.all_reduce_sum(sums, label=_LABEL)
         handle.wait()  # CPU: the sums are ready; CUDA: the current stream waits, the host does not
         if sums.device.type == "cuda":
-            host = torch.empty(3, dtype=torch.int64, pin_memory=True)
+            host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
             host.copy_(sums, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
@@ -58,11 +69,11 @@ def check_pass(comm: Comm) -> None:
             if refusal is not None:  # this rank knows now; the others at their next check
                 raise refusal
             return
-        _verdict(comm, sums.tolist(), refusal)
+        _verdict(comm, sums.tolist(), refusal, names)
 
 
-def _verdict(comm: Comm, sums: list[int], refusal: BaseException | None) -> None:
-    total, squares, refusing = sums
+def _verdict(comm: Comm, sums: list[int], refusal: BaseException | None, names: list[str]) -> None:
+    total, squares, refusing, missing, missing_squares = sums
     if refusal is not None:
         raise refusal
     if refusing:
@@ -71,8 +82,18 @@ def _verdict(comm: Comm, sums: list[int], refusal: BaseException | None) -> None
             "a parameter used on some ranks only, see docs/errors.md 'compat-used-on-some-ranks'); this rank stops "
             "with them rather than wait for them in its next collective"
         )
-    if comm.dp_world * squares == total * total:
+    if comm.dp_world * squares == total * total and comm.dp_world * missing_squares == missing * missing:
         return
+    if comm.dp_world * squares == total * total:
+        mine = listing(list(dict.fromkeys(names))) if names else "none"
+        raise RuntimeError(
+            "parameters got a gradient on some ranks and none on others in this backward (a mixture of experts, a "
+            "branch taken on some ranks): their gradient would be None on some ranks only, and the ranks would "
+            "update their shards differently (an optimizer skips a None gradient: no step, no weight decay). "
+            f"Parameters without a gradient on this rank: {mine}. Call set_reduce_scatter_unused_params(True) on "
+            "the fully_shard module (FSDP2's switch for this) so every rank gets the reduced gradient, zeros where "
+            "no rank used a parameter"
+        )
     raise CollectivePlanError(
         f"ranks ran different collectives since the last check (after {comm.guard.steps} completed passes): some "
         "ranks ran units the others did not, and collectives of equal size paired up across units, so ranks "

@@ -124,6 +124,7 @@ class _BucketCollective(torch.autograd.Function):
         if info.keep_none:
             missing = {f: res[f] for f in b.fqns if by_name.get(f) is None and res.get(f) is not None}
             if missing:  # read only once the reduction is done: after its handles, if it is in flight
+                adj.comm.guard.note_missing(list(missing))  # the pass check compares the ranks' sets
                 check = UsedElsewhere(missing, adj.comm.guard)
                 if later:
                     deferred.handles.append(check)  # type: ignore[union-attr]  # later: deferred is set
