@@ -27,6 +27,7 @@ from fsdpfn.compat.planned import PlannedGroups, plans_groups
 from fsdpfn.compat.replaced_params import note_replacement
 from fsdpfn.compat.state import UnitState, drop_unsharded
 from fsdpfn.compat.tree import ModuleTree, check_managed, unmanaged_parameter_error
+from fsdpfn.compat.unreduced_step import watch_unreduced
 from fsdpfn.core import Comm, link_of
 from fsdpfn.layout import Sharded, ShardPlan, build_plan
 from fsdpfn.layout.autobucket import LinkCost
@@ -60,6 +61,7 @@ class RootContext:
         self._plan_for_grads: dict[tuple[bool, ...], ShardPlan] = {}  # see _replan_for_grads
         self._build()
         self.apply = CompatApply(self)
+        watch_unreduced(self)  # an optimizer step before the accumulated gradients are reduced is refused
 
     # --- set-up -----------------------------------------------------------------------------------
     def _build(self) -> None:

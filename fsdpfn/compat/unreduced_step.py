@@ -1,0 +1,70 @@
+"""An optimizer step while gradients accumulated without sync are still unreduced.
+
+With ``set_requires_gradient_sync(False)`` a backward keeps each parameter's gradient unreduced, outside
+``.grad`` (``RootContext.acc``), until a backward with sync on reduces it into ``.grad``. An
+``optimizer.step()`` before that (the last microbatch's backward ran without sync, or sync was never turned
+back on) sees ``.grad`` without those microbatches, or ``None``: it skips or half-updates the parameter and
+the model silently trains on less than it was given (torch's ``fully_shard`` behaves so). ``watch_unreduced``
+registers each root; a global optimizer step pre-hook refuses a step that holds a parameter with unreduced
+gradients, naming it. A step pays one look at each live root's accumulator (empty outside accumulation).
+
+Example:
+    >>> model.set_requires_gradient_sync(False)        # doctest: +SKIP
+    >>> model(x).sum().backward(); opt.step()         # doctest: +SKIP
+    ValueError: optimizer step: AdamW holds parameter 'blocks.0.weight', whose gradient was accumulated ...
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from fsdpfn.messages import listing
+
+__all__ = ["unreduced_step_error", "watch_unreduced"]
+
+_roots: weakref.WeakSet[Any] = weakref.WeakSet()  # every compat root alive, of every rank thread
+_hook: RemovableHandle | None = None  # process-wide: torch's optimizer hooks are global
+_lock = threading.Lock()  # ranks may be threads of one process
+
+
+def watch_unreduced(root: Any) -> None:
+    """Check at every optimizer step that no parameter it holds has gradients ``root`` accumulated
+    without sync and has not reduced yet (``root.acc``, keyed by FQN; ``root.managed[fqn].param``).
+
+    Example:
+        >>> watch_unreduced(root_context)              # doctest: +SKIP
+    """
+    global _hook
+    with _lock:
+        _roots.add(root)
+        if _hook is None:
+            _hook = register_optimizer_step_pre_hook(_check_step)
+
+
+def _check_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    with _lock:
+        pending = [r for r in _roots if r.acc]
+    if not pending:
+        return
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for root in pending:  # another rank's thread, or another model, holds other parameters
+        names = [f for f, m in root.managed.items() if f in root.acc and id(m.param) in held]  # model order
+        if names:
+            raise unreduced_step_error(optimizer, names)
+
+
+def unreduced_step_error(optimizer: Any, names: list[str]) -> ValueError:
+    """The error for ``optimizer`` stepping parameters ``names`` whose accumulated gradients are unreduced."""
+    return ValueError(
+        f"optimizer step: {type(optimizer).__name__} holds parameter(s) {listing(names)}, whose gradients were "
+        "accumulated with set_requires_gradient_sync(False) and are not reduced yet: .grad does not hold them, "
+        "so this step would skip them or use part of the batch. Run the last microbatch's backward with "
+        "set_requires_gradient_sync(True) (every rank's accumulated gradients are then reduced into .grad) "
+        "before optimizer.step(), or drop them with model.zero_grad()"
+    )
