@@ -5,12 +5,13 @@ An evaluation forward under ``inference_mode`` gathers units into inference tens
 them (``reshard_after_forward=False``) or updates them in place later breaks the next training step;
 torch's ``fully_shard`` raises there ("Inplace update to inference tensor outside InferenceMode", "Inference
 tensors cannot be saved for backward"; torch 2.13). Two backwards through one graph must reduce both
-gradients and accumulate them. fsdpfn matches one process in both cases, in both layers.
+gradients and accumulate them. fsdpfn matches one process in both cases, in both layers; and
+``value_and_grad`` called under ``inference_mode`` or ``no_grad`` differentiates as ``torch.func.grad`` does.
 """
 
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -59,14 +60,22 @@ def _compat(width: int, seed: int, pattern: str, reshard: bool) -> dict[str, tor
     return {k: p.grad.to_local() for k, p in model.named_parameters()}
 
 
-def _functional(width: int, seed: int, reshard: bool) -> dict[str, torch.Tensor]:
+def _functional(width: int, seed: int, reshard: bool, pattern: str) -> dict[str, torch.Tensor]:
+    """``inference``: an inference_mode forward, then a step; ``inside_...``: the step itself called under
+    ``torch.inference_mode()`` or ``torch.no_grad()`` (as ``torch.func.grad``, it differentiates anyway:
+    under inference_mode it once returned zeros for every gradient, silently)."""
     model = _model(width, seed)
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2"])
     apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
     x = _batch(dist.get_rank(), seed)
-    with torch.inference_mode():
-        apply(params, x)
-    _, grads = fsdpfn.value_and_grad(lambda p, x: apply(p, x).pow(2).mean())(params, x)
+    step = fsdpfn.value_and_grad(lambda p, x: apply(p, x).pow(2).mean())
+    if pattern == "inference":
+        with torch.inference_mode():
+            apply(params, x)
+        _, grads = step(params, x)
+    else:
+        with torch.inference_mode() if pattern == "inside_inference" else torch.no_grad():
+            _, grads = step(params, x)
     return {k: grads[k] for k in grads.keys()}
 
 
@@ -75,16 +84,44 @@ def _functional(width: int, seed: int, reshard: bool) -> dict[str, torch.Tensor]
     world=st.integers(1, 3),
     width=st.integers(1, 9),
     seed=st.integers(0, 2**16),
-    case=st.sampled_from(["compat-retain", "compat-inference", "functional-inference"]),
+    case=st.sampled_from(
+        ["compat-retain", "compat-inference", "functional-inference", "functional-inside_inference", "functional-inside_no_grad"]
+    ),
     reshard=st.booleans(),
 )
+@example(world=2, width=3, seed=0, case="functional-inside_inference", reshard=True)
 def test_inference_mode_forwards_and_retained_graphs_match_one_process(world, width, seed, case, reshard):
     layer, pattern = case.split("-")
     want = _reference(world, width, seed, pattern)
     if layer == "compat":
         got = spmd(world, _compat, width, seed, pattern, reshard)
     else:
-        got = spmd(world, _functional, width, seed, reshard)
+        got = spmd(world, _functional, width, seed, reshard, pattern)
     for k, w in want.items():
         full = fsdpfn.unshard_tensors([g[k] for g in got], fsdpfn.ShardSpec(tuple(w.shape), world))
         torch.testing.assert_close(full, w, rtol=1e-5, atol=1e-6)
+
+
+def _compiled_steps(width: int, seed: int, inference: bool) -> list[dict[str, torch.Tensor]]:
+    model = _model(width, seed)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2"])
+    apply = fsdpfn.fsdp(model)
+    step = fsdpfn.compile_step(lambda p, x: apply(p, x).pow(2).mean(), backend="aot_eager")
+    x = _batch(dist.get_rank(), seed)
+    out = []
+    for _ in range(2):  # the first call runs eagerly, the second compiled
+        with torch.inference_mode() if inference else torch.enable_grad():
+            _, grads = step(params, x)
+        out.append({k: grads[k].clone() for k in grads.keys()})
+    return out
+
+
+def test_compile_step_under_inference_mode_differentiates():
+    """``compile_step`` called under ``inference_mode`` gives the gradients it gives outside (dynamo failed
+    on it, and its eager call returned zeros)."""
+    outside = spmd(2, _compiled_steps, 4, 0, False)
+    inside = spmd(2, _compiled_steps, 4, 0, True)
+    for rank, (a, b) in enumerate(zip(outside, inside)):
+        for call, (ga, gb) in enumerate(zip(a, b)):
+            for k in ga:
+                torch.testing.assert_close(gb[k], ga[k], rtol=0, atol=0, msg=lambda m: f"rank {rank} call {call} {k}: {m}")

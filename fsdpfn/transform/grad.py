@@ -63,6 +63,12 @@ def value_and_grad(
         raise ValueError(f"value_and_grad: divide_by={divide_by!r} must be a positive number (or None)")
 
     def g(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        if torch.is_inference_mode_enabled():  # autograd records nothing there: all gradients were zeros
+            with torch.inference_mode(False):  # as torch.func.grad, which works under inference_mode
+                return differentiate(params, *args, **kwargs)
+        return differentiate(params, *args, **kwargs)
+
+    def differentiate(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         nested = inside_a_graph(params)  # differentiated again by an enclosing gradient (MAML, a penalty)
         tree, inputs = grad_inputs(params, "value_and_grad", keep_graph=nested)
         plan = params.plan

@@ -99,6 +99,9 @@ def compile_step(
     warmed: weakref.WeakSet[ShardPlan] = weakref.WeakSet()
 
     def grads_of(params: Sharded[torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if torch.is_inference_mode_enabled():  # autograd records nothing there: differentiate as value_and_grad does
+            with torch.inference_mode(False):
+                return grads_of(params, args, kwargs)
         plan = params.plan
         if plan not in warmed:  # the first call: eager, and it leaves everything the trace reads built
             out = eager(params, *args, **kwargs)
