@@ -30,6 +30,14 @@ def _setup():
     return model, params, fsdpfn.fsdp(model)
 
 
+def _inference_shards(model):
+    """``fsdpfn.shard`` called under ``torch.inference_mode()``: its leaves are inference tensors."""
+    with torch.inference_mode():
+        params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.1"], donate=False)
+    apply = fsdpfn.fsdp(model)
+    return fsdpfn.value_and_grad(lambda t: apply(t, torch.ones(2, 3)).sum())(params)
+
+
 def _meta_module():
     with torch.device("meta"):
         m = nn.Module()
@@ -233,6 +241,7 @@ TRIGGERS = {
     "fsdp-reshard": (lambda m, p, a: fsdpfn.fsdp(m, reshard_after_forward=2), TypeError, r"reshard_after_forward must be a bool or a predicate on unit names"),
     "fsdp-reshard-predicate": (lambda m, p, a: fsdpfn.fsdp(m, reshard_after_forward=lambda u: "yes")(p, torch.ones(1, 3)), TypeError, r"predicate returned 'yes' for unit 'blocks.1'; it must return a bool"),
     "vg-not-sharded": (lambda m, p, a: fsdpfn.value_and_grad(lambda t: t)(dict(p.items())), TypeError, r"the first argument must be a fsdpfn.Sharded"),
+    "vg-inference-leaf": (lambda m, p, a: _inference_shards(m), RuntimeError, r"value_and_grad: leaf 'blocks.0.weight' is an inference tensor \(made under torch.inference_mode\(\).*Make the tree outside inference_mode, or copy it there"),
     "vg-non-scalar": (lambda m, p, a: fsdpfn.value_and_grad(lambda t: a(t, torch.ones(2, 3)))(p), TypeError, r"must return a scalar tensor, got a tensor of shape \(2, 2\)"),
     "vg-aux-pair": (lambda m, p, a: fsdpfn.value_and_grad(lambda t: a(t, torch.ones(2, 3)).sum(), has_aux=True)(p), TypeError, r"value_and_grad\(has_aux=True\): fn must return a pair \(value, aux\), got a tensor of shape \(\)"),
     "reduce-unknown": (lambda m, p, a: fsdpfn.reduce({"nope": torch.zeros(1)}, p), KeyError, r"nope\W* is not a parameter of this plan"),

@@ -121,6 +121,12 @@ def grad_inputs(params: Sharded[torch.Tensor], what: str, *, keep_graph: bool = 
     trainable = [k for k in plan.params if plan.requires_grad[k]]
     live = dict(params.items())
     for k, leaf in zip(trainable, check_shards(params, trainable)):  # named errors, not torch's
+        if leaf.is_inference():
+            raise RuntimeError(
+                f"{what}: leaf {k!r} is an inference tensor (made under torch.inference_mode(): fsdpfn.shard or an "
+                "optimizer update inside it), which autograd cannot differentiate. Make the tree outside "
+                "inference_mode, or copy it there: params = torch.utils._pytree.tree_map(torch.clone, params)"
+            )
         live[k] = leaf.view_as(leaf) if keep_graph and leaf.requires_grad else leaf.detach().requires_grad_()
     return Sharded._from_children(list(live.values()), plan), [live[k] for k in trainable]
 
