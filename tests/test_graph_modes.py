@@ -125,3 +125,45 @@ def test_compile_step_under_inference_mode_differentiates():
         for call, (ga, gb) in enumerate(zip(a, b)):
             for k in ga:
                 torch.testing.assert_close(gb[k], ga[k], rtol=0, atol=0, msg=lambda m: f"rank {rank} call {call} {k}: {m}")
+
+
+def _anomaly(width: int, seed: int, layer: str, nan: bool):
+    """A step under ``torch.autograd.detect_anomaly()``: the gradients, or what was raised. ``nan``: the
+    loss's gradient is NaN on every rank (``sqrt`` at 0)."""
+    model = _model(width, seed)
+    x = _batch(dist.get_rank(), seed)
+
+    def loss(out):
+        return out.pow(2).mean() + ((out - out.detach()).abs().sqrt().sum() if nan else 0)
+
+    with torch.autograd.detect_anomaly():
+        try:
+            if layer == "compat":
+                from fsdpfn.compat import fully_shard
+
+                for block in (model[0], model[2], model):
+                    fully_shard(block)
+                loss(model(x)).backward()
+                return {k: p.grad.to_local() for k, p in model.named_parameters()}
+            params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0", "2"])
+            apply = fsdpfn.fsdp(model)
+            _, grads = fsdpfn.value_and_grad(lambda p: loss(apply(p, x)))(params)
+            return {k: grads[k] for k in grads.keys()}
+        except RuntimeError as exc:
+            return str(exc)
+
+
+@settings(max_examples=6, deadline=None)
+@given(world=st.integers(1, 3), width=st.integers(1, 6), seed=st.integers(0, 2**16), layer=st.sampled_from(["compat", "functional"]))
+@example(world=2, width=3, seed=0, layer="compat")
+def test_anomaly_mode_trains_and_names_a_nan_on_every_rank(world, width, seed, layer):
+    """compat under ``detect_anomaly`` failed in every backward (DTensor had no rule for ``_is_any_true``,
+    which anomaly mode runs on each gradient; torch's ``fully_shard`` works): it must train exactly, and a
+    NaN gradient must be named on every rank."""
+    want = _reference(world, width, seed, "inference")
+    got = spmd(world, _anomaly, width, seed, layer, False)
+    for k, w in want.items():
+        full = fsdpfn.unshard_tensors([g[k] for g in got], fsdpfn.ShardSpec(tuple(w.shape), world))
+        torch.testing.assert_close(full, w, rtol=1e-5, atol=1e-6)
+    for rank, raised in enumerate(spmd(world, _anomaly, width, seed, layer, True)):
+        assert isinstance(raised, str) and "returned nan values" in raised, (rank, raised)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdpfn.compat.anomaly import allow_anomaly_checks
 from fsdpfn.compat.checks import check_mesh, check_modules, check_not_scalar, check_reshard, shard_dim_of
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
 from fsdpfn.compat.replaced_params import watch_optimizer_steps
@@ -146,6 +147,7 @@ def _shard(
                 managed.append(by_id[id(p)])
     if managed:
         watch_optimizer_steps()  # an optimizer still holding the parameters replaced below is refused at step()
+        allow_anomaly_checks()  # torch.autograd.detect_anomaly checks the DTensor gradients LocalShards returns
     hooked: set[int] = set()
     for earlier, mod, attr in joins:
         earlier.slots.append((mod, attr))
