@@ -96,3 +96,56 @@ def test_each_step_trains_exactly_the_parameters_that_require_a_gradient(world, 
             assert with_grad[step] == trainable, (rank, step, with_grad[step], trainable)
         for name, w in want.items():
             torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def _adversarial_reference(world: int, seed: int, micro: int) -> dict[str, torch.Tensor]:
+    """Adversarial training with gradient accumulation, on one process: for each microbatch, the input
+    gradient of the loss with every parameter frozen (FGSM), then the loss on the perturbed input."""
+    model = _Net(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(2):
+        for rank in range(world):
+            for k in range(micro):
+                x = _batch(rank, 10 * step + k, seed).requires_grad_()
+                _set_frozen(model, NAMES + ["head.bias"])
+                (xg,) = torch.autograd.grad(model(x).pow(2).mean(), x)
+                _set_frozen(model, [])
+                (model(x.detach() + 0.1 * xg.sign()).pow(2).mean() / (world * micro)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _adversarial(seed: int, micro: int, reshard: bool):
+    from fsdpfn.compat import fully_shard
+
+    model = _Net(seed)
+    for b in model.blocks:
+        fully_shard(b, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(2):
+        for k in range(micro):
+            x = _batch(dist.get_rank(), 10 * step + k, seed).requires_grad_()
+            model.set_requires_gradient_sync(False)
+            _set_frozen(model, NAMES + ["head.bias"])  # frozen while earlier microbatches' gradients wait
+            (xg,) = torch.autograd.grad(model(x).pow(2).mean(), x)
+            _set_frozen(model, [])
+            model.set_requires_gradient_sync(k == micro - 1)
+            (model(x.detach() + 0.1 * xg.sign()).pow(2).mean() / micro).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+
+
+@settings(max_examples=6, deadline=None)
+@given(world=st.integers(1, 3), seed=st.integers(0, 2**16), micro=st.integers(1, 3), reshard=st.booleans())
+@example(world=2, seed=0, micro=2, reshard=True)
+def test_gradients_accumulated_without_sync_survive_a_freeze_in_between(world, seed, micro, reshard):
+    """A model frozen between microbatches (an input-gradient pass, a GAN's generator step) keeps the
+    gradients its earlier microbatches accumulated without sync: they are reduced with the last one (a
+    reduction that ran while a parameter was frozen once dropped its pending gradient)."""
+    want = _adversarial_reference(world, seed, micro)
+    for rank, got in enumerate(spmd(world, _adversarial, seed, micro, reshard)):
+        for name, w in want.items():
+            torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")

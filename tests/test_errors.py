@@ -459,20 +459,6 @@ def _compat_step_unreduced():
         model.zero_grad()  # drops the unreduced gradients: the next trigger's optimizer may step
 
 
-def _compat_frozen_unreduced():
-    """A parameter frozen between a microbatch without gradient sync and the next forward."""
-    model = _compat_model()
-    model.set_requires_gradient_sync(False)
-    model(torch.ones(1, 3)).sum().backward()
-    model.blocks[0].weight.requires_grad_(False)
-    model.set_requires_gradient_sync(True)
-    try:
-        model(torch.ones(1, 3))
-    finally:
-        model.zero_grad()  # the way out the message names: the next forward then runs
-        model(torch.ones(1, 3)).sum().backward()
-
-
 def _compat_functional_call_plain():
     """torch.func.functional_call on a fully_shard model with plain (full) tensors."""
     model = _compat_model()
@@ -549,7 +535,6 @@ COMPAT_TRIGGERS = {
     "compat-replaced-module": (lambda m, p, a: _compat_replaced_module(), ValueError, r"fully_shard: parameter 'blocks.0.weight' of Linear is a plain Parameter, not a parameter fully_shard manages: it was replaced or added after fully_shard"),
     "compat-optimizer-before": (lambda m, p, a: _compat_optimizer_before(), ValueError, r"optimizer step: SGD's param_groups\[0\]\['params'\]\[0\] is parameter 'weight' of Linear as it was before fully_shard replaced it with a sharded DTensor parameter.*the model would not train. Build the optimizer after fully_shard"),
     "compat-step-unreduced": (lambda m, p, a: _compat_step_unreduced(), ValueError, r"optimizer step: SGD holds parameter\(s\) 'blocks.0.weight', .* whose gradients were accumulated with set_requires_gradient_sync\(False\) and are not reduced yet.*Run the last microbatch's backward with set_requires_gradient_sync\(True\)"),
-    "compat-frozen-unreduced": (lambda m, p, a: _compat_frozen_unreduced(), ValueError, r"fully_shard: parameter\(s\) 'blocks.0.weight' were frozen \(requires_grad_\(False\)\) while gradients accumulated for them with set_requires_gradient_sync\(False\) are not reduced yet.*drop them first with model.zero_grad\(\)"),
     "compat-functional-call-plain": (lambda m, p, a: _compat_functional_call_plain(), ValueError, r"fully_shard: parameter 'blocks.0.weight' of Linear holds a plain tensor, not the sharded DTensor fully_shard manages \(torch.func.functional_call or a stateless swap with plain tensors\?\). Swap in DTensors laid out like the parameters"),
     "compat-sharded-read": (lambda m, p, a: _compat_sharded_read(), RuntimeError, r"got mixed torch.Tensor and DTensor.*\nUnder fully_shard, a module's parameters are full tensors only while its own fully_shard module runs.*Units not gathered at that point: 'embed'$"),
     "compat-replicate-on-fsdp": (lambda m, p, a: _compat_replicate_on_fsdp(), RuntimeError, r"Cannot apply `replicate\(\)` on a Module already managed by `fully_shard`"),

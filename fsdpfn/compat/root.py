@@ -32,7 +32,6 @@ from fsdpfn.core import Comm, link_of
 from fsdpfn.layout import Sharded, ShardPlan, build_plan
 from fsdpfn.layout.autobucket import LinkCost
 from fsdpfn.layout.plan import FUSED
-from fsdpfn.messages import listing
 from fsdpfn.ops.api import gather_collective
 from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
@@ -145,16 +144,6 @@ class RootContext:
         else:
             self.plan = plan
 
-    def _check_not_stranded(self) -> None:
-        stranded = [f for f, m in self.managed.items() if f in self.acc and not m.param.requires_grad]
-        if stranded:
-            raise ValueError(
-                f"fully_shard: parameter(s) {listing(stranded)} were frozen (requires_grad_(False)) while gradients "
-                "accumulated for them with set_requires_gradient_sync(False) are not reduced yet: a frozen parameter "
-                "is not reduced, so they would be lost. Freeze after the backward that reduces them (sync on), or "
-                "drop them first with model.zero_grad()"
-            )
-
     def _explicitly_unsharded(self, m: Any) -> bool:
         return any(st.unsharded is not None and any(x is m for x in st.managed) for st in self.states.values())
 
@@ -247,8 +236,6 @@ class RootContext:
                 self.tree = ModuleTree(self.module)  # a parameter-free module swapped: nothing to plan again
             else:
                 stale = True  # a unit moved (its parameters' names changed): plan the tree as it is
-        if regrad and self.acc:
-            self._check_not_stranded()
         fusing = self._fusion[0] or self.state.min_bucket_bytes
         if stale or (fusing and self._fusion != self._fusion_inputs(self.states)):
             self._plan_for_grads.clear()

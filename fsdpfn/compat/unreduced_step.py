@@ -56,15 +56,22 @@ def _check_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> N
     for root in pending:  # another rank's thread, or another model, holds other parameters
         names = [f for f, m in root.managed.items() if f in root.acc and id(m.param) in held]  # model order
         if names:
-            raise unreduced_step_error(optimizer, names)
+            frozen = [f for f in names if not root.managed[f].param.requires_grad]
+            raise unreduced_step_error(optimizer, names, frozen)
 
 
-def unreduced_step_error(optimizer: Any, names: list[str]) -> ValueError:
-    """The error for ``optimizer`` stepping parameters ``names`` whose accumulated gradients are unreduced."""
+def unreduced_step_error(optimizer: Any, names: list[str], frozen: list[str] = ()) -> ValueError:
+    """The error for ``optimizer`` stepping parameters ``names`` whose accumulated gradients are unreduced
+    (``frozen``: those of them frozen when the last backward ran, which therefore did not reduce them)."""
+    why = (
+        f" {listing(frozen)} were frozen (requires_grad_(False)) during the backward with sync on, which "
+        "therefore did not reduce them: unfreeze them for that backward."
+        if frozen else ""
+    )
     return ValueError(
         f"optimizer step: {type(optimizer).__name__} holds parameter(s) {listing(names)}, whose gradients were "
         "accumulated with set_requires_gradient_sync(False) and are not reduced yet: .grad does not hold them, "
-        "so this step would skip them or use part of the batch. Run the last microbatch's backward with "
+        f"so this step would skip them or use part of the batch.{why} Run the last microbatch's backward with "
         "set_requires_gradient_sync(True) (every rank's accumulated gradients are then reduced into .grad) "
         "before optimizer.step(), or drop them with model.zero_grad(). (Under HSDP, set_requires_all_reduce(False) "
         "defers the whole reduction the same way in fsdpfn.compat: turn it back on for the backward before a step)"

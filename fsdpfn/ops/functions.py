@@ -102,7 +102,7 @@ class _BucketCollective(torch.autograd.Function):
             b.comm.scaled_backward_task = torch._C._current_graph_task_id()
         by_name = dict(zip(b.fqns, grads))
         if info.carry is not None:  # gradients accumulated without reduction in earlier backwards
-            for f in b.fqns:
+            for f in adj.fqns:  # a member frozen since keeps its entry: reduced once it trains again
                 acc = info.carry.pop(f, None)
                 if acc is not None:
                     g = by_name.get(f)
