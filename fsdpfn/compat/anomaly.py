@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -27,16 +26,13 @@ from fsdpfn.core.mesh_any import any_over_mesh
 
 __all__ = ["allow_anomaly_checks"]
 
-_lock = threading.Lock()
-
 
 def allow_anomaly_checks() -> None:
     """Give DTensor a rule for ``aten._is_any_true`` unless it has one (idempotent)."""
     handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
     if not isinstance(handlers, dict):
         return  # another torch: nothing to add to
-    with _lock:
-        handlers.setdefault(torch.ops.aten._is_any_true.default, _is_any_true)
+    handlers.setdefault(torch.ops.aten._is_any_true.default, _is_any_true)  # one step: safe across rank threads
 
 
 def _is_any_true(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from fsdpfn.compat.state import sharded_as
+from fsdpfn.compat.unreduced_step import check_unreduced
 
 __all__ = ["note_replacement", "replaced_parameter_error", "watch_optimizer_steps"]
 
@@ -38,7 +39,8 @@ _replacements = [0]  # bumped whenever a sharded parameter is replaced: checked 
 
 def watch_optimizer_steps() -> None:
     """Make every ``torch.optim.Optimizer.step`` check, before it runs, that it holds no parameter that
-    ``fully_shard`` has since replaced (idempotent; called by each ``fully_shard``, which replaces).
+    ``fully_shard`` has since replaced, nor one whose gradients accumulated without sync are unreduced
+    (``unreduced_step.check_unreduced``) (idempotent; called by each ``fully_shard``, which replaces).
 
     Example:
         >>> watch_optimizer_steps()                   # doctest: +SKIP
@@ -63,6 +65,7 @@ def note_replacement() -> None:
 
 
 def _check_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    check_unreduced(optimizer)  # gradients accumulated without sync must be reduced first (unreduced_step.py)
     groups = optimizer.param_groups
     sizes = (_replacements[0], *(len(g["params"]) for g in groups))
     if optimizer.__dict__.get(_CHECKED) == sizes:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from fsdpfn.compat.state import UnitState
@@ -53,7 +54,7 @@ def unmanaged_parameter_error(fqn: str, param: object, module: nn.Module, kind: 
     """The error for parameter ``fqn`` of ``module`` that ``kind`` (``fully_shard``/``replicate``) did not
     make: it would train on each rank alone."""
     what = "None (deleted)" if param is None else f"a plain {type(param).__name__}"
-    if type(param).__name__ == "DTensor":  # e.g. made from a sharded one (weight_norm's original0/1)
+    if isinstance(param, DTensor):  # e.g. made from a sharded one (weight_norm's original0/1)
         what = f"a DTensor that {kind} did not make"
     if isinstance(param, torch.Tensor) and not isinstance(param, nn.Parameter):  # a value swapped in for a call
         return ValueError(

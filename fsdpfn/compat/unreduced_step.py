@@ -5,8 +5,10 @@ With ``set_requires_gradient_sync(False)`` a backward keeps each parameter's gra
 ``optimizer.step()`` before that (the last microbatch's backward ran without sync, or sync was never turned
 back on) sees ``.grad`` without those microbatches, or ``None``: it skips or half-updates the parameter and
 the model silently trains on less than it was given (torch's ``fully_shard`` behaves so). ``watch_unreduced``
-registers each root; a global optimizer step pre-hook refuses a step that holds a parameter with unreduced
-gradients, naming it. A step pays one look at each live root's accumulator (empty outside accumulation).
+registers each root; ``check_unreduced``, run by compat's global optimizer step pre-hook
+(``replaced_params.watch_optimizer_steps``, registered by the ``fully_shard`` calls that precede every root),
+refuses a step that holds a parameter with unreduced gradients, naming it. A step pays one look at each live
+root's accumulator (empty outside accumulation).
 
 Example:
     >>> model.set_requires_gradient_sync(False)        # doctest: +SKIP
@@ -21,15 +23,12 @@ import weakref
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.hooks import RemovableHandle
 
 from fsdpfn.messages import listing
 
-__all__ = ["unreduced_step_error", "watch_unreduced"]
+__all__ = ["check_unreduced", "unreduced_step_error", "watch_unreduced"]
 
 _roots: weakref.WeakSet[Any] = weakref.WeakSet()  # every compat root alive, of every rank thread
-_hook: RemovableHandle | None = None  # process-wide: torch's optimizer hooks are global
 _lock = threading.Lock()  # ranks may be threads of one process
 
 
@@ -40,14 +39,16 @@ def watch_unreduced(root: Any) -> None:
     Example:
         >>> watch_unreduced(root_context)              # doctest: +SKIP
     """
-    global _hook
     with _lock:
         _roots.add(root)
-        if _hook is None:
-            _hook = register_optimizer_step_pre_hook(_check_step)
 
 
-def _check_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+def check_unreduced(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``unreduced_step_error`` if ``optimizer`` holds a parameter with unreduced accumulated gradients.
+
+    Example:
+        >>> check_unreduced(opt)                       # doctest: +SKIP
+    """
     with _lock:
         pending = [r for r in _roots if r.acc]
     if not pending:
