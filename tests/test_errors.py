@@ -45,6 +45,22 @@ def _meta_module():
     return m
 
 
+class _ForgetfulGain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.gain = nn.Parameter(torch.ones(2))
+        self.register_buffer("mask", torch.ones(2, 2, dtype=torch.bool).tril())
+
+    def reset_parameters(self):
+        pass  # forgets gain and mask: to_empty left arbitrary memory in both
+
+
+def _meta_forgetful():
+    with torch.device("meta"):
+        return nn.Sequential(_ForgetfulGain())
+
+
 def _changed(model):
     model.blocks[1] = nn.Linear(4, 3)
     return model
@@ -211,6 +227,11 @@ TRIGGERS = {
     "shard-donated": (lambda m, p, a: fsdpfn.shard(_donated(), fsdpfn.init_mesh()), ValueError, r"parameters were donated to an earlier shard\(\) call"),
     "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3, donate=False), TypeError, r"units must be a list of submodule names"),
     "meta-no-reset": (lambda m, p, a: fsdpfn.shard(_meta_module(), fsdpfn.init_mesh()), ValueError, r"has no reset_parameters\(\); pass init="),
+    "meta-init-unwritten": (
+        lambda m, p, a: fsdpfn.shard(_meta_forgetful(), fsdpfn.init_mesh()),
+        ValueError,
+        r"shard: module '0' was built on the meta device and _ForgetfulGain.reset_parameters\(\) left parameter 'gain', buffer 'mask' uninitialised .* Initialise every direct parameter and buffer",
+    ),
     "min-bucket-bytes": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0"], min_bucket_bytes="1MB", donate=False), ValueError, r"min_bucket_bytes must be an int >= 0 \(bytes\), 'auto' or None, got '1MB'"),
     "offload": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), offload_policy=fsdpfn.CPUOffloadPolicy(), donate=False), NotImplementedError, r"CPUOffloadPolicy is not supported"),
     "mp-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), mp_policy="bf16", donate=False), TypeError, r"mp_policy must be a fsdpfn.MixedPrecisionPolicy"),

@@ -7,11 +7,17 @@ keeps this rank's shards, and returns those modules to ``meta`` as soon as none 
 waits for a later unit. No rank ever holds more than about one unit's full parameters. With the same
 seed on every rank, the full parameters do not depend on the world size: the initialisation order is
 the plan's, the same for any world.
+
+``to_empty`` leaves whatever the allocator held, so a parameter or buffer the initialiser skips (a gain
+``reset_parameters()`` forgot, a causal-mask buffer computed in ``__init__``) would train on garbage.
+Each freshly allocated tensor is filled with a marker first (NaN for floating point) and checked after
+the initialiser; one left unwritten is refused by name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,16 +37,105 @@ def _owner_module(module: nn.Module, fqn: str) -> nn.Module:
 
 
 def _initialise(mod: nn.Module, name: str, init: Callable[[nn.Module], None] | None) -> None:
+    """Run ``init(mod)`` (or ``mod.reset_parameters()``) on freshly allocated direct tensors, then refuse
+    any of them it left unwritten."""
     if init is not None:
-        init(mod)
-        return
-    reset = getattr(mod, "reset_parameters", None)
-    if not callable(reset):
+        run = lambda: init(mod)  # noqa: E731
+    else:
+        reset = getattr(mod, "reset_parameters", None)
+        if not callable(reset):
+            raise ValueError(
+                f"shard: module {name or '<root>'!r} ({type(mod).__name__}) was built on the meta device but has no "
+                "reset_parameters(); pass init=callable(module) to shard(...) to initialise it"
+            )
+        run = reset
+    unset = unwritten(mod, run)
+    if unset:
+        how = f"init({type(mod).__name__})" if init is not None else f"{type(mod).__name__}.reset_parameters()"
         raise ValueError(
-            f"shard: module {name or '<root>'!r} ({type(mod).__name__}) was built on the meta device but has no "
-            "reset_parameters(); pass init=callable(module) to shard(...) to initialise it"
+            f"shard: module {name or '<root>'!r} was built on the meta device and {how} left "
+            f"{', '.join(unset)} uninitialised (to_empty's memory holds arbitrary values, and the value computed "
+            "in __init__ is gone on meta). Initialise every direct parameter and buffer of the module there, "
+            "or pass init=callable(module) to shard(...) that does"
         )
-    reset()
+
+
+def _markers(t: torch.Tensor) -> tuple[Any, Any]:
+    """Two fill values for an allocated tensor: an initialiser that writes it changes at least one
+    element away from both (floating point: NaN, which no initialiser leaves)."""
+    if t.is_floating_point() or t.is_complex():
+        return float("nan"), None
+    if t.dtype == torch.bool:
+        return True, False
+    info = torch.iinfo(t.dtype)
+    return info.max - 3, info.min + 3
+
+
+def unwritten(mod: nn.Module, run: Callable[[], Any]) -> list[str]:
+    """Run ``run()`` (an initialiser of ``mod``) with ``mod``'s allocated direct parameters and buffers
+    pre-filled with markers; the names of those it left unwritten (``"parameter 'gain'"``).
+
+    A tensor replaced by another object was written; a floating one still holding a NaN was not (nor
+    fully). A non-floating one whose version counter did not move and which still equals its first
+    marker everywhere is filled with its second and the initialiser runs again from the same random
+    state (the other tensors get the same values again): equal to that too, it was never written
+    (``.data`` writes move no version counter, so the values decide).
+    """
+
+    def direct() -> dict[str, tuple[str, torch.Tensor]]:
+        out = {n: ("parameter", t) for n, t in mod.named_parameters(recurse=False) if not t.is_meta}
+        out.update((n, ("buffer", t)) for n, t in mod.named_buffers(recurse=False) if not t.is_meta)
+        return out
+
+    def fill(which: int, names: Iterable[str]) -> dict[str, tuple[torch.Tensor, int, Any]]:
+        now, marks = direct(), {}
+        with torch.no_grad():
+            for n in names:
+                t = now[n][1]
+                marker = _markers(t)[which]
+                t.fill_(marker)
+                marks[n] = (t, t._version, marker)
+        return marks
+
+    def unchanged(n: str, mark: tuple[torch.Tensor, int, Any]) -> bool:
+        t, version, marker = mark
+        now = direct().get(n)
+        if now is None or now[1] is not t or t.numel() == 0:
+            return False
+        if marker != marker:  # NaN
+            return bool(t.isnan().any())
+        return t._version == version and bool((t == marker).all())
+
+    tensors = direct()
+    devices = sorted({t.device for _, t in tensors.values() if t.device.type != "cpu"}, key=str)
+    before = _rng_states(devices)
+    marks = fill(0, tensors)
+    run()
+    left = {n for n, mark in marks.items() if unchanged(n, mark)}
+    again = [n for n in left if _markers(tensors[n][1])[1] is not None]
+    if again:
+        after = _rng_states(devices)
+        _set_rng_states(before)
+        marks = fill(1, again)
+        run()
+        left -= {n for n in again if not unchanged(n, marks[n])}
+        _set_rng_states(after)  # the caller's random stream moves on as if the initialiser ran once
+    return [f"{tensors[n][0]} {n!r}" for n in tensors if n in left]
+
+
+def _rng_states(devices: list[torch.device]) -> list[tuple[torch.device | None, torch.Tensor]]:
+    out: list[tuple[torch.device | None, torch.Tensor]] = [(None, torch.get_rng_state())]
+    for d in devices:
+        out.append((d, torch.get_device_module(d.type).get_rng_state(d)))
+    return out
+
+
+def _set_rng_states(states: list[tuple[torch.device | None, torch.Tensor]]) -> None:
+    for d, s in states:
+        if d is None:
+            torch.set_rng_state(s)
+        else:
+            torch.get_device_module(d.type).set_rng_state(s, d)
 
 
 def materialize_and_shard(

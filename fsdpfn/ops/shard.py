@@ -140,7 +140,8 @@ def shard(
     A module built on the ``meta`` device is materialised one unit at a time on the mesh's device
     (``reset_parameters()`` of each module that owns parameters, or ``init(module)`` when given) and
     only this rank's shards are kept, so no rank holds the whole model; the module stays on ``meta``.
-    Seed every rank alike: the full parameters then do not depend on the world size.
+    Seed every rank alike: the full parameters then do not depend on the world size. A parameter or
+    buffer the initialiser leaves unwritten (its memory would be arbitrary) is refused by name.
 
     ``min_bucket_bytes`` fuses runs of consecutive units (in ``units`` order) until each run gathers
     at least that many bytes: a run travels in one collective per dtype and is gathered, resharded and
