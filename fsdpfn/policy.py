@@ -6,10 +6,11 @@ Same fields and meaning as ``torch.distributed.fsdp``'s classes of the same name
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy", "as_mp_policy", "as_offload_policy"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +72,44 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+_MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
+def as_mp_policy(policy: Any, where: str) -> MixedPrecisionPolicy | None:
+    """``policy`` as fsdpfn's ``MixedPrecisionPolicy``: ``None`` and fsdpfn's own pass through, and
+    ``torch.distributed.fsdp.MixedPrecisionPolicy`` (code moving from FSDP2 keeps its import) is
+    converted field by field; anything else is refused, naming ``where``.
+
+    Example:
+        >>> from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+        >>> as_mp_policy(TorchPolicy(param_dtype=torch.bfloat16), "shard").param_dtype
+        torch.bfloat16
+    """
+    if policy is None or isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    if type(policy).__name__ == "MixedPrecisionPolicy" and all(hasattr(policy, f) for f in _MP_FIELDS):
+        return MixedPrecisionPolicy(**{f: getattr(policy, f) for f in _MP_FIELDS})
+    raise TypeError(
+        f"{where}: mp_policy must be a MixedPrecisionPolicy (fsdpfn's or torch.distributed.fsdp's), got "
+        f"{type(policy).__name__}; e.g. fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+    )
+
+
+def as_offload_policy(policy: Any, where: str) -> OffloadPolicy | None:
+    """``policy`` as fsdpfn's ``OffloadPolicy``/``CPUOffloadPolicy`` (torch's classes of those names are
+    converted); anything else is refused, naming ``where``.
+
+    Example:
+        >>> as_offload_policy(CPUOffloadPolicy(pin_memory=False), "shard")
+        CPUOffloadPolicy(pin_memory=False)
+    """
+    if policy is None or isinstance(policy, OffloadPolicy):
+        return policy
+    name = type(policy).__name__
+    if name == "CPUOffloadPolicy":
+        return CPUOffloadPolicy(pin_memory=getattr(policy, "pin_memory", True))
+    if name == "OffloadPolicy":
+        return OffloadPolicy()
+    raise TypeError(f"{where}: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got {name}")

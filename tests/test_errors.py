@@ -227,6 +227,11 @@ TRIGGERS = {
     "shard-donated": (lambda m, p, a: fsdpfn.shard(_donated(), fsdpfn.init_mesh()), ValueError, r"parameters were donated to an earlier shard\(\) call"),
     "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3, donate=False), TypeError, r"units must be a list of submodule names"),
     "meta-no-reset": (lambda m, p, a: fsdpfn.shard(_meta_module(), fsdpfn.init_mesh()), ValueError, r"has no reset_parameters\(\); pass init="),
+    "shard-ignored-names": (
+        lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), ignored_params=["blocks.0.weight"], donate=False),
+        TypeError,
+        r"shard: ignored_params holds a str \('blocks.0.weight'\), not a parameter: it would leave nothing out",
+    ),
     "meta-init-unwritten": (
         lambda m, p, a: fsdpfn.shard(_meta_forgetful(), fsdpfn.init_mesh()),
         ValueError,
@@ -234,7 +239,7 @@ TRIGGERS = {
     ),
     "min-bucket-bytes": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=["blocks.0"], min_bucket_bytes="1MB", donate=False), ValueError, r"min_bucket_bytes must be an int >= 0 \(bytes\), 'auto' or None, got '1MB'"),
     "offload": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), offload_policy=fsdpfn.CPUOffloadPolicy(), donate=False), NotImplementedError, r"CPUOffloadPolicy is not supported"),
-    "mp-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), mp_policy="bf16", donate=False), TypeError, r"mp_policy must be a fsdpfn.MixedPrecisionPolicy"),
+    "mp-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), mp_policy="bf16", donate=False), TypeError, r"shard: mp_policy must be a MixedPrecisionPolicy \(fsdpfn's or torch.distributed.fsdp's\), got str; e.g. fsdpfn.MixedPrecisionPolicy\(param_dtype=torch.bfloat16\)"),
     "shard-donate": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), donate="no"), TypeError, r"shard: donate must be True or False, got 'no'"),
     "mp-dtype": (lambda m, p, a: fsdpfn.MixedPrecisionPolicy(param_dtype=torch.int32), TypeError, r"param_dtype=torch.int32 is not a floating-point torch.dtype"),
     "sharded-missing": (lambda m, p, a: fsdpfn.Sharded({}, p.plan), KeyError, r"missing \["),
@@ -526,6 +531,11 @@ COMPAT_TRIGGERS = {
     "compat-mesh-type": (lambda m, p, a: __import__("fsdpfn.compat").compat.fully_shard(_TwoLayer(), mesh="cpu"), AttributeError, r"^'str' object has no attribute 'ndim'\nfully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh"),
     "compat-reshard-int": (lambda m, p, a: _compat_model(reshard_after_forward=3), ValueError, r"^If passing reshard_after_forward as an int, it should be a factor of 2, not 3"),
     "compat-mp-type": (lambda m, p, a: _compat_model(mp_policy="bf16"), TypeError, r"mp_policy must be a MixedPrecisionPolicy"),
+    "compat-ignored-names": (
+        lambda m, p, a: _compat_model(ignored_params={"blocks.1.bias"}),
+        TypeError,
+        r"fully_shard: ignored_params holds a str \('blocks.1.bias'\), not a parameter: it would leave nothing out. Pass the parameters themselves, e.g. \{model.get_parameter\('blocks.1.bias'\)\}",
+    ),
     "compat-child-first": (lambda m, p, a: _compat_child_first(), RuntimeError, r"^FSDP state has already been lazily initialized for blocks.1\nFSDP requires running forward through the root module first\n'blocks.1' \(FSDPLinear\) ran"),
     "compat-load-plain": (lambda m, p, a: _compat_load_plain(), ValueError, r"'blocks.0.weight' is a plain Tensor of shape \(4, 3\).*distribute_tensor"),
     "compat-replaced-param": (lambda m, p, a: _compat_replaced(), ValueError, r"parameter 'blocks.0.weight' was replaced by a DTensor"),

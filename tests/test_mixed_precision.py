@@ -73,3 +73,27 @@ def test_collectives_move_low_precision_bytes():
         assert reduces[0] == 2 * numel * 4  # reduced in fp32
         assert out_dtype == [torch.bfloat16]
         assert set(grad_dtypes.values()) == {torch.float32}
+
+
+def _torch_policy_worker(which):
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    kind = TorchPolicy if which == "torch" else fsdpfn.MixedPrecisionPolicy
+    model = RECIPE.build()
+    mp = kind(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["blocks.0"], mp_policy=mp)
+    apply = fsdpfn.fsdp(model)
+    x = RECIPE.inputs(3, seed=1)
+    loss, grads = fsdpfn.value_and_grad(lambda p: apply(p, x).pow(2).mean())(params)
+    return apply(params, x), {k: v.clone() for k, v in grads.params().items()}
+
+
+def test_torch_mixed_precision_policy_is_taken_as_fsdpfn_s():
+    """Code moving from FSDP2 keeps ``torch.distributed.fsdp.MixedPrecisionPolicy``: ``shard`` takes it
+    field by field (bf16 compute, fp32 output and reduction here), the same as fsdpfn's own class."""
+    for (out, grads), (ref_out, ref_grads) in zip(spmd(2, _torch_policy_worker, "torch"), spmd(2, _torch_policy_worker, "fsdpfn")):
+        assert out.dtype == torch.float32
+        assert torch.equal(out, ref_out)
+        assert {str(g.dtype) for g in grads.values()} == {"torch.float32"}
+        for k in ref_grads:
+            assert torch.equal(grads[k], ref_grads[k]), k

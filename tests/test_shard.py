@@ -118,6 +118,10 @@ def _error_worker(case):
         fsdpfn.shard(torch.zeros(2), mesh)
     elif case == "offload":
         fsdpfn.shard(nn.Linear(2, 2), mesh, offload_policy=fsdpfn.CPUOffloadPolicy())
+    elif case == "offload_torch":  # torch's class is taken as fsdpfn's, so refused the same way
+        from torch.distributed.fsdp import CPUOffloadPolicy as TorchOffload
+
+        fsdpfn.shard(_model(), mesh, offload_policy=TorchOffload())
     elif case == "mp":
         fsdpfn.shard(nn.Linear(2, 2), mesh, mp_policy="bf16")
     elif case == "units":
@@ -139,6 +143,7 @@ def _error_worker(case):
         ("mesh", TypeError, "expected a torch.distributed.device_mesh.DeviceMesh"),
         ("module", TypeError, "expected an nn.Module"),
         ("offload", NotImplementedError, "CPUOffloadPolicy"),
+        ("offload_torch", NotImplementedError, "CPUOffloadPolicy is not supported by the functional layer"),
         ("mp", TypeError, "mp_policy must be"),
         ("units", ValueError, r"TinyTransformer has no submodule 'block\.1'; did you mean 'blocks\.1'"),
         ("mesh_shape", ValueError, r"shape \(3,\) covers 3 ranks but the world has 2"),

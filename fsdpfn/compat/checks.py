@@ -250,7 +250,9 @@ def explain_sharded_read(exc: BaseException, ctx: RootContext, call: Any) -> Run
         f"Under {kind}, a module's parameters are full tensors only while its own {kind} module runs; "
         "elsewhere they are this rank's shards (DTensors). Code that reads a unit's parameter from another "
         "module's forward (a head computing x @ self.embed.weight.t() while embed has its own fully_shard) "
-        f"meets the shard there, as with torch's {kind}. Use the parameter inside its module's forward, or "
+        f"meets the shard there, as with torch's {kind} (whose reshard_after_forward=False keeps the full "
+        "parameters registered until the unit's backward; fsdpfn registers the shards again when the unit's "
+        "forward returns, docs/compat.md). Use the parameter inside its module's forward, or "
         f"shard both modules in one call ({kind}([model.embed, model.head])) or only their parent. Units "
         f"not gathered at that point: {shown or 'none'}",
     ))

@@ -25,7 +25,8 @@ from fsdpfn.compat.tp import SpmdMesh, spmd_layout, tp_param
 from fsdpfn.core import default_mesh, mesh_groups
 from fsdpfn.layout import ShardSpec, contiguous_stride, shard_tensor
 from fsdpfn.ops.extension import extension_of
-from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdpfn.ops.shard import ignored_ids
+from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
 
 __all__ = ["fully_shard"]
 
@@ -109,7 +110,7 @@ def _shard(
     if placements is None:
         placements = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
     device = groups.device
-    ignored = {id(p) for p in (ignored_params or ())}
+    ignored = ignored_ids(ignored_params, kind)
 
     inner = _inner_states(modules)
     taken = {id(m.param) for st in inner for m in st.managed}
@@ -219,26 +220,17 @@ def _inner_states(modules: list[nn.Module]) -> list[UnitState]:
 
 
 def _policy(policy: Any, kind: str) -> MixedPrecisionPolicy:
-    if isinstance(policy, MixedPrecisionPolicy):
-        return policy
-    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
-    if type(policy).__name__ == "MixedPrecisionPolicy" and all(hasattr(policy, f) for f in fields):
-        return MixedPrecisionPolicy(**{f: getattr(policy, f) for f in fields})  # torch's own class
-    raise TypeError(f"{kind}: mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+    return as_mp_policy(policy, kind) or MixedPrecisionPolicy()
 
 
 def _offload(policy: Any, mesh: DeviceMesh, kind: str) -> OffloadPolicy:
-    name = type(policy).__name__
-    if name not in ("OffloadPolicy", "CPUOffloadPolicy"):
-        raise TypeError(f"{kind}: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got {name}")
-    if name == "CPUOffloadPolicy":
-        if mesh.device_type != "cpu":
-            raise NotImplementedError(
-                f"{kind}: CPUOffloadPolicy on a {mesh.device_type} mesh (shards in host memory, gathered to the "
-                "device) is not supported by fsdpfn.compat yet"
-            )
-        return CPUOffloadPolicy(pin_memory=getattr(policy, "pin_memory", True))
-    return OffloadPolicy()
+    policy = as_offload_policy(policy, kind)
+    if isinstance(policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
+        raise NotImplementedError(
+            f"{kind}: CPUOffloadPolicy on a {mesh.device_type} mesh (shards in host memory, gathered to the "
+            "device) is not supported by fsdpfn.compat yet"
+        )
+    return policy or OffloadPolicy()
 
 
 def _to_dtensor(

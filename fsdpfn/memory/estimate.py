@@ -22,7 +22,7 @@ from fsdpfn.memory.activations import forward_cost
 from fsdpfn.memory.rank import rank_phases
 from fsdpfn.memory.result import PHASES, MemoryEstimate
 from fsdpfn.ops.shard import Units, recompute_reads_values, resolve_units
-from fsdpfn.policy import MixedPrecisionPolicy
+from fsdpfn.policy import MixedPrecisionPolicy, as_mp_policy
 
 __all__ = ["OPTIMIZERS", "estimate"]
 
@@ -169,8 +169,7 @@ def step_estimator(
     world size and fusion (``estimator(world, fusion)``, ``fusion`` as ``_StepEstimator`` says)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdpfn.memory.estimate: model must be an nn.Module, got {type(model).__name__}")
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"fsdpfn.memory.estimate: mp_policy must be a fsdpfn.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    mp_policy = as_mp_policy(mp_policy, "fsdpfn.memory.estimate")
     key = "none" if optimizer is None else optimizer
     if key not in OPTIMIZERS:
         raise ValueError(

@@ -18,9 +18,9 @@ from fsdpfn.ops.extension import AllGatherTransform, extension_of, shard_mesh, s
 from fsdpfn.ops.materialize import is_meta, materialize_and_shard
 from fsdpfn.ops.placement import PlacementFn, placement_dim
 from fsdpfn.ops.tp import TPLayout, tp_layout, unwrap
-from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
 
-__all__ = ["Units", "recompute_reads_values", "resolve_units", "shard"]
+__all__ = ["Units", "ignored_ids", "recompute_reads_values", "resolve_units", "shard"]
 
 Units = Union[None, Sequence[str], type, tuple, Callable[[str, nn.Module], bool]]
 """A unit plan: submodule FQNs, module type(s), or a predicate ``(fqn, module) -> bool``."""
@@ -91,6 +91,34 @@ def resolve_units(module: nn.Module, units: Units) -> list[str]:
             chosen.append(name)
     order = {fqn: i for i, fqn in enumerate(named)}
     return sorted(chosen, key=order.__getitem__)  # each name once: a repeat raised above
+
+
+def ignored_ids(ignored_params: Iterable[Any] | None, where: str) -> set[int]:
+    """The identities of ``ignored_params`` (parameters; FSDP2 takes a set of them). A name or anything
+    else that is not a tensor is refused: it would match no parameter, so nothing would be left out.
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> ignored_ids({lin.bias}, "shard") == {id(lin.bias)}
+        True
+    """
+    if ignored_params is None:
+        return set()
+    if isinstance(ignored_params, (str, torch.Tensor)):
+        raise TypeError(
+            f"{where}: ignored_params must be a collection of parameters (a set, as FSDP2 takes), got a "
+            f"{type(ignored_params).__name__}; e.g. {{model.get_parameter('head.weight')}}"
+        )
+    out = set()
+    for p in ignored_params:
+        if not isinstance(p, torch.Tensor):
+            hint = f"{{model.get_parameter({p!r})}}" if isinstance(p, str) else "the nn.Parameter objects"
+            raise TypeError(
+                f"{where}: ignored_params holds a {type(p).__name__} ({p!r:.60}), not a parameter: it would leave "
+                f"nothing out. Pass the parameters themselves, e.g. {hint}"
+            )
+        out.add(id(p))
+    return out
 
 
 def _dp_placements(mesh: Any, dim: int) -> tuple[Any, ...]:
@@ -194,12 +222,10 @@ def shard(
         )
     if not isinstance(donate, bool):  # donate="no" would be truthy and move the weights away
         raise TypeError(f"shard: donate must be True or False, got {donate!r}")
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"shard: mp_policy must be a fsdpfn.MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    mp_policy = as_mp_policy(mp_policy, "shard")
+    offload_policy = as_offload_policy(offload_policy, "shard")
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError("shard: offload_policy=CPUOffloadPolicy is not supported by the functional layer yet")
-    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
-        raise TypeError(f"shard: offload_policy must be a fsdpfn.OffloadPolicy, got {type(offload_policy).__name__}")
     mesh_device = getattr(mesh, "device_type", None)
     for fqn, t in [*module.named_parameters(), *module.named_buffers()]:  # torch's own error says "load_state_dict"
         if isinstance(t, UninitializedTensorMixin):
@@ -216,7 +242,7 @@ def shard(
     comm = Comm(mesh)
     groups = comm.groups
     unit_names = resolve_units(module, units)
-    ignored = {id(p) for p in (ignored_params or ())}
+    ignored = ignored_ids(ignored_params, "shard")
 
     owners: dict[int, str] = {}
     aliases: dict[str, str] = {}
