@@ -205,25 +205,29 @@ def _bad_unshard(case):
         fsdpfn.unshard(params, units=["blocks.0"])
     elif case == "reshard_shape":
         fsdpfn.reshard({"weight": torch.zeros(3, 3), "bias": torch.zeros(2)}, params)
+    elif case == "reduce_transposed":  # same numel: at world 1 it was reshaped into place, silently
+        fsdpfn.reduce({"weight": torch.zeros(3, 2)}, params)
 
 
 @pytest.mark.parametrize(
     "case, exc, match",
     [
         ("not_sharded", TypeError, "expected a fsdpfn.Sharded"),
-        ("wrong_shape", ValueError, r"leaf 'weight' is \(1, 5\).*does not belong to this plan"),
-        ("wrong_dtype", ValueError, r"leaf 'bias' is \(1,\) torch.float64"),
+        ("wrong_shape", ValueError, r"leaf 'weight' is \((1|2), 5\).*does not belong to this plan"),
+        ("wrong_dtype", ValueError, r"leaf 'bias' is \((1|2),\) torch.float64"),
         ("not_tensor", TypeError, "leaf 'bias' is int"),
         ("reduce_unknown", KeyError, r"nope\W* is not a parameter of this plan"),
         ("reduce_op", ValueError, "op='mean' is not a reduction"),
         ("divide_by", ValueError, "divide_by=0 must be a positive number"),
         ("unknown_unit", KeyError, r"no unit \W*blocks.0"),
         ("reshard_shape", ValueError, r"'weight' has shape \(3, 3\), the plan says \(2, 3\)"),
+        ("reduce_transposed", ValueError, r"reduce: gradient of 'weight' has shape \(3, 2\), expected \(2, 3\)"),
     ],
 )
-def test_bad_input_to_ops_names_the_leaf(case, exc, match):
+@pytest.mark.parametrize("world", [1, 2])
+def test_bad_input_to_ops_names_the_leaf(case, exc, match, world):
     with pytest.raises(exc, match=match):
-        spmd(2, _bad_unshard, case)
+        spmd(world, _bad_unshard, case)
 
 
 def _batched_chain():

@@ -199,6 +199,13 @@ def reduce(
             continue
         if not plan.requires_grad[fqn]:
             raise ValueError(f"reduce: parameter {fqn!r} is frozen (requires_grad=False) and takes no gradient")
+        if not isinstance(g, torch.Tensor):
+            raise TypeError(f"reduce: the gradient of {key!r} is {type(g).__name__}, expected a full-size Tensor (or None)")
+        if tuple(g.shape) != tuple(plan.specs[fqn].shape):  # a transposed one has the same numel
+            raise ValueError(
+                f"reduce: gradient of {key!r} has shape {tuple(g.shape)}, expected {tuple(plan.specs[fqn].shape)} "
+                "(the parameter's: reduce takes each rank's full-size gradient, shaped as the parameter)"
+            )
         prev = by_name.get(fqn)
         by_name[fqn] = g if prev is None else prev + g  # tied names share one gradient
     r = _reduce_collective(plan, reduce_scale(plan, op, divide_by), dtype)
