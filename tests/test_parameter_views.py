@@ -86,3 +86,60 @@ def test_a_units_output_that_views_its_parameter_survives_the_reshard(world, n, 
         spec = fsdpfn.ShardSpec(tuple(w.shape), world)
         full = fsdpfn.unshard_tensors([g[k] for g in got], spec)
         torch.testing.assert_close(full, w, rtol=1e-5, atol=1e-6)
+
+
+class _Table(nn.Module):
+    def __init__(self, d: int, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.pos = nn.Parameter(torch.randn(5, d))
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.lin(x), self.pos[: x.shape[0]]  # the second output is a view of the parameter
+
+
+def _kept_after_update(layer: str, units: list[str], d: int, seed: int):
+    model = _Table(d, seed)
+    x = _batch(dist.get_rank(), d, seed)
+    if layer == "functional":
+        import fsdpfn.optim as optim
+
+        params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units)
+        apply = fsdpfn.fsdp(model)
+        full = fsdpfn.unshard(params)
+        (_, (_, pos)), grads = fsdpfn.value_and_grad(lambda p: (lambda o: (o[0].sum() + o[1].sum(), o))(apply(p, x)), has_aux=True)(params)
+        before = {"pos": pos.detach().clone(), **{k: v.detach().clone() for k, v in full.items()}}
+        opt = optim.sgd(lr=1.0)
+        opt.update(grads, opt.init(params), params)  # in place on the shards
+        after = {"pos": pos.detach(), **{k: v.detach() for k, v in full.items()}}
+        return before, after
+    from fsdpfn.compat import fully_shard
+
+    for name in units:
+        fully_shard(model.get_submodule(name))
+    fully_shard(model)
+    out, pos = model(x)
+    before = {"pos": pos.detach().clone()}
+    (out.sum() + pos.sum()).backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return before, {"pos": pos.detach()}
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    world=st.integers(1, 3),
+    d=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+    layer=st.sampled_from(["functional", "compat"]),
+    units=st.sampled_from([[], ["lin"]]),
+)
+def test_outputs_that_view_a_parameter_keep_their_values_after_an_in_place_step(world, d, seed, layer, units):
+    """A forward output that views a parameter, and ``unshard``'s full tensors, hold the values they were
+    computed from after the optimizer updates the shards in place, at every world size. At world 1 the
+    gathered parameter is the shard itself (nothing is moved), so before this they followed the update
+    there, and there only."""
+    for before, after in spmd(world, _kept_after_update, layer, units, d, seed):
+        assert before.keys() == after.keys()
+        for k in before:
+            assert torch.equal(before[k], after[k]), k

@@ -115,7 +115,8 @@ def unshard(
     """All-gather ``params`` into full tensors, keyed like ``module.named_parameters()`` (plus buffers).
 
     One all-gather per unit bucket (all launched before any is waited for); full tensors are views of
-    the gathered buffers. Differentiable: the backward is ``reduce`` with ``op``/``divide_by``
+    the gathered buffers, never of the shards (at world 1 they are copies), so they keep their values
+    when the optimizer updates the shards in place. Differentiable: the backward is ``reduce`` with ``op``/``divide_by``
     (``op="sum"``, the exact adjoint, by default). ``units`` restricts the gather to some units.
     Tensor-parallel parameters are gathered over the data-parallel mesh only and come back as the
     ``DTensor``s on the TP mesh the TP module expects (their local tensor is this rank's TP slice).
@@ -129,11 +130,20 @@ def unshard(
     b = gather_collective(plan, chosen, reduce_scale(plan, op, divide_by))
     shards = check_shards(params, b.fqns)
     full = dict(zip(b.fqns, apply_buckets(b, shards)))
+    if plan.world == 1:  # nothing moved: the full tensors would be the shards, and follow in-place updates
+        full = {f: t.clone() if _same_storage(t, s) else t for (f, t), s in zip(full.items(), shards)}
     for fqn in [f for f in b.fqns if f in plan.tp]:  # tensor-parallel: the TP module's DTensor over the gathered TP-local tensor
         full[fqn] = plan.tp[fqn].tp.wrap(full[fqn])
     if units is None:
         full.update(params.buffers())
     return full
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):  # torch.func's wrappers, fake tensors: nothing to compare
+        return a is b
 
 
 def reshard(full: Mapping[str, torch.Tensor], like: Sharded[Any]) -> Sharded[torch.Tensor]:

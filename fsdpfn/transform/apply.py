@@ -24,7 +24,7 @@ from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import reduce_scale
 from fsdpfn.transform.call import Call, OpenCall, outer_saved_hooks
-from fsdpfn.transform.casting import cast_inputs, cast_output
+from fsdpfn.transform.casting import cast_inputs, cast_output, copy_shard_views
 from fsdpfn.transform.eager import caller_frame, eager, functorch_active, in_backward, on_stack, under_compile
 from fsdpfn.transform.fusion import plan_fusion
 from fsdpfn.transform.occupancy import enter_module, leave_module
@@ -286,6 +286,7 @@ class Apply(UnitHooks):
         self._backward.add(call)
         if torch.is_grad_enabled() and "" in plan.group_of and not functorch_active():
             self._recompute.arm_on(call, "", out)
+        out = copy_shard_views(plan, call.params.params().values(), out)
         cast = cast_output(plan, out, "")
         return out if cast is None else cast
 

@@ -1,4 +1,5 @@
-"""Mixed-precision casts of a unit's inputs and outputs (``MixedPrecisionPolicy``), shared by both executors."""
+"""Mixed-precision casts of a unit's inputs and outputs (``MixedPrecisionPolicy``), shared by both
+executors, and the copy that keeps a call's outputs off the shards at world 1."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import fsdpfn.trees as trees
 from fsdpfn.layout import ShardPlan
 
-__all__ = ["cast_floats", "cast_inputs", "cast_output"]
+__all__ = ["cast_floats", "cast_inputs", "cast_output", "copy_shard_views"]
 
 
 def cast_floats(x: Any, dtype: torch.dtype) -> Any:
@@ -32,3 +33,34 @@ def cast_output(plan: ShardPlan, out: Any, unit: str) -> Any:
     if policy is None or policy.output_dtype is None:
         return None
     return cast_floats(out, policy.output_dtype)
+
+
+def copy_shard_views(plan: ShardPlan, shards: Any, out: Any) -> Any:
+    """``out`` with every tensor that shares storage with a parameter shard replaced by a copy.
+
+    At world 1 a unit's gathered parameters are its shards themselves (nothing is moved), so an output
+    that is a view of a parameter (a positional table returned as ``self.pos[:t]``) would follow the
+    optimizer's in-place updates, where at any other world it is a view of a gathered copy that keeps
+    the forward's values. Only a world of one needs looking at.
+    """
+    if plan.world != 1:
+        return out
+    ptrs = {_storage(t) for t in shards} - {None}
+    if not ptrs:
+        return out
+
+    def copy(t: Any) -> Any:
+        return t.clone() if _storage(t) in ptrs else t
+
+    return trees.map_leaves(copy, out)
+
+
+def _storage(t: Any) -> int | None:
+    """The address of a plain tensor's storage; ``None`` for anything else (``torch.func``'s wrappers
+    and fake tensors have none to compare: under those no in-place step can follow)."""
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
