@@ -287,3 +287,35 @@ def test_at_world_one_the_gather_moves_nothing_and_returns_copies():
     for name in ("plain", "bf16"):
         assert out[name]["equal"] and out[name]["grad_ok"], name
         assert out[name]["counts"] == (0, 0, 0), name  # no collective, no gathered buffer
+
+
+def _reduce_then_reuse(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0"])
+    acc = {k: torch.randn(params.specs[k].shape) for k in params.keys()}  # an accumulator the caller reuses
+    out = {}
+    for op in ("sum", "avg"):
+        reduced = fsdpfn.reduce(acc, params, op=op)
+        kept = {k: v.clone() for k, v in reduced.items()}
+        saved = {k: v.clone() for k, v in acc.items()}
+        for v in acc.values():
+            v.zero_()  # the next accumulation round starts
+        out[op] = all(torch.equal(reduced[k], kept[k]) for k in kept)
+        for k, v in saved.items():
+            acc[k].copy_(v)
+    full = fsdpfn.unshard(params)
+    snap = {k: v.clone() for k, v in full.items()}
+    for v in params.values():
+        v.add_(1.0)  # an in-place optimizer step
+    out["unshard"] = all(torch.equal(full[k], snap[k]) for k in snap)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_reduce_and_unshard_results_share_no_memory_with_their_inputs(world):
+    """At world 1 nothing is moved, and the results were the inputs themselves there (only there): an
+    accumulator zeroed for the next round zeroed the reduced gradients, an in-place step changed the
+    unsharded copy."""
+    for out in spmd(world, _reduce_then_reuse, 3):
+        assert out == {"sum": True, "avg": True, "unshard": True}

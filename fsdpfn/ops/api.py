@@ -182,7 +182,8 @@ def reduce(
     ``op="avg"`` divides the sum over data-parallel ranks by their number, ``op="sum"`` does not,
     ``divide_by=F`` divides the sum by ``F``. ``dtype`` is the dtype the collective moves (the result is
     in each parameter's own dtype). One reduce-scatter per unit bucket; HSDP adds one all-reduce over
-    the replicate group. A missing or ``None`` gradient counts as zero (another rank may have one);
+    the replicate group. The result never shares memory with ``grads`` (at world 1 it is a copy), so
+    the caller may reuse its buffers. A missing or ``None`` gradient counts as zero (another rank may have one);
     frozen parameters and buffers come back as ``None``. Differentiable: the backward is ``unshard``.
 
     Example:
@@ -219,7 +220,10 @@ def reduce(
         prev = by_name.get(fqn)
         by_name[fqn] = g if prev is None else prev + g  # tied names share one gradient
     r = _reduce_collective(plan, reduce_scale(plan, op, divide_by), dtype)
-    out = dict(zip(r.fqns, apply_buckets(r, [by_name.get(f) for f in r.fqns])))
+    given = [by_name.get(f) for f in r.fqns]
+    out = dict(zip(r.fqns, apply_buckets(r, given)))
+    if plan.world == 1:  # nothing moved: the result would be the caller's gradient itself (one reused later)
+        out = {f: t.clone() if t is not None and g is not None and _same_storage(t, g) else t for (f, t), g in zip(out.items(), given)}
     return Sharded._from_children([out.get(k) for k in plan.keys], plan)
 
 
