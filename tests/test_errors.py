@@ -227,6 +227,11 @@ TRIGGERS = {
     "shard-donated": (lambda m, p, a: fsdpfn.shard(_donated(), fsdpfn.init_mesh()), ValueError, r"parameters were donated to an earlier shard\(\) call"),
     "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3, donate=False), TypeError, r"units must be a list of submodule names"),
     "meta-no-reset": (lambda m, p, a: fsdpfn.shard(_meta_module(), fsdpfn.init_mesh()), ValueError, r"has no reset_parameters\(\); pass init="),
+    "sharded-pickle": (
+        lambda m, p, a: torch.save(p, __import__("io").BytesIO()),
+        TypeError,
+        r"a Sharded cannot be pickled \(torch.save included\): its plan holds the process groups of its mesh. Save it with fsdpfn.save\(path, params\)",
+    ),
     "shard-ignored-names": (
         lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), ignored_params=["blocks.0.weight"], donate=False),
         TypeError,

@@ -111,3 +111,55 @@ def test_tied_parameters_are_sharded_once():
         assert keys == ["0.weight"]
         assert aliases == {"1.weight": "0.weight"}
         assert equal and same
+
+
+def _deepcopy_worker():
+    import copy
+
+    import fsdpfn.optim as optim
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0"])
+    apply = fsdpfn.fsdp(model)
+    x = torch.randn(2, 3)
+    ema = copy.deepcopy(params)  # a reference copy: its own leaves, the same plan (and mesh)
+    before = apply(ema, x)
+    opt = optim.adamw(lr=0.1)
+    state = opt.init(params)
+    state_copy = copy.deepcopy(state)
+    _, grads = fsdpfn.value_and_grad(lambda p: apply(p, x).sum())(params)
+    params, state = opt.update(grads, state, params)
+    shared = any(ema[k].untyped_storage().data_ptr() == params[k].untyped_storage().data_ptr() for k in params.keys())
+    return {
+        "same_plan": ema.plan is params.plan,
+        "shared": shared,
+        "ema_kept": torch.equal(apply(ema, x), before),
+        "params_moved": not torch.equal(apply(params, x), before),
+        "state_copy": type(state_copy) is type(state)
+        and all(float(v) == 0.0 for v in state_copy.step.params().values())
+        and all(float(v) == 1.0 for v in state.step.params().values()),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_deepcopy_copies_the_leaves_and_shares_the_plan(world):
+    for out in spmd(world, _deepcopy_worker):
+        assert out == {"same_plan": True, "shared": False, "ema_kept": True, "params_moved": True, "state_copy": True}
+
+
+def _pickle_worker():
+    import io
+
+    params = fsdpfn.shard(nn.Linear(3, 2), fsdpfn.init_mesh())
+    with pytest.raises(TypeError, match=r"a Sharded cannot be pickled \(torch.save included\).*fsdpfn.save\(path, params\)"):
+        torch.save(params, io.BytesIO())
+    buf = io.BytesIO()
+    torch.save(dict(params.items()), buf)  # this rank's leaves, as the message says
+    buf.seek(0)
+    back = params.replace(torch.load(buf))
+    return all(torch.equal(back[k], params[k]) for k in params.keys())
+
+
+def test_pickling_a_tree_says_how_to_save_it():
+    assert spmd(2, _pickle_worker) == [True, True]

@@ -8,6 +8,7 @@ pytree node for ``torch.utils._pytree`` (hence ``torch.func``) and for optree's 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -36,6 +37,9 @@ class Sharded(Generic[T]):
         >>> params = fsdpfn.shard(model, mesh)                       # doctest: +SKIP
         >>> params["0.weight"].shape, params.specs["0.weight"]       # doctest: +SKIP
         >>> zeros = torch.utils._pytree.tree_map(torch.zeros_like, params)  # still a Sharded  # doctest: +SKIP
+        >>> ema = copy.deepcopy(params)     # its own leaves, the same plan  # doctest: +SKIP
+
+    A tree cannot be pickled (its plan holds the mesh's process groups): ``fsdpfn.save`` writes one.
     """
 
     __slots__ = ("_leaves_", "_plan", "_mode", "_donated")
@@ -157,6 +161,23 @@ class Sharded(Generic[T]):
         if unknown:
             raise KeyError(f"Sharded.replace: {unknown} are not leaves of this tree")
         return Sharded._from_children([updates.get(k, v) for k, v in self._leaves.items()], self._plan)
+
+    # --- copies ---------------------------------------------------------------------------------
+    def __copy__(self) -> Sharded[T]:
+        return Sharded._from_children(list(self._leaves.values()), self._plan)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Sharded[T]:
+        """A tree of copied leaves with the same plan (static metadata, shared: the copy lives on the same
+        mesh), e.g. an EMA or a reference copy: ``copy.deepcopy(params)``."""
+        return Sharded._from_children([copy.deepcopy(v, memo) for v in self._leaves.values()], self._plan)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a Sharded cannot be pickled (torch.save included): its plan holds the process groups of its mesh. "
+            "Save it with fsdpfn.save(path, params) (loadable at any world size: params = fsdpfn.load(path, like)); "
+            "or save this rank's leaves, torch.save(dict(params.items()), f), and rebuild them with "
+            "like.replace(torch.load(f)) in a run with the same plan"
+        )
 
     def __repr__(self) -> str:
         if self._donated is not None:
