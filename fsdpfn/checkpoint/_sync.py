@@ -12,6 +12,7 @@ import torch
 
 from fsdpfn.checkpoint.errors import CheckpointError, CheckpointMismatchError, UnsafeCheckpointError
 from fsdpfn.core import Comm
+from fsdpfn.core.guard import INTERNAL
 
 __all__ = ["broadcast_tensors", "comm_for", "dist_ready", "is_root", "root_run"]
 
@@ -64,6 +65,9 @@ def _device(comm: Comm) -> torch.device:
     return comm.groups.device
 
 
+_LABEL = INTERNAL + "checkpoint broadcast from the root rank"
+
+
 def root_run(comm: Comm | None, fn: Callable[[], int | None]) -> int:
     """Run ``fn`` on the mesh root only and share its integer result (0 for ``None``) with every rank.
 
@@ -80,12 +84,12 @@ def root_run(comm: Comm | None, fn: Callable[[], int | None]) -> int:
             exc, err = e, f"{type(e).__name__}\n{e}".encode()[:65536]
     if comm is not None and comm.dp_world > 1:
         head = torch.tensor([value, len(err)], dtype=torch.int64).to(_device(comm))
-        comm.broadcast(head).wait()
+        comm.broadcast(head, label=_LABEL).wait()
         value, n = (int(v) for v in head.tolist())
         if n:
             buf = torch.tensor(list(err), dtype=torch.uint8) if root else torch.empty(n, dtype=torch.uint8)
             buf = buf.to(_device(comm))
-            comm.broadcast(buf).wait()
+            comm.broadcast(buf, label=_LABEL).wait()
             err = bytes(buf.cpu().tolist())
     if exc is not None:
         raise exc
@@ -134,7 +138,7 @@ def broadcast_tensors(
             buf[off : off + flat.numel()].copy_(flat)
     else:
         buf = torch.empty(total, dtype=torch.uint8, device=device)
-    comm.broadcast(buf).wait()
+    comm.broadcast(buf, label=_LABEL).wait()
     out = []
     for off, (shape, dtype) in zip(offsets, metas):
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()

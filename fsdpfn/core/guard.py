@@ -234,9 +234,10 @@ class Guard:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise CollectiveTimeout(
                     f"collective {where} did not complete within {self.timeout:g} s: another rank is not running "
-                    "it (it diverged, hangs or died). A sharded model's forward and backward are collective: every "
-                    "rank runs each of them (an evaluation under `if rank == 0:` is a usual cause; evaluate on "
-                    "every rank, or on a full copy from full_state_dict). Set FSDPFN_DEBUG=1 to find where ranks diverge."
+                    "it (it diverged, hangs or died). A sharded model's forward and backward, and fsdpfn.save, "
+                    "load and full_state_dict, are collective: every rank runs each of them (an evaluation or a "
+                    "save under `if rank == 0:` is a usual cause: call them on every rank; full_state_dict keeps "
+                    "the copy on rank 0). Set FSDPFN_DEBUG=1 to find where ranks diverge."
                 ) from e
             raise CollectiveError(
                 f"collective {where} failed: {e}. A peer rank probably failed or exited: look for its own error "
