@@ -1,8 +1,10 @@
 """Reentrant activation checkpoints (``fsdpfn.transform.reentrant``): ``torch.utils.checkpoint(...,
-use_reentrant=True)`` around a unit or inside one is refused by name in both layers, on every rank (its
-parameters used to get zeros through ``value_and_grad`` and ``None`` through the compat layer's backward,
-silently, where a single process and torch's ``fully_shard`` train them), and the same model with the
-non-reentrant checkpoint still equals the single-process reference, before and after a refusal."""
+use_reentrant=True)`` around a unit (Hugging Face's ``gradient_checkpointing_enable()`` default, torch's
+``checkpoint_wrapper(..., CheckpointImpl.REENTRANT)``) trains in the compat layer as in one process and
+torch's ``fully_shard``; inside a unit, and anywhere under ``value_and_grad``, it is refused by name on
+every rank (its parameters used to get zeros through ``value_and_grad`` and ``None`` through the compat
+layer's backward, silently); the same model with the non-reentrant checkpoint still equals the
+single-process reference, before and after a refusal."""
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fsdpfn
+import fsdpfn.compat
 from fsdpfn.testing import spmd
 from fsdpfn.transform.reentrant import has_reentrant_checkpoint
 
@@ -87,7 +90,7 @@ def _functional_worker(width, seed, stem, where, reshard):
         refused = str(exc)
     model.set_checkpoint(where, reentrant=False)
     _, grads = step(params, x)
-    return refused, {k: grads[k] for k in grads.keys()}
+    return refused, {k: grads[k] for k in grads.keys()}, None
 
 
 def _compat_worker(width, seed, stem, where, reshard):
@@ -104,12 +107,13 @@ def _compat_worker(width, seed, stem, where, reshard):
     try:
         model(x).pow(2).mean().backward()
         refused = ""
+        trained = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
     except RuntimeError as exc:
-        refused = str(exc)
+        refused, trained = str(exc), None
     model.zero_grad()
     model.set_checkpoint(where, reentrant=False)
     model(x).pow(2).mean().backward()
-    return refused, {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+    return refused, {n: p.grad.to_local().clone() for n, p in model.named_parameters()}, trained
 
 
 @settings(max_examples=10, deadline=None)
@@ -117,11 +121,16 @@ def _compat_worker(width, seed, stem, where, reshard):
     world=st.integers(1, 3), width=st.integers(2, 6), seed=st.integers(0, 2**16), stem=st.booleans(),
     where=st.sampled_from(["outer", "inner"]), layer=st.sampled_from(["functional", "compat"]), reshard=st.booleans(),
 )  # fmt: skip
-def test_a_reentrant_checkpoint_is_refused_and_the_non_reentrant_one_trains(world, width, seed, stem, where, layer, reshard):
+def test_a_reentrant_checkpoint_trains_around_a_compat_unit_and_is_refused_elsewhere(world, width, seed, stem, where, layer, reshard):
     worker = _functional_worker if layer == "functional" else _compat_worker
     results = spmd(world, worker, width, seed, stem, where, reshard)
     want = _reference(width, seed, stem, world)
-    for refused, _ in results:  # every rank refuses, naming the fix
+    trains = layer == "compat" and where == "outer"
+    for refused, _, _ in results:
+        if trains:
+            assert refused == "", refused
+            continue
+        # every rank refuses, naming the fix
         assert "use_reentrant=True" in refused and "pass use_reentrant=False" in refused, refused
         if layer == "compat":
             assert refused.startswith("backward: unit(s) ") and "'blocks.0'" in refused, refused
@@ -129,8 +138,49 @@ def test_a_reentrant_checkpoint_is_refused_and_the_non_reentrant_one_trains(worl
             assert refused.startswith("value_and_grad: the function's graph holds"), refused
     for name, full in want.items():
         spec = fsdpfn.ShardSpec(tuple(full.shape), world)
-        got = fsdpfn.unshard_tensors([grads[name] for _, grads in results], spec)
-        torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        for which in (1, 2) if trains else (1,):  # the non-reentrant run; the reentrant one where it trains
+            got = fsdpfn.unshard_tensors([r[which][name] for r in results], spec)
+            torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-6, msg=lambda m: f"{which} {name}: {m}")
+
+
+def _wrapper_worker(width, seed, reshard, lib, steps):
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    fully_shard = fsdpfn.compat.fully_shard if lib == "compat" else torch_fully_shard
+    model = _Net(width, seed, stem=True)
+    for i, b in enumerate(model.blocks):  # torchtitan's order: the checkpoint wrapper, then fully_shard on it
+        model.blocks[i] = checkpoint_wrapper(b, checkpoint_impl=CheckpointImpl.REENTRANT)
+        fully_shard(model.blocks[i], reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = _batch(dist.get_rank(), 3)
+    for _ in range(steps):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n.replace("._checkpoint_wrapped_module", ""): p.full_tensor() for n, p in model.named_parameters()}
+
+
+@settings(max_examples=6, deadline=None)
+@given(world=st.integers(1, 3), width=st.integers(2, 6), seed=st.integers(0, 2**16), reshard=st.booleans())
+def test_reentrant_checkpoint_wrapper_units_train_as_one_process_and_torch(world, width, seed, reshard):
+    """``checkpoint_wrapper(block, CheckpointImpl.REENTRANT)`` as the unit (its node recomputes the block
+    without the unit's hooks and differentiates that itself): two SGD steps equal one process on the
+    whole batch and torch's ``fully_shard`` in the same setting."""
+    model = _Net(width, seed, stem=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        (sum(model(_batch(r, 3)).pow(2).mean() for r in range(world)) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    got = spmd(world, _wrapper_worker, width, seed, reshard, "compat", 2)[0]
+    theirs = spmd(world, _wrapper_worker, width, seed, reshard, "torch", 2)[0]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], theirs[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"torch {name}: {m}")
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -303,6 +303,22 @@ class Call:
         if self._prefetch_at_release:
             self._prefetch_backward(name)
 
+    def gather_for_reentrant(self, name: str) -> dict[str, torch.Tensor]:
+        """Group ``name`` gathered again, differentiably, for a reentrant checkpoint's recompute. That
+        checkpoint differentiates its recompute in a backward of its own, so the values it reads must lead
+        back to the shards through a gather whose backward is the group's reduction (the forward ran the
+        region under ``no_grad``, or its gradients never reach the forward's gather). Reductions add up:
+        one here and one through the forward's gather, when both carry gradients, give their sum."""
+        b = self._collective(self.plan.group(name))
+        shards = self._shards(b)
+        with torch.enable_grad():
+            outs = apply_buckets(b, shards, self.info(name))
+        grad_fn = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
+        if grad_fn is not None and self.released is not None:
+            released = self.released
+            grad_fn.register_prehook(lambda _grads: released(self, name))  # its reduction starts: swap it out
+        return dict(zip(b.fqns, outs))
+
     def values_for_recompute(self, name: str) -> dict[str, torch.Tensor]:
         """Unit values for an activation-checkpoint recompute in backward (same requires_grad as forward)."""
         full = self.gathered.get(name) or self.regather(name)

@@ -22,7 +22,7 @@ import torch
 import fsdpfn.trees as trees
 from fsdpfn.ops.shard import recompute_reads_values
 from fsdpfn.transform.eager import eager
-from fsdpfn.transform.reentrant import reentrant_error, took_gradients, untracked
+from fsdpfn.transform.reentrant import in_reentrant_recompute, is_reentrant_node, reentrant_error, took_gradients, untracked
 
 if TYPE_CHECKING:
     from fsdpfn.transform.apply import Apply
@@ -44,31 +44,36 @@ class BackwardSwaps:
 
     def arm_on(self, call: Call, unit: str, out: Any) -> None:
         """Swap ``unit``'s values in (from ``call``) when a backward first reaches a tensor of ``out``."""
-        hook = None
         for t in trees.leaves(out):
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                hook = hook or functools.partial(self._enter, call, unit)
-                t.grad_fn.register_prehook(hook)
+                # an output made by a reentrant checkpoint around the unit's module (checkpoint_wrapper):
+                # its node recomputes the module without the unit's hooks and differentiates that itself
+                t.grad_fn.register_prehook(functools.partial(self._enter, call, unit, is_reentrant_node(t.grad_fn)))
 
     @eager
-    def _enter(self, call: Call, unit: str, _grads: Any) -> None:
+    def _enter(self, call: Call, unit: str, reentrant: bool, _grads: Any) -> None:
         key = (id(call), unit)
         if key in self.active or unit not in call.plan.group_of:
             return
         group = call.plan.group_of[unit]
-        if not self._reachable(call.plan, unit) and group not in call.gathered and group not in call.regathered:
+        if not reentrant and not self._reachable(call.plan, unit) and group not in call.gathered and group not in call.regathered:
             return  # nothing but the unit's own hooks can read its values: gather again only if backward needs it
-        values = self.values(call, group, unit)
+        values = self.values(call, group, unit, reentrant)
         self.active[key] = (call, self.apply._swap(call.plan, values, unit), values)
         self.current[unit] = call
 
-    def values(self, call: Call, group: str, unit: str) -> dict[str, torch.Tensor]:
-        """Group ``group``'s values (from ``call``) for a recompute of ``unit`` in this backward. A unit its
-        forward gathered without gradients, recomputed with them, is a reentrant checkpoint's (its region
-        ran under ``no_grad`` in forward): noted for the end of the backward to refuse."""
-        values = call.values_for_recompute(group)
-        if torch.is_grad_enabled() and unit not in self.reentrant and untracked(values, call.plan.requires_grad):
-            self.reentrant.append(unit)
+    def values(self, call: Call, group: str, unit: str, reentrant: bool = False) -> dict[str, torch.Tensor]:
+        """Group ``group``'s values (from ``call``) for a recompute of ``unit`` in this backward. A reentrant
+        checkpoint's recompute (the unit's hooks run inside one, or its node is the unit's output) gets
+        them gathered differentiably: its own backward then reduces them (``Call.gather_for_reentrant``).
+        Any other unit its forward gathered without gradients, recomputed with them, is noted for the end
+        of the backward to refuse (its gradients would be lost)."""
+        if reentrant or in_reentrant_recompute():
+            values = call.gather_for_reentrant(group)
+        else:
+            values = call.values_for_recompute(group)
+            if torch.is_grad_enabled() and unit not in self.reentrant and untracked(values, call.plan.requires_grad):
+                self.reentrant.append(unit)
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

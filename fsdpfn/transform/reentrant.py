@@ -1,20 +1,23 @@
-"""Reentrant activation checkpoints (``torch.utils.checkpoint(..., use_reentrant=True)``), found and refused.
+"""Reentrant activation checkpoints (``torch.utils.checkpoint(..., use_reentrant=True)``): found, and
+carried or refused.
 
 A reentrant checkpoint runs its region under ``no_grad`` in forward and, in backward, runs it again and
-calls a backward of its own on that second graph. Neither layer can carry the gradients of a unit's
-parameters out of that inner backward: the recompute reads the unit's gathered values as fresh leaves,
-so the inner backward leaves the gradients on them, and no reduction ever sees them (the parameters got
-``None``, or zeros, without an error). ``value_and_grad`` has a second reason: it differentiates with
-``torch.autograd.grad``, which skips a reentrant checkpoint whose inputs lead to no parameter (torch's own
-single-process ``autograd.grad`` then gives ``None`` for every parameter inside, silently). So both are
-refused by name, pointing at the non-reentrant checkpoint, which both layers support:
+calls a backward of its own on that second graph. Around a unit (the checkpoint calls the unit's module,
+or is the unit's output node: ``checkpoint_wrapper``) the recompute gathers the unit differentiably
+(``in_reentrant_recompute``, ``is_reentrant_node``; ``Call.gather_for_reentrant``), so that inner backward
+reduces it as the forward's gather would. Inside a unit's forward, the recompute reads the values swapped
+in for the unit's backward as fresh leaves, the inner backward leaves the gradients on them and no
+reduction sees them (the parameters got ``None`` without an error). ``value_and_grad`` has a second
+reason: it differentiates with ``torch.autograd.grad``, which skips a reentrant checkpoint whose inputs
+lead to no parameter (torch's own single-process ``autograd.grad`` then gives ``None`` for every parameter
+inside, silently). Those are refused by name, pointing at the non-reentrant checkpoint:
 
 - ``value_and_grad`` walks the loss's graph before differentiating (``has_reentrant_checkpoint``; ~0.1 ms
   for a few hundred autograd nodes) and raises before any reduction runs, on every rank alike;
 - a plain ``backward()`` (the compat layer) raises at its end, once every reduction has run, when a unit
-  the forward gathered without gradients is recomputed with them (``untracked``: a checkpoint around the
-  unit) or a recompute's values came back holding gradients (``took_gradients``: one inside it); nothing
-  extra is kept alive for it, and no peer is left waiting.
+  the forward gathered without gradients is recomputed with them outside a reentrant recompute
+  (``untracked``) or a recompute's values came back holding gradients (``took_gradients``: one inside
+  it); nothing extra is kept alive for it, and no peer is left waiting.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointFunction
 
-__all__ = ["has_reentrant_checkpoint", "reentrant_error", "took_gradients", "untracked"]
+__all__ = ["has_reentrant_checkpoint", "in_reentrant_recompute", "is_reentrant_node", "reentrant_error", "took_gradients", "untracked"]
 
 _REENTRANT_NODE = CheckpointFunction._backward_cls
 _USE = (
@@ -70,7 +73,28 @@ def took_gradients(values: dict[str, torch.Tensor]) -> bool:
     """Whether a backward left gradients on a recompute's ``values``: only a reentrant checkpoint's inner
     backward differentiates the recompute itself (a non-reentrant recompute feeds saved tensors to the
     original graph, whose gradients flow to the unit's gather)."""
-    return any(v.grad is not None for v in values.values())
+    return any(v.is_leaf and v.grad is not None for v in values.values())
+
+
+def is_reentrant_node(node: Any) -> bool:
+    """Whether ``node`` is a reentrant checkpoint's backward node.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> is_reentrant_node(torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=True).grad_fn)
+        True
+    """
+    return type(node) is _REENTRANT_NODE
+
+
+def in_reentrant_recompute() -> bool:
+    """Whether this code runs inside a reentrant checkpoint's backward (its recompute, with gradients on).
+
+    Example:
+        >>> in_reentrant_recompute()
+        False
+    """
+    return torch.is_grad_enabled() and type(torch._C._current_autograd_node()) is _REENTRANT_NODE
 
 
 def reentrant_error(where: str, units: Any = None) -> RuntimeError:
