@@ -67,7 +67,10 @@ def _markers(t: torch.Tensor) -> tuple[Any, Any]:
         return float("nan"), None
     if t.dtype == torch.bool:
         return True, False
-    info = torch.iinfo(t.dtype)
+    try:
+        info = torch.iinfo(t.dtype)
+    except TypeError:  # a quantized or other exotic dtype: its second marker is never tried
+        return 0, None
     return info.max - 3, info.min + 3
 
 
@@ -93,7 +96,10 @@ def unwritten(mod: nn.Module, run: Callable[[], Any]) -> list[str]:
             for n in names:
                 t = now[n][1]
                 marker = _markers(t)[which]
-                t.fill_(marker)
+                try:
+                    t.fill_(marker)
+                except (RuntimeError, TypeError):  # a dtype without that value (a float8 without NaN): unchecked
+                    continue
                 marks[n] = (t, t._version, marker)
         return marks
 
@@ -102,9 +108,12 @@ def unwritten(mod: nn.Module, run: Callable[[], Any]) -> list[str]:
         now = direct().get(n)
         if now is None or now[1] is not t or t.numel() == 0:
             return False
-        if marker != marker:  # NaN
-            return bool(t.isnan().any())
-        return t._version == version and bool((t == marker).all())
+        try:
+            if marker != marker:  # NaN
+                return bool(t.isnan().any())
+            return t._version == version and bool((t == marker).all())
+        except RuntimeError:  # no comparison for this dtype: unchecked
+            return False
 
     tensors = direct()
     devices = sorted({t.device for _, t in tensors.values() if t.device.type != "cpu"}, key=str)
