@@ -193,3 +193,62 @@ def test_has_reentrant_checkpoint_finds_a_region_anywhere_in_the_graph(reentrant
     value = (deep + region.exp()).sum()
     assert has_reentrant_checkpoint(value) is reentrant
     assert not has_reentrant_checkpoint(torch.ones(2).sum())  # no graph at all
+
+
+class _NormBlock(nn.Module):
+    """A reentrant checkpoint inside the unit, around part of it: the norm before it (or the term after
+    it) uses the unit's parameters outside, so the forward's gather takes gradients too."""
+
+    def __init__(self, width: int, after: bool):
+        super().__init__()
+        self.norm, self.after = nn.LayerNorm(width), after
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def _body(self, h):
+        return self.fc2(torch.tanh(self.fc1(h)))
+
+    def forward(self, x):
+        if self.after:
+            return checkpoint(self._body, x, use_reentrant=True) + self.norm(x)
+        return x + checkpoint(self._body, self.norm(x), use_reentrant=True)
+
+
+def _inside_model(width, seed, after):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, width), *[_NormBlock(width, after) for _ in range(2)], nn.Linear(width, 2))
+
+
+def _inside_worker(width, seed, after, reshard, lib):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    fully_shard = fsdpfn.compat.fully_shard if lib == "compat" else torch_fully_shard
+    model = _inside_model(width, seed, after)
+    for i in (1, 2):
+        fully_shard(model[i], reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(_batch(dist.get_rank(), 3)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+@settings(max_examples=6, deadline=None)
+@given(world=st.integers(1, 3), width=st.integers(2, 6), seed=st.integers(0, 2**16), after=st.booleans(), reshard=st.booleans())
+def test_a_reentrant_checkpoint_inside_a_unit_trains_when_the_unit_also_uses_parameters_outside_it(world, width, seed, after, reshard):
+    """The inner backward leaves its gradients on the recompute's values; the unit's reduction (reached
+    through the parameters used outside the region) carries them (``CallInfo.extra``). Two SGD steps
+    equal one process and torch's ``fully_shard``."""
+    model = _inside_model(width, seed, after)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        (sum(model(_batch(r, 3)).pow(2).mean() for r in range(world)) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    got = spmd(world, _inside_worker, width, seed, after, reshard, "compat")[0]
+    theirs = spmd(world, _inside_worker, width, seed, after, reshard, "torch")[0]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], theirs[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"torch {name}: {m}")

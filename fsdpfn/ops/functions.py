@@ -9,7 +9,7 @@ before the first is waited for, so the buckets overlap each other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,9 @@ class CallInfo:
     keep_none: bool = False
     deferred: DeferredReductions | None = None
     in_graph_backward: bool = False  # a reduction a backward with create_graph=True made (see second_order_error)
+    # gradients to add (by FQN), taken when the backward runs: a reentrant checkpoint inside the unit left
+    # them on its recompute's values, outside autograd's reach (see fsdpfn.transform.recompute)
+    extra: Callable[[], dict[str, torch.Tensor]] | None = None
 
 
 _NO_INFO = CallInfo()  # never mutated: a call without extras
@@ -89,6 +92,10 @@ class _BucketCollective(torch.autograd.Function):
         # penalty on the gradients meets one scaled reduction per path and stays exact.
         if info.in_graph_backward and b.scale != 1.0 and b.comm.scaled_backward_task == torch._C._current_graph_task_id():
             raise second_order_error(b)
+        if info.extra is not None:
+            extra = info.extra()
+            if extra:
+                grads = tuple(g if f not in extra else extra[f] if g is None else g + extra[f] for f, g in zip(b.fqns, grads))
         check_dense(b.fqns, grads)
         if info.sink is not None:  # deferred reduction: keep the full gradients, reduce later
             for f, g in zip(b.fqns, grads):

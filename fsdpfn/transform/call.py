@@ -11,6 +11,7 @@ copy is dropped as soon as its gradient reduction starts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
@@ -98,6 +99,7 @@ class Call:
         self.order: list[str] = []
         self.gathered: dict[str, dict[str, torch.Tensor]] = {}
         self.versions: dict[str, tuple[int, ...]] = {}  # each gathered tensor's version counter when gathered
+        self.extra_grads: dict[str, dict[str, torch.Tensor]] = {}  # group -> gradients its reduction adds
         self.changed: list[tuple[str, tuple[str, ...]]] = []  # units changed in place, found at their release
         self.regathered: dict[str, dict[str, torch.Tensor]] = {}
         self.pending: dict[str, list[Handle]] = {}
@@ -113,7 +115,8 @@ class Call:
         self.remat = False  # units run through fsdpfn.remat (torch.func gradient transforms)
         self.remat_units: frozenset[str] = frozenset()  # the outermost units routed through it
         self.deferral_needs_leaves = True  # deferred reductions only when the shards are autograd leaves
-        self.released: Callable[[Call, str], None] | None = None  # told when a group's reduction starts
+        # told when a group's reduction starts; returns gradients to add to it (BackwardSwaps.leave)
+        self.released: Callable[[Call, str], dict[str, torch.Tensor] | None] | None = None
         # Backward prefetch: on CUDA a group's re-gather starts the next one's, which overlaps its backward
         # on the side stream (as FSDP2). On CPU the next one starts when this group's reduction does: gloo
         # moves bytes on the same cores that compute, so a gather in flight during a group's backward hides
@@ -145,6 +148,7 @@ class Call:
         info = self.info(name)
         if info.deferred is not None and self.deferral_needs_leaves and any(t.grad_fn is not None for t in shards):
             info.deferred = None  # shards computed from the leaves: their gradient must flow on through autograd
+        info.extra = functools.partial(self.extra_grads.pop, name, None)
         outs = apply_buckets(b, shards, info)
         full = dict(zip(b.fqns, outs))
         self.gathered[name] = full
@@ -298,8 +302,9 @@ class Call:
         # The unit's gradient reduction is starting: every use of its parameters in backward is done.
         self.regathered.pop(name, None)
         self.gathered.pop(name, None)
-        if self.released is not None:
-            self.released(self, name)
+        extra = self.released(self, name) if self.released is not None else None
+        if extra:  # a reentrant checkpoint inside the unit: its gradients ride this reduction (CallInfo.extra)
+            self.extra_grads[name] = extra
         if self._prefetch_at_release:
             self._prefetch_backward(name)
 
@@ -316,7 +321,7 @@ class Call:
         grad_fn = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
         if grad_fn is not None and self.released is not None:
             released = self.released
-            grad_fn.register_prehook(lambda _grads: released(self, name))  # its reduction starts: swap it out
+            grad_fn.register_prehook(lambda _grads: (released(self, name), None)[1])  # its reduction starts: swap it out
         return dict(zip(b.fqns, outs))
 
     def values_for_recompute(self, name: str) -> dict[str, torch.Tensor]:

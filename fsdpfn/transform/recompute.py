@@ -92,15 +92,22 @@ class BackwardSwaps:
             got = plan.memo[key] = recompute_reads_values(modules, owners)
         return got
 
-    def leave(self, call: Call, group: str) -> None:
-        """Take out the values of ``call``'s group ``group`` (its gradient reduction is starting)."""
+    def leave(self, call: Call, group: str) -> dict[str, torch.Tensor]:
+        """Take out the values of ``call``'s group ``group`` (its gradient reduction is starting). Returns
+        the gradients a reentrant checkpoint inside a member left on those values (its own backward
+        differentiated the recompute, which read them): the group's reduction adds them to its own."""
+        extra: dict[str, torch.Tensor] = {}
         for unit in call.plan.members(group):
             hit = self.active.pop((id(call), unit), None)
             if hit is not None:
-                self._note_gradients(unit, hit[2])
+                for fqn, v in hit[2].items():
+                    if v.is_leaf and v.grad is not None:
+                        extra[fqn] = v.grad if fqn not in extra else extra[fqn] + v.grad
+                        v.grad = None
                 self.apply._restore(hit[1])
                 if self.current.get(unit) is call:
                     del self.current[unit]
+        return extra
 
     def leave_all(self) -> None:
         """Take out every value still in (the end of a backward, or the start of a forward after a

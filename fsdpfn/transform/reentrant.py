@@ -6,8 +6,10 @@ calls a backward of its own on that second graph. Around a unit (the checkpoint 
 or is the unit's output node: ``checkpoint_wrapper``) the recompute gathers the unit differentiably
 (``in_reentrant_recompute``, ``is_reentrant_node``; ``Call.gather_for_reentrant``), so that inner backward
 reduces it as the forward's gather would. Inside a unit's forward, the recompute reads the values swapped
-in for the unit's backward as fresh leaves, the inner backward leaves the gradients on them and no
-reduction sees them (the parameters got ``None`` without an error). ``value_and_grad`` has a second
+in for the unit's backward as fresh leaves and the inner backward leaves the gradients on them: the unit's
+reduction adds them when the outer backward reaches it (``BackwardSwaps.leave``, ``CallInfo.extra``), which
+it does not when every parameter of the unit is used only inside the region (the parameters got ``None``
+without an error): that is refused. ``value_and_grad`` has a second
 reason: it differentiates with ``torch.autograd.grad``, which skips a reentrant checkpoint whose inputs
 lead to no parameter (torch's own single-process ``autograd.grad`` then gives ``None`` for every parameter
 inside, silently). Those are refused by name, pointing at the non-reentrant checkpoint:
