@@ -302,11 +302,19 @@ class Call:
         # The unit's gradient reduction is starting: every use of its parameters in backward is done.
         self.regathered.pop(name, None)
         self.gathered.pop(name, None)
-        extra = self.released(self, name) if self.released is not None else None
-        if extra:  # a reentrant checkpoint inside the unit: its gradients ride this reduction (CallInfo.extra)
-            self.extra_grads[name] = extra
+        self._swap_out(name)
         if self._prefetch_at_release:
             self._prefetch_backward(name)
+
+    def _swap_out(self, name: str) -> None:
+        """Tell the owner that group ``name``'s reduction starts (its backward-time swaps come out); the
+        gradients a reentrant checkpoint inside the unit left on them ride the forward gather's reduction
+        (``CallInfo.extra``)."""
+        extra = self.released(self, name) if self.released is not None else None
+        if extra:
+            kept = self.extra_grads.setdefault(name, {})
+            for f, g in extra.items():
+                kept[f] = g if f not in kept else kept[f] + g
 
     def gather_for_reentrant(self, name: str) -> dict[str, torch.Tensor]:
         """Group ``name`` gathered again, differentiably, for a reentrant checkpoint's recompute. That
@@ -319,9 +327,8 @@ class Call:
         with torch.enable_grad():
             outs = apply_buckets(b, shards, self.info(name))
         grad_fn = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
-        if grad_fn is not None and self.released is not None:
-            released = self.released
-            grad_fn.register_prehook(lambda _grads: (released(self, name), None)[1])  # its reduction starts: swap it out
+        if grad_fn is not None:
+            grad_fn.register_prehook(lambda _grads: self._swap_out(name))  # its reduction starts: swap it out
         return dict(zip(b.fqns, outs))
 
     def values_for_recompute(self, name: str) -> dict[str, torch.Tensor]:
