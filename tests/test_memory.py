@@ -646,3 +646,22 @@ def test_bad_arguments_are_named(kwargs, exc, pattern):
     fn = fsdpfn.memory.group_sizes_within if args.pop("groups", False) else fn
     with pytest.raises(exc, match=pattern):
         fn(model, world, batch, **args)
+
+
+def test_the_planner_takes_torchs_mixed_precision_policy_as_fsdpfns():
+    """``estimate`` and ``group_sizes_within`` take ``torch.distributed.fsdp.MixedPrecisionPolicy`` (code
+    moving from FSDP2 keeps its import) and give what fsdpfn's own class gives (``estimate`` with fusion
+    failed inside the planner with "no attribute 'gather_dtype'")."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    batch, units = torch.empty(8, 64, device="meta"), ["0", "1", "2", "3"]
+    ours = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    theirs = TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    a = fsdpfn.memory.estimate(model, 2, batch, units=units, mp_policy=theirs)
+    b = fsdpfn.memory.estimate(model, 2, batch, units=units, mp_policy=ours)
+    assert a.peak == b.peak and a.breakdown == b.breakdown
+    assert fsdpfn.memory.group_sizes_within(model, 2, batch, units=units, mp_policy=theirs) == fsdpfn.memory.group_sizes_within(
+        model, 2, batch, units=units, mp_policy=ours
+    )

@@ -89,6 +89,7 @@ def estimate(
         ('backward', 263168)
     """
     worlds = _check_worlds(world)
+    mp_policy = as_mp_policy(mp_policy, "fsdpfn.memory.estimate")  # torch's class too, as shard takes it
     if group_sizes is not None and min_bucket_bytes not in ("auto", None):
         raise ValueError("fsdpfn.memory.estimate: pass min_bucket_bytes or group_sizes, not both")
     one = step_estimator(model, batch, units=units, mp_policy=mp_policy, optimizer=optimizer, prefetch=prefetch,

@@ -34,7 +34,7 @@ from fsdpfn.layout.plan import FUSED
 from fsdpfn.memory.estimate import OPTIMIZERS, _infos, step_estimator
 from fsdpfn.memory.keep import check_world_and_budget
 from fsdpfn.ops.shard import Units, resolve_units
-from fsdpfn.policy import MixedPrecisionPolicy
+from fsdpfn.policy import MixedPrecisionPolicy, as_mp_policy
 
 __all__ = ["FusionChoice", "GroupSizes", "budget_margin", "first_call_fuses", "fuse_within", "group_sizes_within"]
 
@@ -301,7 +301,7 @@ def _run_sizes(labels: tuple[str, ...]) -> tuple[int, ...]:
 
 def _unit_plan(model: nn.Module, world: int, names: list[str], options: dict[str, Any]) -> ShardPlan:
     """The plan ``shard`` would build, one group per unit (rank 0's)."""
-    policy = options.get("mp_policy") or MixedPrecisionPolicy()
+    policy = as_mp_policy(options.get("mp_policy"), "fsdpfn.memory") or MixedPrecisionPolicy()
     infos, _ = _infos(model, [""] + names)
     return build_plan(infos, [], [""] + names, rank=0, world=world, gather_dtype=policy.gather_dtype)
 
