@@ -19,7 +19,10 @@ from fsdpfn.layout.plan import ParamInfo, bucket_by_dtype
 from fsdpfn.ops.buckets import Buckets, collective_pair, reduce_collective
 from fsdpfn.ops.functions import apply_buckets
 
-__all__ = ["accumulate", "check_shards", "gather_collective", "is_positive_number", "reduce", "reduce_scale", "reshard", "unshard"]
+__all__ = [
+    "accumulate", "check_shards", "gather_collective", "is_positive_number", "reduce", "reduce_scale", "reshard", "storage_address",
+    "unshard",
+]
 
 
 def is_positive_number(value: Any) -> bool:
@@ -139,11 +142,27 @@ def unshard(
     return full
 
 
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+def storage_address(t: Any) -> int | None:
+    """The address of plain tensor ``t``'s storage; ``None`` for anything else: a subclass or a tensor with
+    no storage to compare (``torch.func``'s wrappers, fake tensors: under those no in-place update can
+    follow).
+
+    Example:
+        >>> x = torch.zeros(4)
+        >>> storage_address(x[1:]) == storage_address(x), storage_address(3)
+        (True, None)
+    """
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        return None
     try:
-        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError):  # torch.func's wrappers, fake tensors: nothing to compare
-        return a is b
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    address = storage_address(a)
+    return a is b or (address is not None and address == storage_address(b))
 
 
 def reshard(full: Mapping[str, torch.Tensor], like: Sharded[Any]) -> Sharded[torch.Tensor]:

@@ -103,10 +103,9 @@ def unwritten(mod: nn.Module, run: Callable[[], Any]) -> list[str]:
                 marks[n] = (t, t._version, marker)
         return marks
 
-    def unchanged(n: str, mark: tuple[torch.Tensor, int, Any]) -> bool:
+    def unchanged(now: dict[str, tuple[str, torch.Tensor]], n: str, mark: tuple[torch.Tensor, int, Any]) -> bool:
         t, version, marker = mark
-        now = direct().get(n)
-        if now is None or now[1] is not t or t.numel() == 0:
+        if n not in now or now[n][1] is not t or t.numel() == 0:
             return False
         try:
             if marker != marker:  # NaN
@@ -120,14 +119,16 @@ def unwritten(mod: nn.Module, run: Callable[[], Any]) -> list[str]:
     before = _rng_states(devices)
     marks = fill(0, tensors)
     run()
-    left = {n for n, mark in marks.items() if unchanged(n, mark)}
+    now = direct()
+    left = {n for n, mark in marks.items() if unchanged(now, n, mark)}
     again = [n for n in left if _markers(tensors[n][1])[1] is not None]
     if again:
         after = _rng_states(devices)
         _set_rng_states(before)
         marks = fill(1, again)
         run()
-        left -= {n for n in again if not unchanged(n, marks[n])}
+        now = direct()
+        left -= {n for n in again if not unchanged(now, n, marks[n])}
         _set_rng_states(after)  # the caller's random stream moves on as if the initialiser ran once
     return [f"{tensors[n][0]} {n!r}" for n in tensors if n in left]
 

@@ -30,6 +30,7 @@ from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.functions import CallInfo, apply_buckets
 from fsdpfn.ops.shared import launch_shared, shares_gather
 from fsdpfn.transform.eager import eager
+from fsdpfn.transform.validate import versions_moved
 
 __all__ = ["Call", "GradMode", "OpenCall", "Packed"]
 
@@ -219,7 +220,7 @@ class Call:
         full = self.gathered.pop(name, None)
         if full is not None:
             was = self.versions.pop(name, ())
-            if any(t._version != v for t, v in zip(full.values(), was)):
+            if versions_moved(full.values(), was):
                 self.changed.append((name, tuple(full)))
             for t in full.values():
                 if t.numel() and type(t) is torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 import fsdpfn.trees as trees
 from fsdpfn.layout import ShardPlan
+from fsdpfn.ops.api import storage_address
 
 __all__ = ["cast_floats", "cast_inputs", "cast_output", "copy_shard_views"]
 
@@ -45,22 +46,12 @@ def copy_shard_views(plan: ShardPlan, shards: Any, out: Any) -> Any:
     """
     if plan.world != 1:
         return out
-    ptrs = {_storage(t) for t in shards} - {None}
+    ptrs = {storage_address(t) for t in shards} - {None}
     if not ptrs:
         return out
 
     def copy(t: Any) -> Any:
-        return t.clone() if _storage(t) in ptrs else t
+        return t.clone() if storage_address(t) in ptrs else t
 
     return trees.map_leaves(copy, out)
 
-
-def _storage(t: Any) -> int | None:
-    """The address of a plain tensor's storage; ``None`` for anything else (``torch.func``'s wrappers
-    and fake tensors have none to compare: under those no in-place step can follow)."""
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
-        return None
-    try:
-        return t.untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError):
-        return None

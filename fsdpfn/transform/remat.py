@@ -28,7 +28,7 @@ from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.functions import apply_buckets
 from fsdpfn.transform.casting import cast_inputs
 from fsdpfn.transform.eager import eager
-from fsdpfn.transform.validate import changed_in_place_error
+from fsdpfn.transform.validate import changed_in_place_error, versions_moved
 
 if TYPE_CHECKING:
     from fsdpfn.transform.apply import Apply
@@ -85,7 +85,7 @@ class remat(torch.autograd.Function):  # noqa: N801 - public name from the desig
         versions = None if spec.gather.in_place else [t._version for t in full.values()]
         with torch.no_grad():
             out = spec.run(full, inputs)
-        if versions is not None and any(t._version != v for t, v in zip(full.values(), versions)):
+        if versions is not None and versions_moved(full.values(), versions):
             raise changed_in_place_error([], [(spec.name, tuple(full))])
         return tuple(t.clone() if any(t is i for i in inputs) else t for t in _flatten_out(spec, out))
 

@@ -5,8 +5,10 @@ changed a gathered parameter in place, did wrong."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from fsdpfn.layout import ShardPlan
@@ -14,7 +16,7 @@ from fsdpfn.messages import listing
 
 __all__ = [
     "changed_in_place", "changed_in_place_error", "check_module", "explain_forward_error", "explain_inplace_error",
-    "explain_meta_error",
+    "explain_meta_error", "versions_moved",
 ]
 
 
@@ -58,13 +60,25 @@ def explain_inplace_error(exc: BaseException, call: Any) -> RuntimeError | None:
     return changed_in_place_error([fqns[k] for _, fqns in units if len(fqns) > k])
 
 
+def versions_moved(tensors: Iterable[torch.Tensor], versions: Iterable[int]) -> bool:
+    """Whether any of ``tensors`` was changed in place since its version counter read ``versions``.
+
+    Example:
+        >>> x = torch.zeros(2)
+        >>> was = [x._version]
+        >>> versions_moved([x], was), (x.add_(1), versions_moved([x], was))[1]
+        (False, True)
+    """
+    return any(t._version != v for t, v in zip(tensors, versions))
+
+
 def changed_in_place(call: Any) -> list[tuple[str, tuple[str, ...]]]:
     """The units (name, parameter FQNs) whose gathered parameters ``call``'s forward changed in place so
     far: their version counter moved since the gather (a unit's parameters are views of one buffer and
     share it; units already released were checked then)."""
     return call.changed + [
         (name, tuple(full)) for name, full in call.gathered.items()
-        if any(t._version != v for t, v in zip(full.values(), call.versions.get(name, ())))
+        if versions_moved(full.values(), call.versions.get(name, ()))
     ]  # fmt: skip
 
 
