@@ -598,11 +598,13 @@ def _trigger_all(ids):
 
 def test_every_trigger_raises_its_documented_error():
     results = spmd(2, _trigger_all, list(TRIGGERS))
-    for rank_result in results:
+    wrong = []  # every trigger that raised something else, at once (a torch version can change several)
+    for rank, rank_result in enumerate(results):
         for rid, (exc, pattern) in ((r, TRIGGERS[r][1:]) for r in TRIGGERS):
             got, msg = rank_result[rid]
-            assert got is not None and issubclass(got, exc), (rid, got, msg)
-            assert re.search(pattern, msg), (rid, msg)
+            if got is None or not issubclass(got, exc) or not re.search(pattern, msg):
+                wrong.append((rank, rid, got, msg[:300]))
+    assert wrong == [], wrong
 
 
 def _doc_rows():

@@ -9,6 +9,7 @@ gradients and accumulate them. fsdpfn matches one process in both cases, in both
 ``value_and_grad`` called under ``inference_mode`` or ``no_grad`` differentiates as ``torch.func.grad`` does.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import example, given, settings
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fsdpfn
-from fsdpfn.testing import spmd
+from fsdpfn.testing import spmd, torch_version
 
 
 def _model(width: int, seed: int) -> nn.Module:
@@ -116,6 +117,7 @@ def _compiled_steps(width: int, seed: int, inference: bool) -> list[dict[str, to
     return out
 
 
+@pytest.mark.skipif(torch_version() < (2, 13), reason="compile_step refuses torch < 2.13 (checked by test_traced.py::test_compile_step_refuses_where_it_is_not_verified)")
 def test_compile_step_under_inference_mode_differentiates():
     """``compile_step`` called under ``inference_mode`` gives the gradients it gives outside (dynamo failed
     on it, and its eager call returned zeros)."""

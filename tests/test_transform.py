@@ -677,3 +677,19 @@ def test_a_forward_error_that_is_not_about_the_meta_device_comes_out_unchanged()
     with pytest.raises(RuntimeError) as info:
         fsdpfn.fsdp(model)(params, torch.ones(1, 2))
     assert str(info.value) == "tensor metadata mismatch in the user's own code"
+
+
+@pytest.mark.parametrize("node", ["UnshardFunction", "UnshardFunctionBackward"])  # torch 2.13 / torch 2.11
+def test_autograds_inplace_error_is_explained_in_either_torchs_wording(node):
+    """autograd's "Output k of <node> is a view ... modified inplace" names the gather node differently by
+    torch version; either becomes apply's error naming the parameter (on 2.11 it went through unexplained)."""
+    from types import SimpleNamespace
+
+    from fsdpfn.transform.validate import explain_inplace_error
+
+    w = torch.zeros(2)
+    call = SimpleNamespace(changed=[], gathered={"body": {"emb.weight": w, "emb.bias": w}}, versions={"body": (w._version, w._version)})
+    exc = RuntimeError(f"Output 1 of {node} is a view and its base or another view of its base has been modified inplace. ...")
+    explained = explain_inplace_error(exc, call)
+    assert explained is not None and "the forward changed 'emb.bias' in place" in str(explained)
+    assert explain_inplace_error(RuntimeError("Output 1 of OtherFunction is a view and its base"), call) is None

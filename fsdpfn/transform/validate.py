@@ -42,7 +42,7 @@ def explain_meta_error(exc: BaseException, call: Any) -> RuntimeError | None:
     )
 
 
-_INPLACE = re.compile(r"Output (\d+) of UnshardFunction is a view and its base or another view of its base has been modified inplace")
+_INPLACE = re.compile(r"Output (\d+) of UnshardFunction(?:Backward)? is a view and its base or another view of its base has been modified inplace")
 
 
 def explain_inplace_error(exc: BaseException, call: Any) -> RuntimeError | None:
