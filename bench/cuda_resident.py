@@ -12,6 +12,13 @@ which groups the plan chose. Rank 0 of torch's fake process group (world 8), as 
     python bench/cuda_resident.py cpu none                                     # CPU: the census only
 
 Arguments: a tag for the printed lines, and ``auto`` or ``none`` (``shard``'s ``min_bucket_bytes``).
+
+Found (H200, 2026-11-27, bench/RESULTS.md): the bytes are held by live Python tensors (``py-live`` grows
+with ``allocated``, plainly both stay flat), and those tensors are locals of *finished* Python frames that
+torch keeps alive under compute-sanitizer: ``bench/cuda_frames.py`` shows it with torch alone (a function
+that calls ``nn.init.uniform_`` on a CUDA tensor leaves its frame and tensor alive after returning, only
+under memcheck), and ``bench/cuda_referrers.py`` traces fsdpfn's held tensors to such frames. Not a
+lifetime of fsdpfn's.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 #   bash bench/gpu_session.sh compiled  # gpt1b's compiled blocks against torch's, world 1            (~3 min)
 #   bash bench/gpu_session.sh profile   # cProfile of compat / torch / functional steps, fake world of 8 (~1.5 min)
 #   bash bench/gpu_session.sh streams   # the stream checks and their mutants alone                      (~2 min)
-#   bash bench/gpu_session.sh sanitizer # compute-sanitizer memcheck over two CUDA checks, then bench/cuda_resident.py (~4 min)
+#   bash bench/gpu_session.sh sanitizer # compute-sanitizer memcheck over two CUDA checks, then the frame probes (~2 min)
 #   bash bench/gpu_session.sh suite     # the CPU suite under the machine's torch (2.11), GPU hidden (~4 min; in 'all')
 #
 # Prepare once, here (the GPU machine has no optree and no internet):
@@ -114,11 +114,14 @@ sanitizer() {
         echo "memcheck $check: exit $? ($(grep -c 'Invalid\|ERROR SUMMARY' "$OUT/sanitizer_$check.log") report lines)"
         grep "ERROR SUMMARY" "$OUT/sanitizer_$check.log" | tail -1
     done
-    # under memcheck (2026-11-26, H100) fake_step_memory's resident bytes grew ~189 MiB a step, plainly not:
-    # who holds them (live Python tensors, or the allocator's blocks waiting for an event), plainly and under it
-    { timeout 60 python3 bench/cuda_resident.py plain auto
-      timeout 150 "$cs" --tool memcheck python3 bench/cuda_resident.py memcheck auto; } 2>&1 | grep -v Warning > "$OUT/resident.log"
-    grep -E "step 3|link|after" "$OUT/resident.log" | cut -c1-400
+    # under memcheck fake_step_memory's resident bytes grow ~189 MiB a step (it fails there), plainly not:
+    # torch keeps finished Python frames (and the tensors in their locals) alive under the sanitizer
+    # (H200, 2026-11-27): torch alone shows it (cuda_frames.py), and fsdpfn's held tensors lead to such
+    # frames (cuda_referrers.py). Rerun both: a torch that stops doing it makes fake_step_memory pass there
+    { timeout 30 python3 bench/cuda_frames.py plain
+      timeout 60 "$cs" --tool memcheck python3 bench/cuda_frames.py memcheck
+      timeout 110 "$cs" --tool memcheck python3 bench/cuda_referrers.py memcheck; } 2>&1 | grep -v Warning > "$OUT/resident.log"
+    grep -E "dead frames|after" "$OUT/resident.log" | cut -c1-400
 }
 suite() {
     # the CPU suite under this machine's torch (2.11, the oldest supported; CI has 2.13) on its many cores

@@ -191,16 +191,22 @@ def chosen_bucket_bytes(v: Variant) -> int | None:
     return getattr(_plan_of(v), "bucket_bytes", None)
 
 
-def chosen_groups(v: Variant) -> dict[str, list[int]] | None:
+def chosen_groups(v: Variant) -> dict[str, Any] | None:
     """The collective groups a functional or compat variant's plan travels in after its first call: units
-    per group, in order, and the forward spans (runs of groups gathered in one collective in forward)."""
+    per group, in order, the forward spans (runs of groups gathered in one collective in forward), and the
+    link the first call measured where it did (GPUs: it caps groups and spans), as ``[latency_s,
+    bytes_per_s]``."""
     from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSED
 
     plan = _plan_of(v)
     if plan is None or not hasattr(plan, "groups"):
         return None
     units = [len(g.name.split(FUSED)) for g in plan.groups if g.name]
-    return {"units_per_group": units, "forward_spans": list(plan.memo.get(FORWARD_SPANS_MEMO, ()))}
+    link = getattr(plan.comm, "_link_cost", None) if plan.comm is not None else None
+    out: dict[str, Any] = {"units_per_group": units, "forward_spans": list(plan.memo.get(FORWARD_SPANS_MEMO, ()))}
+    if link is not None:
+        out["link"] = [link.latency_s, link.bytes_per_s]
+    return out
 
 
 def _model_name(text: str) -> str:
