@@ -18,6 +18,10 @@ import fsdpfn.compat
 from fsdpfn.testing import spmd
 from fsdpfn.transform.reentrant import has_reentrant_checkpoint
 
+# float32: per-rank means summed over ranks round differently from one full-batch mean (world 3, seed 137:
+# 2.7e-6 off in a weight, exactly as torch's fully_shard is); against torch's fully_shard the tests stay tight
+F32_VS_ONE_PROCESS = dict(rtol=1e-4, atol=1e-5)
+
 UNITS = ["blocks.0", "blocks.1", "blocks.2"]
 
 
@@ -140,7 +144,7 @@ def test_a_reentrant_checkpoint_trains_around_a_compat_unit_and_is_refused_elsew
         spec = fsdpfn.ShardSpec(tuple(full.shape), world)
         for which in (1, 2) if trains else (1,):  # the non-reentrant run; the reentrant one where it trains
             got = fsdpfn.unshard_tensors([r[which][name] for r in results], spec)
-            torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-6, msg=lambda m: f"{which} {name}: {m}")
+            torch.testing.assert_close(got, full, **F32_VS_ONE_PROCESS, msg=lambda m: f"{which} {name}: {m}")
 
 
 def _wrapper_worker(width, seed, reshard, lib, steps):
@@ -179,7 +183,7 @@ def test_reentrant_checkpoint_wrapper_units_train_as_one_process_and_torch(world
     got = spmd(world, _wrapper_worker, width, seed, reshard, "compat", 2)[0]
     theirs = spmd(world, _wrapper_worker, width, seed, reshard, "torch", 2)[0]
     for name, p in model.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], p.detach(), **F32_VS_ONE_PROCESS, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(got[name], theirs[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"torch {name}: {m}")
 
 
@@ -250,5 +254,5 @@ def test_a_reentrant_checkpoint_inside_a_unit_trains_when_the_unit_also_uses_par
     got = spmd(world, _inside_worker, width, seed, after, reshard, "compat")[0]
     theirs = spmd(world, _inside_worker, width, seed, after, reshard, "torch")[0]
     for name, p in model.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], p.detach(), **F32_VS_ONE_PROCESS, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(got[name], theirs[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"torch {name}: {m}")

@@ -14,6 +14,10 @@ __all__ = ["CommStats"]
 class CommStats:
     """Counters of one ``Comm``: collectives issued and bytes of gathered buffers alive.
 
+    A buffer counts as alive until its memory is freed: until no tensor shares its storage any more (a
+    view, a detached alias, a tensor autograd saved, or gloo's own hold on a finished collective's buffer,
+    which its worker thread drops a moment after the wait returned).
+
     ``log`` records ``(kind, label, nbytes)`` for every collective while ``recording`` is true.
 
     Example:
@@ -48,7 +52,13 @@ class CommStats:
         self.live_gathered_bytes -= nbytes
 
     def track(self, t: torch.Tensor) -> None:
-        """Count ``t`` (a buffer holding gathered parameters, e.g. a copy-out) as live until it is freed."""
+        """Count ``t`` (a buffer holding gathered parameters, e.g. a copy-out) as live until it is freed:
+        until its storage goes, which a detached alias (what a call keeps for backward, what autograd
+        saves) keeps alive after the tensor object itself is gone."""
         nbytes = t.numel() * t.element_size()
         self._alloc(nbytes)
-        weakref.finalize(t, self._free, nbytes)
+        try:
+            owner: object = t.untyped_storage()  # torch keeps one Python object per storage while it lives
+        except (NotImplementedError, RuntimeError):  # torch.func's wrappers (jvp, vmap) have no storage of their own
+            owner = t
+        weakref.finalize(owner, self._free, nbytes)

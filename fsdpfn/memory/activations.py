@@ -92,7 +92,7 @@ def forward_cost(
                 saved_params.add(params[storage._cdata])
             else:
                 seen[storage._cdata] = storage.nbytes()
-            return t
+            return t.detach()  # not t: a saved output would hold its own node (a cycle: this graph never runs backward)
 
         watched = {id(t): f for f, t in values.items()}
         started: list[str | None] = [None]

@@ -59,7 +59,7 @@ def saved_bytes(model: Any, *args: Any) -> int:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params:
             seen[storage.data_ptr()] = storage.nbytes()
-        return t
+        return t.detach()  # not t: a saved output would hold its own node (torch's saved_tensors_hooks warns)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(*args).square().mean().backward()

@@ -232,6 +232,12 @@ class Call:
         for name in list(self.gathered):
             if self.reshards(name):
                 self.release(name)
+            else:  # kept for backward as detached aliases (same storage, same version counter): the
+                # graph holds this call (its gather nodes' metadata and hooks), so the call holding graph
+                # tensors would be a cycle through autograd's C++ nodes that Python's gc never frees, and
+                # a forward whose backward never reaches the gather (no backward, an early exit,
+                # retain_graph) would leak the call, its gathered units and the graph's activations
+                self.gathered[name] = {f: t.detach() for f, t in self.gathered[name].items()}
         for handles in self.pending.values():
             for h in handles:
                 h.wait()
@@ -242,21 +248,27 @@ class Call:
     def pack(self, t: torch.Tensor) -> Any:
         """Replace a saved tensor that aliases a resharded unit's buffer by a ``Packed`` reference (a
         ``DTensor``, as tensor-parallel modules save, by one to its local tensor); any other goes to the
-        saved-tensor hooks that were active around the call, if any (``OuterSaved``)."""
+        saved-tensor hooks that were active around the call, if any (``OuterSaved``), or is kept as a
+        detached alias: the tensor itself would hold its ``grad_fn``, and a saved output (tanh saves its
+        result) would then hold the node that holds it, a cycle that only a backward through the node
+        breaks (torch's ``saved_tensors_hooks`` warns of it): a forward whose graph is dropped without one
+        (an evaluation in grad mode, an early exit, ``retain_graph``) would leak its activations."""
         got = self._pack_own(t)
-        if got is t and self.outer_hooks is not None:
+        if got is not None:
+            return got
+        if self.outer_hooks is not None:
             return OuterSaved(self.outer_hooks[0](t))
-        return got
+        return t.detach()
 
-    def _pack_own(self, t: torch.Tensor) -> Any:
+    def _pack_own(self, t: torch.Tensor) -> Packed | None:
         if not self.storages or not isinstance(t, torch.Tensor) or t.numel() == 0:
-            return t
+            return None
         local = t._local_tensor if isinstance(t, DTensor) else t
         if type(local) is not torch.Tensor or local.layout != torch.strided or local.numel() == 0:
-            return t  # gathered buffers are plain tensors; other subclasses (collective results) have no storage to match
+            return None  # gathered buffers are plain tensors; other subclasses (collective results) have no storage to match
         hit = self.storages.get(local.untyped_storage().data_ptr())
         if hit is None:
-            return t
+            return None
         self.packed_units.add(hit[0])
         spec = t._spec if local is not t else None
         return Packed(hit[0], hit[1], local.storage_offset(), tuple(local.shape), tuple(local.stride()), spec)
