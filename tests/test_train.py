@@ -88,6 +88,9 @@ hyper_f32 = st.fixed_dictionaries(
 )
 
 
+F64_MIN_WIDTH = 3  # layer norms of width 1 and 2 have (rounding-level) zero gradients: chaotic under Adam
+
+
 def _f64_tol(hp):
     """float64: the same lr / eps sensitivity at g = 0, on summation orders that differ in g by a few ulps
     of its O(1) terms (1e-15), over K steps: up to 3e-9 at lr 1e-2, eps 1e-8 (an HSDP 2x2 example was
@@ -119,8 +122,11 @@ def test_adamw_training_matches_single_process_f32(world, data, reshard, hp):
 
 @given(world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), hp=hyper)
 def test_adamw_training_matches_single_process_f64(world, data, reshard, hp):
-    # width 1 layer norms and one-position attention make whole gradients exactly zero: see hyper_f32
-    recipe = data.draw(fst.model_recipes(min_width=2, min_seq=2))
+    # width 1 layer norms and one-position attention make whole gradients exactly zero: see hyper_f32;
+    # a width 2 layer norm outputs +-1, so its gradients are zero up to rounding, which Adam's lr / eps
+    # then amplifies (HSDP 2x2, widths (7, 2, 7, 9, 7, 3), seed 1482: the step-3 norm 1.1e-9 off, the
+    # reference itself moving 1.4e-11 between 1 and 2 threads): F64_MIN_WIDTH
+    recipe = data.draw(fst.model_recipes(min_width=F64_MIN_WIDTH, min_seq=2))
     units = data.draw(fst.unit_plans(recipe))
     _check(world, recipe, units, reshard, hp, torch.float64, _f64_tol(hp))
 
@@ -128,6 +134,6 @@ def test_adamw_training_matches_single_process_f64(world, data, reshard, hp):
 @settings(max_examples=40)
 @given(data=st.data(), reshard=st.booleans(), hp=hyper)
 def test_hsdp_2x2_training_matches_single_process(data, reshard, hp):
-    recipe = data.draw(fst.model_recipes(min_width=2, min_seq=2))
+    recipe = data.draw(fst.model_recipes(min_width=F64_MIN_WIDTH, min_seq=2))
     units = data.draw(fst.unit_plans(recipe))
     _check(4, recipe, units, reshard, hp, torch.float64, _f64_tol(hp), mesh_shape=(2, 2))
