@@ -11,10 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["listing"]
+__all__ = ["listing", "torch_text"]
 
 
 def listing(names: Sequence[str], limit: int = 4) -> str:
     """``names`` quoted and comma-separated, the first ``limit`` of them, then how many more."""
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(repr(n) for n in names[:limit]) + more
+
+
+def torch_text(exc: BaseException) -> str:
+    r"""``exc``'s message without the C++ stack trace torch appends to it where ``TORCH_SHOW_CPP_STACKTRACES=1``
+    (torch's distributed test harness sets it): an error that quotes torch's message and then says what
+    to do would otherwise bury the advice under a page of C++ frames.
+
+    Example:
+        >>> torch_text(RuntimeError("bad op\nException raised from f at x.cpp:1 (most recent call first):\n#0 f"))
+        'bad op'
+    """
+    return str(exc).split("\nException raised from ", 1)[0]

@@ -17,6 +17,7 @@ import fsdpfn.optim as optim
 from fsdpfn import checkpoint as ck
 from fsdpfn.testing import spmd
 from fsdpfn.testing import strategies as fst
+from fsdpfn.testing.memory import settled_live_bytes
 from fsdpfn.testing.models import ParamTree
 
 
@@ -477,7 +478,7 @@ def _peak():
     unit_peak = stats.peak_gathered_bytes
     stats.reset()
     ck.full_state_dict(params)
-    return unit_peak, stats.peak_gathered_bytes, stats.live_gathered_bytes
+    return unit_peak, stats.peak_gathered_bytes, settled_live_bytes(stats)
 
 
 def test_full_state_dict_streams_one_unit_at_a_time():

@@ -13,6 +13,7 @@ from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 
 import fsdpfn
 from fsdpfn.testing import spmd
+from fsdpfn.testing.memory import settled_live_bytes
 from fsdpfn.testing.models import ModelRecipe
 
 RECIPES = [ModelRecipe("mlp", (3, 5, 4, 2), seed=1), ModelRecipe("transformer", (3, 4, 2, 5), seed=2, seq=3)]
@@ -112,7 +113,7 @@ def _remat_worker(reshard):
 
     def loss(p):
         out = apply(p, x)
-        seen.append(stats.live_gathered_bytes)  # right after the forward, inside torch.func.grad
+        seen.append(settled_live_bytes(stats))  # right after the forward, inside torch.func.grad
         return out.pow(2).sum()
 
     g = grad(loss)(params)

@@ -1,8 +1,6 @@
 """fsdp(module) + value_and_grad against single-process autograd on the whole batch: random models, unit
 plans, world sizes 1..4 and both reshard modes; collective counts; live gathered memory; checkpointing."""
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +11,7 @@ from torch import nn
 import fsdpfn
 from fsdpfn.testing import spmd
 from fsdpfn.testing import strategies as fst
+from fsdpfn.testing.memory import settled_live_bytes
 from fsdpfn.testing.models import ModelRecipe
 
 LOCAL_BATCH = 2
@@ -115,18 +114,6 @@ def test_grads_match_single_process_autograd_f32(world, data, reshard, seed):
     _check_grads(recipe, units, world, reshard, 1, seed, torch.float32, dict(rtol=1e-4, atol=1e-5))
 
 
-def _settled(stats) -> int:
-    """``stats.live_gathered_bytes`` once it holds still for 2 ms: gloo's worker thread drops its hold on a
-    finished collective's buffer (already copied out) only when it gets the GIL, a moment after the wait
-    returned; what fsdpfn itself holds never goes by waiting."""
-    for _ in range(50):
-        before = stats.live_gathered_bytes
-        time.sleep(0.002)
-        if stats.live_gathered_bytes == before:
-            break
-    return stats.live_gathered_bytes
-
-
 def _live_worker(reshard):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
@@ -136,14 +123,14 @@ def _live_worker(reshard):
     x = torch.randn(3, 8)
     s = {k: v.detach().requires_grad_() for k, v in params.items()}
     out = apply(fsdpfn.Sharded(s, params.plan), x)
-    after_forward = _settled(stats)
+    after_forward = settled_live_bytes(stats)
     out.sum().backward()
     del out
     import gc
 
     gc.collect()
     counts = (stats.all_gathers, stats.reduce_scatters)
-    return after_forward, _settled(stats), [u.name for u in params.plan.units], counts
+    return after_forward, settled_live_bytes(stats), [u.name for u in params.plan.units], counts
 
 
 def test_after_forward_with_reshard_no_unit_buffer_is_alive():
@@ -179,7 +166,7 @@ class _TwoLayers(nn.Module):
     def forward(self, x):
         h = self.a(x)
         stats = self.stats
-        h.register_hook(lambda g: self.seen.append(_settled(stats)))
+        h.register_hook(lambda g: self.seen.append(settled_live_bytes(stats)))
         return self.b(torch.tanh(h))
 
 
@@ -226,7 +213,7 @@ def _fused_worker(prefetch, min_bucket_bytes, reshard):
     del out
     gc.collect()
     sizes = {g.name: sum(lay.nbytes for lay in g.gather) * params.plan.world for g in params.plan.groups}
-    return [g.name for g in params.plan.groups], forward_log, list(stats.log), forward_peak, stats.live_gathered_bytes, sizes, grads
+    return [g.name for g in params.plan.groups], forward_log, list(stats.log), forward_peak, settled_live_bytes(stats), sizes, grads
 
 
 @pytest.mark.parametrize("fuse", [None, 300])

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdpfn.compat.state import state_of
-from fsdpfn.messages import listing
+from fsdpfn.messages import listing, torch_text
 from fsdpfn.ops.placement import check_placement, check_placement_type
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ def explain_sharded_read(exc: BaseException, ctx: RootContext, call: Any) -> Run
     torch's message, then what usually causes it under fully_shard (a unit's parameter read outside that
     unit's forward, where it is this rank's shard) and the units not gathered at that point. ``None``:
     ``exc`` is something else."""
-    text = str(exc)
+    text = torch_text(exc)
     if not isinstance(exc, RuntimeError) or "got mixed torch.Tensor and DTensor" not in text:
         return None
     gathered = set(call.gathered) | set(call.regathered)

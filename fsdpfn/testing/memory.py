@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-__all__ = ["StepPeak", "measured_fsdp2_step_peak", "measured_step_peak", "memory_tracker", "saved_bytes"]
+__all__ = ["StepPeak", "measured_fsdp2_step_peak", "measured_step_peak", "memory_tracker", "saved_bytes", "settled_live_bytes"]
 
 
 class StepPeak(NamedTuple):
@@ -39,6 +39,25 @@ def memory_tracker() -> Any:
             return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
 
     return _NoGradHookTracker()
+
+
+def settled_live_bytes(stats: Any) -> int:
+    """``stats.live_gathered_bytes`` (a ``CommStats``) once it holds still for 2 ms: gloo's worker thread
+    drops its hold on a finished collective's buffer (already copied out) only when it gets the GIL, a
+    moment after the wait returned; what fsdpfn itself holds never goes by waiting.
+
+    Example:
+        >>> settled_live_bytes(params.plan.comm.stats)   # doctest: +SKIP
+        0
+    """
+    import time
+
+    for _ in range(50):
+        before = stats.live_gathered_bytes
+        time.sleep(0.002)
+        if stats.live_gathered_bytes == before:
+            break
+    return int(stats.live_gathered_bytes)
 
 
 def saved_bytes(model: Any, *args: Any) -> int:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fsdpfn.layout import ShardPlan
-from fsdpfn.messages import listing
+from fsdpfn.messages import listing, torch_text
 
 __all__ = [
     "changed_in_place", "changed_in_place_error", "check_module", "explain_forward_error", "explain_inplace_error",
@@ -34,7 +34,7 @@ def explain_meta_error(exc: BaseException, call: Any) -> RuntimeError | None:
     idle = [u.name for u in plan.units if u.name and plan.group_of.get(u.name, u.name) not in call.order]
     shown = listing(idle)
     return RuntimeError(
-        f"apply: the forward used a tensor on the meta device ({exc}). Outside its own module's forward a "
+        f"apply: the forward used a tensor on the meta device ({torch_text(exc)}). Outside its own module's forward a "
         "unit's parameters are meta: fsdp gathers them only while the unit's module runs (its forward hooks). "
         "Code that calls a child of a unit directly (model.layers[0].mlp(x) where 'layers.0' is the unit) or "
         "uses a unit's weight from another module bypasses that: call the unit's module itself, or make the "
