@@ -64,7 +64,13 @@ class UnshardHandle:
 
 
 def _unimplemented_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
-    raise AssertionError("FSDP does not support deepcopy. Please use state dict for serialization.")
+    raise AssertionError(
+        "FSDP does not support deepcopy. Please use state dict for serialization. For a second copy of the "
+        "model (an EMA or a teacher; torch.optim.swa_utils.AveragedModel deep-copies its model), make it "
+        "before fully_shard and shard both the same way (AveragedModel(model) first, then fully_shard on "
+        "model and on averaged.module), or build the copy again, shard it alike and load this model's "
+        "state_dict() into it"
+    )
 
 
 class FSDPModule:
