@@ -17,26 +17,11 @@ from torch import nn
 
 from fsdpfn.testing import spmd
 from fsdpfn.testing import strategies as fst
+from fsdpfn.testing.models import TanhStack
 
-WIDTH, BLOCKS, STEPS, LR = 6, 3, 2, 0.1
+BLOCKS, STEPS, LR = 3, 2, 0.1
 PARTS = [f"blocks.{i}" for i in range(BLOCKS)] + ["head"]
 
-
-class _Net(nn.Module):
-    def __init__(self, seed: int):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)])
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x).square().mean()
-
-
-def _batch(rank: int, seed: int) -> torch.Tensor:
-    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(seed * 10 + rank))
 
 
 def _part(name: str) -> str:
@@ -49,11 +34,11 @@ def _listed(model: nn.Module, parts: frozenset[str]) -> list[torch.Tensor]:
 
 
 def _reference(parts: frozenset[str], world: int, seed: int) -> tuple[dict[str, torch.Tensor], list[str]]:
-    model = _Net(seed)
+    model = TanhStack(blocks=BLOCKS, seed=seed)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(STEPS):
         for r in range(world):
-            model(_batch(r, seed)).backward(inputs=_listed(model, parts))
+            model(TanhStack.batch(r, seed)).backward(inputs=_listed(model, parts))
         without = sorted(n for n, p in model.named_parameters() if p.grad is None)
         for p in model.parameters():
             if p.grad is not None:
@@ -66,12 +51,12 @@ def _reference(parts: frozenset[str], world: int, seed: int) -> tuple[dict[str, 
 def _compat(parts: frozenset[str], reshard: bool, seed: int) -> tuple[dict[str, torch.Tensor], list[str]]:
     from fsdpfn.compat import fully_shard
 
-    model = _Net(seed)
+    model = TanhStack(blocks=BLOCKS, seed=seed)
     for b in model.blocks:
         fully_shard(b, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    x = _batch(dist.get_rank(), seed)
+    x = TanhStack.batch(dist.get_rank(), seed)
     for _ in range(STEPS):
         model(x).backward(inputs=_listed(model, parts))
         without = sorted(n for n, p in model.named_parameters() if p.grad is None)

@@ -17,25 +17,10 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from fsdpfn.testing import spmd
 from fsdpfn.testing import strategies as fst
+from fsdpfn.testing.models import TanhStack
 
-WIDTH, BLOCKS, STEPS, DECAY = 6, 3, 3, 0.9
+STEPS, DECAY = 3, 0.9
 
-
-class _Net(nn.Module):
-    def __init__(self, seed: int):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(BLOCKS)])
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x).square().mean()
-
-
-def _batch(rank: int, seed: int) -> torch.Tensor:
-    return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(seed * 10 + rank))
 
 
 def _shard(model: nn.Module, reshard: bool) -> None:
@@ -49,7 +34,7 @@ def _shard(model: nn.Module, reshard: bool) -> None:
 def _ema(world: int, seed: int, reshard: bool | None) -> dict[str, torch.Tensor]:
     """The EMA's parameters after ``STEPS`` SGD steps: one process on the whole batch (``reshard=None``)
     or this rank of compat models."""
-    model = _Net(seed)
+    model = TanhStack(seed=seed)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY))  # before fully_shard: it deep-copies
     if reshard is not None:
         _shard(model, reshard)
@@ -58,7 +43,7 @@ def _ema(world: int, seed: int, reshard: bool | None) -> dict[str, torch.Tensor]
     ranks = range(world) if reshard is None else [dist.get_rank()]
     for _ in range(STEPS):
         for r in ranks:
-            (model(_batch(r, seed)) / len(ranks)).backward()
+            (model(TanhStack.batch(r, seed)) / len(ranks)).backward()
         opt.step()
         opt.zero_grad()
         ema.update_parameters(model)
@@ -75,7 +60,7 @@ def test_an_averaged_model_made_before_fully_shard_averages_as_one_process(world
 
 
 def _refusal() -> str:
-    model = _Net(0)
+    model = TanhStack(seed=0)
     _shard(model, True)
     with pytest.raises(AssertionError) as deep:
         copy.deepcopy(model)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ModelRecipe", "ParamTree", "TinyBlock", "TinyTransformer"]
+__all__ = ["ModelRecipe", "ParamTree", "TanhStack", "TinyBlock", "TinyTransformer"]
 
 
 class TinyBlock(nn.Module):
@@ -64,6 +64,33 @@ class TinyTransformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+class TanhStack(nn.Module):
+    """``blocks`` of ``Linear(width, width)`` and tanh (``blocks.i``, a unit each in the tests), a
+    ``Linear(width, 1)`` head, and the mean square of its output as the loss: the same parameters in every
+    process for one ``seed``. ``batch(rank, seed)`` is the batch a rank trains on.
+
+    Example:
+        >>> TanhStack(seed=0)(TanhStack.batch(rank=1, seed=0)).shape
+        torch.Size([])
+    """
+
+    def __init__(self, width: int = 6, blocks: int = 3, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+    @staticmethod
+    def batch(rank: int, seed: int, width: int = 6, rows: int = 4) -> torch.Tensor:
+        """Rank ``rank``'s ``(rows, width)`` batch for ``seed``."""
+        return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed * 10 + rank))
 
 
 @dataclass(frozen=True)
