@@ -2,6 +2,8 @@
 
     python3 bench/cuda_referrers.py plain
     compute-sanitizer --tool memcheck python3 bench/cuda_referrers.py memcheck
+
+The same fake world and model as ``bench/cuda_resident.py`` (``fake_world_model``).
 """
 from __future__ import annotations
 
@@ -10,12 +12,9 @@ import sys
 import types
 
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
+from cuda_resident import CUDA, DEVICE, allocated, fake_world_model
 
 import fsdpfn
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def describe(o) -> str:
@@ -60,10 +59,10 @@ def chain(obj, ignore: set, depth: int = 0, seen=None, width: int = 3) -> None:
 
 def report(tag: str, when: str) -> None:
     gc.collect()
-    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == DEV]
+    live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == DEVICE]
     live.sort(key=lambda t: -t.untyped_storage().nbytes())
     total = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in live}.values())
-    print(f"{tag} {when}: allocated {torch.cuda.memory_allocated() if DEV == 'cuda' else 0} live {total} in {len(live)}; exc {sys.exc_info()[0]}", flush=True)
+    print(f"{tag} {when}: allocated {allocated()} live {total} in {len(live)}; exc {sys.exc_info()[0]}", flush=True)
     top = live[:2]
     ignore = {id(live), id(top)}
     for i in range(len(top)):
@@ -74,16 +73,9 @@ def report(tag: str, when: str) -> None:
 
 
 def main(tag: str) -> None:
-    if DEV == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-    mesh = fsdpfn.init_mesh(device=DEV)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
-    params = fsdpfn.shard(model, mesh, units=[str(i) for i in range(8)])
+    model, params = fake_world_model()
     report(tag, "after shard")
-    x = torch.randn(16, 1024, device=DEV)
+    x = torch.randn(16, 1024, device=DEVICE)
     apply = fsdpfn.fsdp(model, prefetch=1)
     g = fsdpfn.value_and_grad(lambda p, x: apply(p, x).square().mean())
     opt = fsdpfn.optim.adamw(lr=1e-3)
@@ -92,7 +84,7 @@ def main(tag: str) -> None:
         _, grads = g(params, x)
         params, state = opt.update(grads, state, params)
         del grads
-        if DEV == "cuda":
+        if CUDA:
             torch.cuda.synchronize()
     report(tag, "after 2 steps")
 

@@ -56,7 +56,9 @@ def census() -> str:
     return f"py-live {sum(v[0] for v in live.values())} in {len(live)} | blocks {states} | largest {top}"
 
 
-def main(tag: str, bucket: str) -> None:
+def fake_world_model(bucket: str = "auto") -> tuple[torch.nn.Module, fsdpfn.Sharded]:
+    """Rank 0 of torch's fake process group (world 8) and ``fake_step_memory``'s model, sharded one
+    ``Linear`` a unit (``bucket``: ``"auto"`` or ``"none"``, ``shard``'s ``min_bucket_bytes``)."""
     if CUDA:
         torch.cuda.set_device(0)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
@@ -64,7 +66,11 @@ def main(tag: str, bucket: str) -> None:
     torch.manual_seed(0)
     with torch.device("meta"):
         model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
-    params = fsdpfn.shard(model, mesh, units=[str(i) for i in range(8)], min_bucket_bytes=None if bucket == "none" else "auto")
+    return model, fsdpfn.shard(model, mesh, units=[str(i) for i in range(8)], min_bucket_bytes=None if bucket == "none" else "auto")
+
+
+def main(tag: str, bucket: str) -> None:
+    model, params = fake_world_model(bucket)
     x = torch.randn(16, 1024, device=DEVICE)
     print(tag, "after shard", allocated(), flush=True)
     for prefetch in (1, 2):
