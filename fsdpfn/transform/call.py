@@ -12,7 +12,7 @@ copy is dropped as soon as its gradient reduction starts.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -32,7 +32,7 @@ from fsdpfn.ops.shared import launch_shared, shares_gather
 from fsdpfn.transform.eager import eager
 from fsdpfn.transform.validate import versions_moved
 
-__all__ = ["Call", "GradMode", "OpenCall", "Packed"]
+__all__ = ["Call", "GradMode", "OpenCall", "Packed", "without_autograd"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,7 @@ class Call:
         self.reshard = schedule.any_reshard  # saved tensors of some group must be packed
         self.order: list[str] = []
         self.gathered: dict[str, dict[str, torch.Tensor]] = {}
+        self.with_grad: dict[str, bool] = {}  # per gathered group: whether autograd was on when it was gathered
         self.versions: dict[str, tuple[int, ...]] = {}  # each gathered tensor's version counter when gathered
         self.extra_grads: dict[str, dict[str, torch.Tensor]] = {}  # group -> gradients its reduction adds
         self.changed: list[tuple[str, tuple[str, ...]]] = []  # units changed in place, found at their release
@@ -153,6 +154,7 @@ class Call:
         outs = apply_buckets(b, shards, info)
         full = dict(zip(b.fqns, outs))
         self.gathered[name] = full
+        self.with_grad[name] = torch.is_grad_enabled()
         if not b.in_place and not torch.is_inference_mode_enabled():  # (inference tensors have no versions)
             self.versions[name] = tuple(t._version for t in outs)  # a change in place here would be lost
         self.tracks_grad[name] = {f: o.requires_grad for f, o in full.items()}
@@ -167,6 +169,17 @@ class Call:
                 if t.numel() and type(t) is torch.Tensor:  # a subclass (all-gather transform) has no storage to match
                     self.storages[t.untyped_storage().data_ptr()] = (name, fqn)
         self._prefetch_forward(name)
+        return full
+
+    def for_unit(self, name: str) -> dict[str, torch.Tensor]:
+        """Group ``name``'s gathered values for one of its units about to run: the copy this forward holds,
+        or a new gather when there is none or when ``without_autograd`` says the copy cannot serve."""
+        full = self.gathered.get(name)
+        if full is None:
+            return self.gather(name)
+        if without_autograd(self.with_grad[name], full, self.params):
+            self.release(name)
+            return self.gather(name)
         return full
 
     def info(self, name: str) -> CallInfo:
@@ -349,6 +362,16 @@ class Call:
         full = self.gathered.get(name) or self.regather(name)
         grad = self.tracks_grad.get(name, {})
         return {f: t.detach().requires_grad_(grad.get(f, False)) for f, t in full.items()}
+
+
+def without_autograd(gathered_with_grad: bool, fqns: Iterable[str], params: Sharded[torch.Tensor]) -> bool:
+    """Whether a group's gathered copy was made without autograd (its unit ran under ``torch.no_grad()``:
+    a teacher or a target network inside the forward) while the unit about to use it runs with autograd
+    and trains some of its parameters. Kept gathered (``reshard_after_forward=False``, world 1, or a fused
+    group whose other unit comes next), that copy would give the unit values no gradient leads back from
+    through the gather (at world 1 they are views of the shards, outside it): the shards would silently
+    get none. The caller gathers again, differentiably."""
+    return not gathered_with_grad and torch.is_grad_enabled() and any(params[f].requires_grad for f in fqns)
 
 
 def group_done(plan: Any, members_done: dict[str, set[str]], group: str, unit: str) -> bool:

@@ -19,7 +19,7 @@ from fsdpfn.layout import Sharded
 from fsdpfn.layout.schedule import Schedule
 from fsdpfn.ops.api import check_shards, gather_collective
 from fsdpfn.ops.traced import traced_gather, warm
-from fsdpfn.transform.call import OpenCall, group_done
+from fsdpfn.transform.call import OpenCall, group_done, without_autograd
 from fsdpfn.transform.casting import cast_inputs, cast_output
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ class TracedCall:
         self.scale = scale
         self.schedule = schedule
         self.gathered: dict[str, dict[str, torch.Tensor]] = {}
+        self.with_grad: dict[str, bool] = {}  # per gathered group: whether autograd was on when it was gathered
         self.members_done: dict[str, set[str]] = {}
 
     def gather(self, group: str) -> dict[str, torch.Tensor]:
@@ -49,6 +50,7 @@ class TracedCall:
         shards = check_shards(self.params, b.fqns)
         full = dict(zip(b.fqns, traced_gather(b, shards, recompute=self.schedule.reshards(group), via=self.via)))
         self.gathered[group] = full
+        self.with_grad[group] = torch.is_grad_enabled()
         return full
 
     def unit_done(self, group: str, unit: str) -> bool:
@@ -90,7 +92,7 @@ def enter_unit(apply: Apply, call: TracedCall, name: str, args: Any, kwargs: Any
         return None
     group = plan.group_of[name]
     full = call.gathered.get(group)
-    if full is None:
+    if full is None or without_autograd(call.with_grad[group], full, call.params):
         full = call.gather(group)
     apply._unit_swaps.setdefault(name, []).append(apply._swap(plan, full, name))
     return cast_inputs(plan, args, kwargs, name)

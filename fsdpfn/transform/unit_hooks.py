@@ -160,7 +160,7 @@ class UnitHooks:
                     self._unit_swaps.setdefault(name, []).append([])
                     return None
                 group = call.plan.group_of[name]
-                full = call.gathered.get(group) or call.gather(group)
+                full = call.for_unit(group)
                 self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, full, name))
                 return cast_inputs(call.plan, args, kwargs, name)
             if in_backward():
