@@ -532,6 +532,7 @@ def _compat_other_mesh():
 
 COMPAT_TRIGGERS = {
     "compat-twice": (lambda m, p, a: _compat_twice(), AssertionError, r"^Each distinct composable distributed API can only be applied to a module once. fully_shard has already been applied to the following module:\nFSDPLinear"),
+    "compat-lazy": (lambda m, p, a: __import__("fsdpfn.compat").compat.fully_shard(nn.Sequential(nn.LazyLinear(3))), ValueError, r"fully_shard: '0.weight' of Sequential is not initialised yet \(a lazy module, such as nn.LazyLinear.*run the model once on a sample batch, then call fully_shard"),
     "compat-not-module": (lambda m, p, a: _compat_model.__globals__["fsdpfn"].compat.fully_shard(3), TypeError, r"^'int' object is not iterable\nfully_shard expects an nn.Module or a list of them"),
     "compat-mesh-type": (lambda m, p, a: __import__("fsdpfn.compat").compat.fully_shard(_TwoLayer(), mesh="cpu"), AttributeError, r"^'str' object has no attribute 'ndim'\nfully_shard: mesh must be a torch.distributed.device_mesh.DeviceMesh"),
     "compat-reshard-int": (lambda m, p, a: _compat_model(reshard_after_forward=3), ValueError, r"^If passing reshard_after_forward as an int, it should be a factor of 2, not 3"),

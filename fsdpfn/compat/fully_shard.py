@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpfn.compat.anomaly import allow_anomaly_checks
-from fsdpfn.compat.checks import check_mesh, check_modules, check_not_scalar, check_reshard, shard_dim_of
+from fsdpfn.compat.checks import check_mesh, check_initialised, check_modules, check_not_scalar, check_reshard, shard_dim_of
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
 from fsdpfn.compat.replaced_params import watch_optimizer_steps
 from fsdpfn.compat.state import ManagedParam, UnitState, mark_sharded, set_state, sharded_as, state_of
@@ -114,6 +114,8 @@ def _shard(
 
     inner = _inner_states(modules)
     taken = {id(m.param) for st in inner for m in st.managed}
+    for root in modules:
+        check_initialised(root, kind)
     for root in modules:  # FSDP2 checks every parameter's rank before any other
         for mod in root.modules():
             for attr, p in mod._parameters.items():
