@@ -1,4 +1,4 @@
-"""Units that run under ``torch.no_grad()`` inside a training forward: a teacher or a target network
+"""Units that run under ``torch.no_grad()`` (or ``inference_mode``) inside a training forward: a teacher or a target network
 (``with torch.no_grad(): target = self.blocks(x_other)``) beside units that train.
 
 A unit's gathered copy made under ``no_grad`` carries no autograd path back to the shards. When it stays
@@ -22,7 +22,9 @@ from fsdpfn.testing import spmd
 class _Distill(nn.Module):
     """Two teacher and two student blocks; ``pattern`` says which run under ``no_grad``:
     ``teacher``: the teacher blocks (before the students), ``target``: the student blocks themselves, once
-    on a shifted input, before they run with autograd."""
+    on a shifted input, before they run with autograd; ``target_inference``: the same under
+    ``torch.inference_mode()`` (torch's ``fully_shard`` raises there: "Inference tensors do not track
+    version counter", or cannot be saved for backward)."""
 
     def __init__(self, width: int, seed: int, pattern: str, frozen: bool):
         super().__init__()
@@ -43,8 +45,13 @@ class _Distill(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
-        with torch.no_grad():
-            target = self._run(self.teacher, h) if self.pattern == "teacher" else self._run(self.student, h + 1)
+        if self.pattern == "target_inference":  # inference tensors: cloned before autograd may save them
+            with torch.inference_mode():
+                target = self._run(self.student, h.detach() + 1)
+            target = target.clone()
+        else:
+            with torch.no_grad():
+                target = self._run(self.teacher, h) if self.pattern == "teacher" else self._run(self.student, h + 1)
         s = self._run(self.student, h)
         return F.mse_loss(s, target) + self.head(s).pow(2).mean()
 
@@ -108,7 +115,7 @@ def _run(layer: str, case: dict, steps: int) -> dict[str, float]:
 @given(
     world=st.integers(1, 3),
     layer=st.sampled_from(["compat", "functional"]),
-    pattern=st.sampled_from(["teacher", "target"]),
+    pattern=st.sampled_from(["teacher", "target", "target_inference"]),
     reshard=st.booleans(),
     fuse=st.sampled_from([None, "auto", 1 << 20]),
     frozen=st.booleans(),
@@ -119,6 +126,7 @@ def _run(layer: str, case: dict, steps: int) -> dict[str, float]:
 @example(world=2, layer="compat", pattern="teacher", reshard=False, fuse="auto", frozen=True, width=8, seed=0)
 @example(world=2, layer="compat", pattern="target", reshard=False, fuse=None, frozen=False, width=5, seed=1)
 @example(world=1, layer="functional", pattern="target", reshard=True, fuse=None, frozen=False, width=5, seed=1)
+@example(world=1, layer="compat", pattern="target_inference", reshard=True, fuse=None, frozen=False, width=5, seed=1)
 def test_units_run_under_no_grad_inside_a_training_forward_match_one_process(world, layer, pattern, reshard, fuse, frozen, width, seed):
     case = dict(pattern=pattern, reshard=reshard, fuse=fuse, frozen=frozen, width=width, seed=seed)
     off = spmd(world, _run, layer, case, 2)[0]
