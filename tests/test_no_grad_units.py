@@ -1,5 +1,5 @@
-"""Units that run under ``torch.no_grad()`` (or ``inference_mode``) inside a training forward: a teacher or a target network
-(``with torch.no_grad(): target = self.blocks(x_other)``) beside units that train.
+"""Units that run under ``torch.no_grad()`` (or ``inference_mode``) inside a training forward: a teacher
+or a target network (``with torch.no_grad(): target = self.blocks(x_other)``) beside units that train.
 
 A unit's gathered copy made under ``no_grad`` carries no autograd path back to the shards. When it stays
 gathered (``reshard_after_forward=False``; world 1, where nothing is freed; a fused group whose other
@@ -127,7 +127,9 @@ def _run(layer: str, case: dict, steps: int) -> dict[str, float]:
 @example(world=2, layer="compat", pattern="target", reshard=False, fuse=None, frozen=False, width=5, seed=1)
 @example(world=1, layer="functional", pattern="target", reshard=True, fuse=None, frozen=False, width=5, seed=1)
 @example(world=1, layer="compat", pattern="target_inference", reshard=True, fuse=None, frozen=False, width=5, seed=1)
-def test_units_run_under_no_grad_inside_a_training_forward_match_one_process(world, layer, pattern, reshard, fuse, frozen, width, seed):
+def test_units_run_under_no_grad_inside_a_training_forward_match_one_process(
+    world, layer, pattern, reshard, fuse, frozen, width, seed
+):
     case = dict(pattern=pattern, reshard=reshard, fuse=fuse, frozen=frozen, width=width, seed=seed)
     off = spmd(world, _run, layer, case, 2)[0]
     worst = max(off, key=off.get)
