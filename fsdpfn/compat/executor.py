@@ -37,9 +37,11 @@ class LocalShards(torch.autograd.Function):
     spec."""
 
     @staticmethod
-    def forward(ctx: Any, specs: tuple[Any, ...], fqns: tuple[str, ...], deferred: DeferredReductions, comm: Comm, *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, specs: tuple[Any, ...], fqns: tuple[str, ...], deferred: DeferredReductions, comm: Comm,
+                stranded: Callable[[], dict[str, torch.Tensor]], *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.specs = specs
         ctx.comm = comm
+        ctx.stranded = stranded
         ctx.fqns = fqns
         ctx.deferred = deferred
         ctx.set_materialize_grads(False)
@@ -54,8 +56,11 @@ class LocalShards(torch.autograd.Function):
         deferred.wait()  # the units' reduce-scatters, left in flight by their backward; then their results
         check_pass(ctx.comm)  # every rank reduced the same units (else they were mixed): before any use
         grads = tuple(deferred.add_to(f, g) for f, g in zip(ctx.fqns, grads))
+        extra = ctx.stranded()  # accumulated gradients of units this backward did not run (compat/stranded.py)
+        if extra:
+            grads = tuple(g if f not in extra else extra[f] if g is None else g + extra[f] for f, g in zip(ctx.fqns, grads))
         graph = torch.is_grad_enabled()  # create_graph: the DTensor gradients stay differentiable (a MAML step)
-        return (None, None, None, None, *(None if g is None else _as_dtensor(g, s, graph) for g, s in zip(grads, ctx.specs)))
+        return (None, None, None, None, None, *(None if g is None else _as_dtensor(g, s, graph) for g, s in zip(grads, ctx.specs)))
 
 
 def _as_dtensor(g: torch.Tensor, spec: Any, graph: bool) -> DTensor:
@@ -79,7 +84,8 @@ class CompatCall(Call):
         st = self.ctx.knobs(name)
         pending = self.pending.pop(name, None)
         keep_none = not st.reduce_scatter_unused
-        if not st.requires_gradient_sync or (not st.requires_all_reduce and self.plan.replicas > 1):
+        if self.ctx.defers(name):
+            self.ctx.accumulating = True
             return CallInfo(pending, sink=st.acc, sink_dtypes=_reduce_dtypes(self.plan), keep_none=keep_none)
         return CallInfo(pending, carry=st.acc if st.acc else None, keep_none=keep_none, deferred=self.deferred)
 

@@ -13,6 +13,7 @@ plans again when it changes (dtypes, which parameters require a gradient, the mo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from fsdpfn.compat.executor import CompatApply, LocalShards
 from fsdpfn.compat.planned import PlannedGroups, plans_groups
 from fsdpfn.compat.replaced_params import note_replacement
 from fsdpfn.compat.state import UnitState, drop_unsharded
+from fsdpfn.compat.stranded import reduce_stranded
 from fsdpfn.compat.tree import ModuleTree, check_managed, unmanaged_parameter_error
 from fsdpfn.compat.unreduced_step import watch_unreduced
 from fsdpfn.core import Comm, link_of
@@ -54,6 +56,9 @@ class RootContext:
         self.comm: Comm | None = None
         self.states: dict[str, UnitState] = {}
         self.acc: dict[str, torch.Tensor] = {}  # unreduced grads of every unit (fqns are unique)
+        # a forward ran with some unit's sync off since the last backward that looked for stranded gradients
+        # (compat/stranded.py); set by user switches alike on every rank, so every rank looks at the same point
+        self.accumulating = False
         self._fusion: Any = None  # what the plan's groups were built from
         self.planned = PlannedGroups()  # the groups the first forward plans (compat/planned.py)
         self.planning = False  # the first forward's fusion planner is running the module on fake tensors
@@ -191,6 +196,12 @@ class RootContext:
         st = self.unit_state(name)
         return st is not None and st.reshards(is_root=st is self.state)
 
+    def defers(self, name: str) -> bool:
+        """Whether unit or group ``name``'s backward keeps its gradients unreduced (``acc``) for now:
+        gradient sync off, or (HSDP) the all-reduce over replicas off."""
+        st = self.knobs(name)
+        return not st.requires_gradient_sync or (not st.requires_all_reduce and self.plan.replicas > 1)
+
     def scale(self, name: str) -> float:
         st = self.knobs(name)
         if st.divide_factor is not None:
@@ -243,7 +254,10 @@ class RootContext:
         elif regrad:
             self._replan_for_grads()
         params = [m.param for m in self.managed.values()]
-        local = LocalShards.apply(tuple(p._spec for p in params), self.managed_fqns, deferred if deferred is not None else DeferredReductions(), self.comm, *params)
+        local = LocalShards.apply(
+            tuple(p._spec for p in params), self.managed_fqns, deferred if deferred is not None else DeferredReductions(),
+            self.comm, functools.partial(reduce_stranded, self), *params,
+        )  # fmt: skip
         return Sharded._from_children(list(local), self.plan)
 
     def run(self, inside: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

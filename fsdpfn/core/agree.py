@@ -1,4 +1,5 @@
-"""``agree``: whether every rank of a mesh reached the same integer (a decision taken rank by rank).
+"""``agree``: whether every rank of a mesh reached the same integer (a decision taken rank by rank);
+``tally``: how many ranks raised each of a list of flags.
 
 A plan chosen on each rank from its own inputs (``fsdp``'s first call fuses units from the batch it sees)
 must be the same on every rank, or their collectives stop matching: a hang. Two sums settle it without a
@@ -13,7 +14,7 @@ import torch
 
 from fsdpfn.core.comm import Comm
 
-__all__ = ["agree"]
+__all__ = ["agree", "tally"]
 
 
 def agree(comm: Comm, value: int) -> bool:
@@ -34,3 +35,19 @@ def agree(comm: Comm, value: int) -> bool:
         same = torch.tensor([int(int(total.item()) == ranks * value)], dtype=torch.int64, device=comm.groups.device)
         comm.all_reduce_sum(same, label="fsdpfn:agreement between ranks").wait()
         return int(same.item()) == ranks
+
+
+def tally(comm: Comm, flags: list[bool]) -> list[int]:
+    """How many ranks of ``comm``'s mesh set each of ``flags`` (a collective: all ranks call it with lists of
+    the same length). In a world of one, or a simulated one, this rank's flags as counts.
+
+    Example:
+        >>> tally(Comm(fsdpfn.init_mesh()), [True, False])      # doctest: +SKIP
+        [2, 0]
+    """
+    if comm.dp_world == 1 or comm.groups.simulated or not flags:
+        return [int(f) for f in flags]
+    with comm.untracked():
+        counts = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=comm.groups.device)
+        comm.all_reduce_sum(counts, label="fsdpfn:count of ranks").wait()
+        return [int(c) for c in counts.tolist()]
