@@ -25,7 +25,9 @@ class _MultiTask(nn.Module):
         torch.manual_seed(seed)
         self.all_heads = all_heads
         self.trunk = nn.Sequential(nn.Linear(4, width), nn.Tanh())
-        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 2)) for _ in range(heads))
+        self.heads = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 2)) for _ in range(heads)
+        )
 
     def forward(self, x: torch.Tensor, task: int) -> torch.Tensor:
         if not self.all_heads:
@@ -98,7 +100,9 @@ def _compat(case: dict, steps: int) -> dict[str, float]:
 @example(world=2, heads=2, data=None, per_rank=False, reshard=True, fuse=None, width=5, seed=0)
 @example(world=2, heads=2, data=None, per_rank=True, reshard=False, fuse=None, width=5, seed=1)
 @example(world=3, heads=3, data=None, per_rank=False, reshard=False, fuse="auto", width=4, seed=2)
-def test_heads_left_out_of_the_syncing_microbatch_are_reduced_as_one_process(world, heads, data, per_rank, reshard, fuse, width, seed):
+def test_heads_left_out_of_the_syncing_microbatch_are_reduced_as_one_process(
+    world, heads, data, per_rank, reshard, fuse, width, seed
+):
     if data is None:  # the examples: head 0 accumulates, head 1 alone in the last microbatch
         tasks = [0, 1]
     else:
