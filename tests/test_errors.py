@@ -314,6 +314,17 @@ def _compat_child_first():
     model(torch.ones(1, 3))
 
 
+def _compat_two_roots():
+    from fsdpfn.compat import fully_shard
+
+    shared = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+    first, second = nn.Sequential(shared, nn.Linear(4, 2)), nn.Sequential(shared, nn.Linear(4, 1))
+    for m in (shared, first, second):
+        fully_shard(m)
+    first(torch.ones(1, 3))
+    second(torch.ones(1, 3))
+
+
 def _compat_load_plain():
     model = _compat_model()
     model.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
@@ -543,6 +554,7 @@ COMPAT_TRIGGERS = {
         r"fully_shard: ignored_params holds a str \('blocks.1.bias'\), not a parameter: it would leave nothing out. Pass the parameters themselves, e.g. \{model.get_parameter\('blocks.1.bias'\)\}",
     ),
     "compat-child-first": (lambda m, p, a: _compat_child_first(), RuntimeError, r"^FSDP state has already been lazily initialized for blocks.1\nFSDP requires running forward through the root module first\n'blocks.1' \(FSDPLinear\) ran"),
+    "compat-two-roots": (lambda m, p, a: _compat_two_roots(), RuntimeError, r"^FSDP state has already been lazily initialized for 0\n'0' \(FSDPSequential\) is already a unit of another root, FSDPSequential.*a module holding both models as the root"),
     "compat-load-plain": (lambda m, p, a: _compat_load_plain(), ValueError, r"'blocks.0.weight' is a plain Tensor of shape \(4, 3\).*distribute_tensor"),
     "compat-replaced-param": (lambda m, p, a: _compat_replaced(), ValueError, r"parameter 'blocks.0.weight' was replaced by a DTensor"),
     "compat-placement": (lambda m, p, a: _compat_placement_result(), NotImplementedError, r"shard_placement_fn returned a ShardPlacementResult for parameter 'weight' of Linear"),

@@ -50,6 +50,14 @@ def collect_units(module: nn.Module, state: UnitState, owner: Any) -> tuple[dict
         unit_at[fqn] = fqn
         if st.root is not None and st.root is not owner:
             who = state_name(state.kind)
+            if st.root.module is not mod:  # a unit of another root: one module under two roots
+                raise RuntimeError(
+                    f"{who} state has already been lazily initialized for {fqn}\n{fqn!r} ({type(mod).__name__}) is "
+                    f"already a unit of another root, {type(st.root.module).__name__}, whose forward ran first: a "
+                    f"module shared by two {state.kind} roots (an encoder used by two models) has one set of shards "
+                    f"and one gradient, so it must belong to one root: {state.kind} a module holding both models "
+                    "as the root and run both through its forward"
+                )
             raise RuntimeError(
                 f"{who} state has already been lazily initialized for {fqn}\n{who} requires running forward "
                 f"through the root module first\n{fqn!r} ({type(mod).__name__}) ran (forward or unshard) as a root "
