@@ -8,6 +8,7 @@ partner), its gradients must still reach the shards: before the fix they silentl
 shards got no gradient, or zero). Both layers must match one process on the whole batch.
 """
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fsdpfn
-from fsdpfn.testing import spmd
+from fsdpfn.testing import spmd, torch_version
 
 
 class _Distill(nn.Module):
@@ -105,8 +106,22 @@ def _functional(case: dict, steps: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in fsdpfn.full_state_dict(params, rank0_only=False).items()}
 
 
+def _traced(case: dict, steps: int) -> dict[str, torch.Tensor]:
+    import fsdpfn.optim as optim
+
+    model = _Distill(case["width"], case["seed"], case["pattern"], case["frozen"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=UNITS, min_bucket_bytes=case["fuse"])
+    apply = fsdpfn.fsdp(model, reshard_after_forward=case["reshard"])
+    opt = optim.sgd(lr=0.2)
+    state = opt.init(params)
+    step = fsdpfn.compile_step(apply, opt, backend="aot_eager")
+    for i in range(steps):  # the first step runs eagerly, the others traced
+        _, params, state = step(params, state, _batch(dist.get_rank(), i, case["seed"]))
+    return {k: v.clone() for k, v in fsdpfn.full_state_dict(params, rank0_only=False).items()}
+
+
 def _run(layer: str, case: dict, steps: int) -> dict[str, float]:
-    got = (_compat if layer == "compat" else _functional)(case, steps)
+    got = {"compat": _compat, "functional": _functional, "traced": _traced}[layer](case, steps)
     want = _reference(dist.get_world_size(), case, steps)
     return {k: (got[k] - want[k]).abs().max().item() for k in want}
 
@@ -134,3 +149,16 @@ def test_units_run_under_no_grad_inside_a_training_forward_match_one_process(
     off = spmd(world, _run, layer, case, 2)[0]
     worst = max(off, key=off.get)
     assert off[worst] < 1e-5, f"{layer} {case} world {world}: {worst} off by {off[worst]:.3g} ({off})"
+
+
+@pytest.mark.skipif(torch_version() < (2, 13), reason="compile_step refuses torch < 2.13 (test_traced.py checks the refusal)")
+@pytest.mark.parametrize("pattern", ["teacher", "target"])
+def test_a_unit_under_no_grad_in_a_traced_step_matches_one_process(pattern):
+    """``compile_step`` traces the ``no_grad`` region too (its gathers without an autograd node: dynamo
+    traced the node under ``no_grad`` with a context it could not set, and failed) and, with the default
+    ``"auto"`` buckets regrouped by the first call, the traced calls (before, the regroup forgot that the
+    module had been checked against the plan, and the trace refused the plan as never run)."""
+    case = dict(pattern=pattern, reshard=False, fuse="auto", frozen=False, width=6, seed=0)
+    off = spmd(2, _run, "traced", case, 3)[0]
+    worst = max(off, key=off.get)
+    assert off[worst] < 1e-5, f"traced {case}: {worst} off by {off[worst]:.3g} ({off})"

@@ -167,7 +167,7 @@ def _compare(recipe, units, world, reshard, fuse, mp, ckpt=False, every_regather
 @given(
     world=fst.world_sizes(1, 3),
     reshard=st.booleans(),
-    fuse=st.sampled_from([None, 2048]),
+    fuse=st.sampled_from([None, 2048, "auto"]),
     mp=st.booleans(),
     data=st.data(),
 )

@@ -169,7 +169,9 @@ FUSION_PLANNED_MEMO = ("fusion_planned",)
 # regroup forgets them
 FORWARD_SPANS_MEMO = ("forward_spans",)
 # memo entries that are state, not derived from the groups: kept by ``ShardPlan.regroup``
-_PLAN_STATE = frozenset({"applies", "checkpoint.world_comm", OPTIMIZER_MEMO[0], FUSION_PLANNED_MEMO[0]})
+# "validated": apply's check that a module matches the plan's parameters (transform/validate.py), which no
+# grouping changes; forgotten at the first call's regroup, it left compile_step's trace refusing the plan
+_PLAN_STATE = frozenset({"applies", "checkpoint.world_comm", "validated", OPTIMIZER_MEMO[0], FUSION_PLANNED_MEMO[0]})
 
 
 def build_plan(

@@ -91,6 +91,9 @@ _RECOMPUTE = functools.partial(create_selective_checkpoint_contexts, _recompute_
 def traced_gather(b: Buckets, shards: Sequence[torch.Tensor], *, recompute: bool, via: Collectives = "native") -> tuple[torch.Tensor, ...]:
     """The full tensors of gather ``b`` from ``shards``; with ``recompute`` the backward gathers them
     again instead of keeping them (every op of the gather is marked for recomputation)."""
+    if not torch.is_grad_enabled():  # a unit run under no_grad inside the step (a teacher): no backward to
+        # build, and dynamo traces an autograd.Function under no_grad with a ctx it cannot set attributes on
+        return tuple(run_traced(b, shards, via))
     if not recompute:
         return TracedCollective.apply(b, via, *shards)
     return checkpoint(TracedCollective.apply, b, via, *shards, use_reentrant=False, context_fn=_RECOMPUTE)
