@@ -151,7 +151,9 @@ def test_units_run_under_no_grad_inside_a_training_forward_match_one_process(
     assert off[worst] < 1e-5, f"{layer} {case} world {world}: {worst} off by {off[worst]:.3g} ({off})"
 
 
-@pytest.mark.skipif(torch_version() < (2, 13), reason="compile_step refuses torch < 2.13 (test_traced.py checks the refusal)")
+@pytest.mark.skipif(
+    torch_version() < (2, 13), reason="compile_step refuses torch < 2.13 (test_traced.py checks the refusal)"
+)
 @pytest.mark.parametrize("pattern", ["teacher", "target"])
 def test_a_unit_under_no_grad_in_a_traced_step_matches_one_process(pattern):
     """``compile_step`` traces the ``no_grad`` region too (its gathers without an autograd node: dynamo
