@@ -91,7 +91,9 @@ def _compat(case: dict, steps: int) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
 
 
-def _functional(case: dict, steps: int) -> dict[str, torch.Tensor]:
+def _functional(case: dict, steps: int, traced: bool = False) -> dict[str, torch.Tensor]:
+    """The functional layer's steps: ``value_and_grad`` and the update, or (``traced``) ``compile_step``
+    (its first step runs eagerly, the others traced)."""
     import fsdpfn.optim as optim
 
     model = _Distill(case["width"], case["seed"], case["pattern"], case["frozen"])
@@ -99,29 +101,22 @@ def _functional(case: dict, steps: int) -> dict[str, torch.Tensor]:
     apply = fsdpfn.fsdp(model, reshard_after_forward=case["reshard"])
     opt = optim.sgd(lr=0.2)
     state = opt.init(params)
-    step_fn = fsdpfn.value_and_grad(apply)
+    if traced:
+        step_fn = fsdpfn.compile_step(apply, opt, backend="aot_eager")
+    else:
+        grad_fn = fsdpfn.value_and_grad(apply)
+
+        def step_fn(params, state, x):
+            loss, grads = grad_fn(params, x)
+            return (loss, *opt.update(grads, state, params))
+
     for step in range(steps):
-        _, grads = step_fn(params, _batch(dist.get_rank(), step, case["seed"]))
-        params, state = opt.update(grads, state, params)
-    return {k: v.clone() for k, v in fsdpfn.full_state_dict(params, rank0_only=False).items()}
-
-
-def _traced(case: dict, steps: int) -> dict[str, torch.Tensor]:
-    import fsdpfn.optim as optim
-
-    model = _Distill(case["width"], case["seed"], case["pattern"], case["frozen"])
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=UNITS, min_bucket_bytes=case["fuse"])
-    apply = fsdpfn.fsdp(model, reshard_after_forward=case["reshard"])
-    opt = optim.sgd(lr=0.2)
-    state = opt.init(params)
-    step = fsdpfn.compile_step(apply, opt, backend="aot_eager")
-    for i in range(steps):  # the first step runs eagerly, the others traced
-        _, params, state = step(params, state, _batch(dist.get_rank(), i, case["seed"]))
+        _, params, state = step_fn(params, state, _batch(dist.get_rank(), step, case["seed"]))
     return {k: v.clone() for k, v in fsdpfn.full_state_dict(params, rank0_only=False).items()}
 
 
 def _run(layer: str, case: dict, steps: int) -> dict[str, float]:
-    got = {"compat": _compat, "functional": _functional, "traced": _traced}[layer](case, steps)
+    got = _compat(case, steps) if layer == "compat" else _functional(case, steps, traced=layer == "traced")
     want = _reference(dist.get_world_size(), case, steps)
     return {k: (got[k] - want[k]).abs().max().item() for k in want}
 
