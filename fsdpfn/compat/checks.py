@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.parameter import UninitializedTensorMixin
 
 from fsdpfn.compat.state import state_of
 from fsdpfn.messages import listing, torch_text
@@ -188,17 +187,6 @@ def check_reshard(value: Any, world: int, kind: str) -> None:
                 f"{kind}: an int is the number of ranks to reshard to after forward (shard mesh size {world})",
             )
         )
-
-
-def check_initialised(root: nn.Module, kind: str) -> None:
-    """A lazy module's parameters (``nn.LazyLinear`` before its first forward) have no shape to shard
-    yet: refused by name (torch's ``fully_shard`` fails in a tensor method, naming no parameter)."""
-    for fqn, t in [*root.named_parameters(), *root.named_buffers()]:
-        if isinstance(t, UninitializedTensorMixin):
-            raise ValueError(
-                f"{kind}: {fqn!r} of {type(root).__name__} is not initialised yet (a lazy module, such as "
-                f"nn.LazyLinear, makes it at its first forward): run the model once on a sample batch, then call {kind}"
-            )
 
 
 def check_not_scalar(name: str, param: nn.Parameter) -> None:

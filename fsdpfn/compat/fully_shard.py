@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpfn.compat.anomaly import allow_anomaly_checks
-from fsdpfn.compat.checks import check_mesh, check_initialised, check_modules, check_not_scalar, check_reshard, shard_dim_of
+from fsdpfn.compat.checks import check_mesh, check_modules, check_not_scalar, check_reshard, shard_dim_of
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
 from fsdpfn.compat.replaced_params import watch_optimizer_steps
 from fsdpfn.compat.state import ManagedParam, UnitState, mark_sharded, set_state, sharded_as, state_of
@@ -25,7 +25,7 @@ from fsdpfn.compat.tp import SpmdMesh, spmd_layout, tp_param
 from fsdpfn.core import default_mesh, mesh_groups
 from fsdpfn.layout import ShardSpec, contiguous_stride, shard_tensor
 from fsdpfn.ops.extension import extension_of
-from fsdpfn.ops.shard import ignored_ids
+from fsdpfn.ops.shard import check_initialised, ignored_ids
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
 
 __all__ = ["fully_shard"]
@@ -115,7 +115,7 @@ def _shard(
     inner = _inner_states(modules)
     taken = {id(m.param) for st in inner for m in st.managed}
     for root in modules:
-        check_initialised(root, kind)
+        check_initialised(root, kind, then=f"call {kind}")  # FSDP2 fails in a tensor method, naming nothing
     for root in modules:  # FSDP2 checks every parameter's rank before any other
         for mod in root.modules():
             for attr, p in mod._parameters.items():

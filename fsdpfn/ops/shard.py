@@ -20,7 +20,7 @@ from fsdpfn.ops.placement import PlacementFn, placement_dim
 from fsdpfn.ops.tp import TPLayout, tp_layout, unwrap
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
 
-__all__ = ["Units", "ignored_ids", "recompute_reads_values", "resolve_units", "shard"]
+__all__ = ["Units", "check_initialised", "ignored_ids", "recompute_reads_values", "resolve_units", "shard"]
 
 Units = Union[None, Sequence[str], type, tuple, Callable[[str, nn.Module], bool]]
 """A unit plan: submodule FQNs, module type(s), or a predicate ``(fqn, module) -> bool``."""
@@ -135,6 +135,21 @@ def _owner(names: Sequence[str], unit_names: Sequence[str]) -> str:
     return best
 
 
+def check_initialised(module: nn.Module, kind: str, *, then: str) -> None:
+    """Refuse, by name, a parameter or buffer a lazy module has not made yet (``nn.LazyLinear`` before its
+    first forward: nothing to shard); ``kind`` names the caller, ``then`` what to do after a sample batch.
+
+    Example:
+        >>> check_initialised(nn.Linear(2, 2), "shard", then="shard it")    # passes: nothing lazy
+    """
+    for fqn, t in [*module.named_parameters(), *module.named_buffers()]:
+        if isinstance(t, UninitializedTensorMixin):
+            raise ValueError(
+                f"{kind}: {fqn!r} of {type(module).__name__} is not initialised yet (a lazy module, such as "
+                f"nn.LazyLinear, makes it at its first forward): run the model once on a sample batch, then {then}"
+            )
+
+
 def shard(
     module: nn.Module,
     mesh: Any,
@@ -227,12 +242,7 @@ def shard(
     if isinstance(offload_policy, CPUOffloadPolicy):
         raise NotImplementedError("shard: offload_policy=CPUOffloadPolicy is not supported by the functional layer yet")
     mesh_device = getattr(mesh, "device_type", None)
-    for fqn, t in [*module.named_parameters(), *module.named_buffers()]:  # torch's own error says "load_state_dict"
-        if isinstance(t, UninitializedTensorMixin):
-            raise ValueError(
-                f"shard: {fqn!r} of {type(module).__name__} is not initialised yet (a lazy module, such as "
-                "nn.LazyLinear, makes it at its first forward): run the model once on a sample batch, then shard it"
-            )
+    check_initialised(module, "shard", then="shard it")  # torch's own error says "load_state_dict"
     for fqn, p in module.named_parameters():  # before any group is touched: a wrong mesh fails fast
         if mesh_device is not None and p.device.type != mesh_device and not p.is_meta:
             raise ValueError(
