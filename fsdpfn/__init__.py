@@ -12,7 +12,7 @@ Example:
 
 from fsdpfn.checkpoint import from_dtensor, full_state_dict, load, load_full_state_dict, save, to_dtensor
 from fsdpfn.core import init_mesh
-from fsdpfn.layout import Sharded, ShardSpec, Unreduced, shard_tensor, unshard_tensors
+from fsdpfn.layout import Sharded, ShardSpec, Unreduced, freeze, shard_tensor, unfreeze, unshard_tensors
 from fsdpfn.ops import AllGatherTransform, accumulate, reduce, reshard, shard, unshard
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdpfn.transform import compile_step, fsdp, grad, remat, value_and_grad
@@ -33,6 +33,7 @@ __all__ = [
     "clip_grad_norm",
     "compile_step",
     "debug",
+    "freeze",
     "fsdp",
     "from_dtensor",
     "full_state_dict",
@@ -49,6 +50,7 @@ __all__ = [
     "shard",
     "shard_tensor",
     "to_dtensor",
+    "unfreeze",
     "unshard",
     "unshard_tensors",
     "value_and_grad",

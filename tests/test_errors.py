@@ -256,6 +256,8 @@ TRIGGERS = {
     "apply-other-module": (lambda m, p, a: a(fsdpfn.shard(_TwoLayer(out=5), fsdpfn.init_mesh()), torch.ones(1, 3)), ValueError, r"leaf 'blocks.1.weight' was sharded as \(5, 4\)"),
     "apply-stale": (lambda m, p, a: fsdpfn.fsdp(_changed(m))(p, torch.ones(1, 3)), ValueError, r"is now \(3, 4\) torch.float32; the plan is stale"),
     "apply-tied-after-shard": (lambda m, p, a: _tie_changed(False), ValueError, r"apply: _Tied ties 'embed.weight' and 'head.weight' \(one parameter\), but params holds 'embed.weight' and 'head.weight' as separate leaves: the tie was made after fsdpfn.shard.*Tie the weights before calling fsdpfn.shard"),
+    "apply-module-requires-grad": (lambda m, p, a: (m.blocks[0].requires_grad_(False), a(p, torch.ones(1, 3))), ValueError, r"apply: parameter 'blocks.0.weight' of the module was set requires_grad=False after fsdpfn.shard, but params train it.*params = fsdpfn.freeze\(params, \['blocks.0.weight'\]\)"),
+    "freeze-unknown": (lambda m, p, a: fsdpfn.freeze(p, "blocks.7"), ValueError, r"fsdpfn.freeze: 'blocks.7' names no parameter or module of this tree \(_TwoLayer\); modules with parameters include \['blocks.0', 'blocks.1'\]"),
     "apply-untied-after-shard": (lambda m, p, a: _tie_changed(True), ValueError, r"apply: params ties 'head.weight' to 'embed.weight' \(one leaf\), but _Tied now holds them as two parameters: the tie was undone after fsdpfn.shard"),
     "apply-extra-params": (lambda m, p, a: fsdpfn.fsdp(m)(fsdpfn.shard(nn.Sequential(nn.Linear(3, 4)), fsdpfn.init_mesh()), torch.ones(1, 3)), ValueError, r"has leaf '0.weight' but _TwoLayer has no such parameter"),
     "apply-nested": (lambda m, p, a: _nested(m, p, a), RuntimeError, r"called inside another apply of the same parameters"),

@@ -6,6 +6,7 @@ Nothing in this package communicates or imports ``torch.distributed``; it import
 from fsdpfn.layout.bucket import BucketLayout
 from fsdpfn.layout.plan import ParamInfo, ShardPlan, UnitPlan, build_plan
 from fsdpfn.layout.sharded import DonatedError, Sharded
+from fsdpfn.layout.trainable import freeze, unfreeze
 from fsdpfn.layout.spec import ShardSpec, contiguous_stride, shard_tensor, unshard_tensors
 from fsdpfn.layout.unreduced import Unreduced
 
@@ -20,6 +21,8 @@ __all__ = [
     "Unreduced",
     "build_plan",
     "contiguous_stride",
+    "freeze",
     "shard_tensor",
+    "unfreeze",
     "unshard_tensors",
 ]

@@ -56,6 +56,7 @@ class ShardPlan:
     auto_fusion: bool = False  # min_bucket_bytes="auto": the first call may fuse further (see regroup)
     tp: Mapping[str, Any] = field(default_factory=dict)  # tensor-parallel parameters: fqn -> fsdpfn.ops.tp.TPLayout
     transforms: Mapping[str, Any] = field(default_factory=dict)  # fqn -> its all-gather transform (ops.extension)
+    origin: ShardPlan | None = None  # the plan shard built, when this one was derived from it (layout/trainable.py)
     _by_name: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
     _by_group: dict[str, UnitPlan] = field(default_factory=dict, repr=False)
     memo: dict[Any, Any] = field(default_factory=dict, repr=False)  # derived objects, built once per plan
@@ -171,7 +172,10 @@ FORWARD_SPANS_MEMO = ("forward_spans",)
 # memo entries that are state, not derived from the groups: kept by ``ShardPlan.regroup``
 # "validated": apply's check that a module matches the plan's parameters (transform/validate.py), which no
 # grouping changes; forgotten at the first call's regroup, it left compile_step's trace refusing the plan
-_PLAN_STATE = frozenset({"applies", "checkpoint.world_comm", "validated", OPTIMIZER_MEMO[0], FUSION_PLANNED_MEMO[0]})
+# "requires_grad": the plans derived from this one for other trainable parameters (fsdpfn.freeze/unfreeze)
+_PLAN_STATE = frozenset(
+    {"applies", "checkpoint.world_comm", "validated", "requires_grad", OPTIMIZER_MEMO[0], FUSION_PLANNED_MEMO[0]}
+)
 
 
 def build_plan(

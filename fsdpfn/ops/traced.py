@@ -91,8 +91,9 @@ _RECOMPUTE = functools.partial(create_selective_checkpoint_contexts, _recompute_
 def traced_gather(b: Buckets, shards: Sequence[torch.Tensor], *, recompute: bool, via: Collectives = "native") -> tuple[torch.Tensor, ...]:
     """The full tensors of gather ``b`` from ``shards``; with ``recompute`` the backward gathers them
     again instead of keeping them (every op of the gather is marked for recomputation)."""
-    if not torch.is_grad_enabled():  # a unit run under no_grad inside the step (a teacher): no backward to
-        # build, and dynamo traces an autograd.Function under no_grad with a ctx it cannot set attributes on
+    if not torch.is_grad_enabled() or not any(s.requires_grad for s in shards):
+        # a unit run under no_grad inside the step (a teacher), or a frozen one: no backward to build, and
+        # dynamo traces an autograd.Function that records nothing with a ctx it cannot set attributes on
         return tuple(run_traced(b, shards, via))
     if not recompute:
         return TracedCollective.apply(b, via, *shards)

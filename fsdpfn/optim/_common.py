@@ -13,6 +13,7 @@ import torch
 
 from fsdpfn.layout import Unreduced, Sharded, ShardPlan
 from fsdpfn.layout.autobucket import FOREACH_PARTS
+from fsdpfn.layout.trainable import same_origin
 
 __all__ = ["DecayMask", "GradientTransformation", "LearningRate"]
 
@@ -114,6 +115,30 @@ def state_tree(params: Sharded[torch.Tensor], make: Callable[[torch.Tensor], Any
     plan = params.plan
     train = set(trainable(plan)) if make is not None else set()
     return Sharded({k: make(params[k]) if k in train else None for k in plan.keys}, plan)  # type: ignore[misc]
+
+
+Maker = Union[Callable[[torch.Tensor], Any], None]
+"""What an optimizer's ``init`` fills one state tree with at a trainable parameter (``None``: nothing)."""
+
+
+def follow_plan(state: Any, params: Sharded[torch.Tensor], makers: Mapping[str, Maker]) -> Any:
+    """``state`` (a NamedTuple whose trees ``makers`` names, each with what ``init`` fills it with) on
+    ``params``' plan. A state made for another plan of the same ``shard`` call (before ``fsdpfn.freeze``
+    or ``fsdpfn.unfreeze``) moves onto it: a parameter that trains now and has no state gets
+    ``make(shard)``, as ``torch.optim`` creates state at a parameter's first gradient; every other leaf is
+    kept (a frozen parameter keeps its state, as under ``torch.optim``). Any other state is returned as it
+    is, for the checks that follow to name what is wrong with it."""
+    plan = params.plan
+    trees = {name: getattr(state, name) for name in makers}
+    if not all(isinstance(t, Sharded) and t.plan is not plan and same_origin(t.plan, plan) for t in trees.values()):
+        return state
+    moved = {}
+    for name, tree in trees.items():
+        make = makers[name]
+        fresh = {k for k in plan.params if plan.requires_grad[k] and tree[k] is None}
+        leaves = {k: make(params[k]) if make is not None and k in fresh else tree[k] for k in plan.keys}
+        moved[name] = Sharded(leaves, plan)
+    return state._replace(**moved)
 
 
 def plan_mismatch(other: ShardPlan, plan: ShardPlan) -> str:

@@ -30,6 +30,7 @@ from fsdpfn.optim._common import (
     check_state_tree,
     check_state_type,
     clone_tree,
+    follow_plan,
     foreach_groups,
     new_count,
     new_step,
@@ -135,6 +136,14 @@ def adamw(
     amsgrad, maximize, inplace = bool(amsgrad), bool(maximize), bool(inplace)
     mask = check_mask(what, weight_decay_mask)
 
+    zeros = functools.partial(torch.zeros_like, memory_format=torch.preserve_format)
+    makers = {
+        "step": lambda p: new_step(),
+        "exp_avg": zeros,
+        "exp_avg_sq": zeros,
+        "max_exp_avg_sq": zeros if amsgrad else None,
+    }
+
     def init(params: Sharded[torch.Tensor]) -> AdamWState:
         """Zero moments (and step counters) for every trainable parameter; ``None`` elsewhere.
 
@@ -143,14 +152,7 @@ def adamw(
         """
         check_params(params, f"{what}.init")
         params.plan.memo[OPTIMIZER_MEMO] = "adamw"  # what fsdp's first call plans the step's memory for
-        zeros = functools.partial(torch.zeros_like, memory_format=torch.preserve_format)
-        return AdamWState(
-            count=new_count(),
-            step=state_tree(params, lambda p: new_step()),
-            exp_avg=state_tree(params, zeros),
-            exp_avg_sq=state_tree(params, zeros),
-            max_exp_avg_sq=state_tree(params, zeros if amsgrad else None),
-        )
+        return AdamWState(new_count(), **{name: state_tree(params, make) for name, make in makers.items()})
 
     def update(
         grads: Sharded[Any], state: AdamWState, params: Sharded[torch.Tensor]
@@ -163,6 +165,7 @@ def adamw(
         where = f"{what}.update"
         check_params(params, where)
         check_state_type(state, AdamWState, where)
+        state = follow_plan(state, params, makers)  # made before fsdpfn.freeze/unfreeze: onto params' plan
         fqns = check_grads(grads, params, where)
         check_state_tree(state.step, "step", params, fqns, where, scalar=True)
         check_state_tree(state.exp_avg, "exp_avg", params, fqns, where)

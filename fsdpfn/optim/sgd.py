@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -23,6 +24,7 @@ from fsdpfn.optim._common import (
     check_state_tree,
     check_state_type,
     clone_tree,
+    follow_plan,
     foreach_groups,
     new_count,
     new_step,
@@ -96,6 +98,12 @@ def sgd(
         raise ValueError(f"{what}: nesterov=True requires momentum > 0 and dampening == 0")
     counted = momentum != 0 and dampening != 0  # per-parameter step counters (see SGDState)
 
+    zeros = functools.partial(torch.zeros_like, memory_format=torch.preserve_format)
+    makers = {
+        "step": (lambda p: new_step()) if counted else None,  # only a dampened buffer's first step needs it
+        "momentum_buffer": zeros if momentum != 0 else None,
+    }
+
     def init(params: Sharded[torch.Tensor]) -> SGDState:
         """Zeroed momentum buffers for trainable parameters when ``momentum > 0``, and step counters when
         ``dampening != 0`` too (``None`` otherwise).
@@ -105,9 +113,7 @@ def sgd(
         """
         check_params(params, f"{what}.init")
         params.plan.memo[OPTIMIZER_MEMO] = "sgd_momentum" if momentum != 0 else "sgd"  # for fsdp's first call
-        buf = (lambda p: torch.zeros_like(p, memory_format=torch.preserve_format)) if momentum != 0 else None
-        step = (lambda p: new_step()) if counted else None  # only a dampened buffer's first step needs it
-        return SGDState(new_count(), state_tree(params, step), state_tree(params, buf))
+        return SGDState(new_count(), **{name: state_tree(params, make) for name, make in makers.items()})
 
     def update(
         grads: Sharded[Any], state: SGDState, params: Sharded[torch.Tensor]
@@ -120,6 +126,7 @@ def sgd(
         where = f"{what}.update"
         check_params(params, where)
         check_state_type(state, SGDState, where)
+        state = follow_plan(state, params, makers)  # made before fsdpfn.freeze/unfreeze: onto params' plan
         fqns = check_grads(grads, params, where)
         check_state_tree(state.step, "step", params, fqns if counted else (), where, scalar=True)
         check_state_tree(state.momentum_buffer, "momentum_buffer", params, fqns if momentum != 0 else (), where)

@@ -115,7 +115,7 @@ def check_module(module: nn.Module, plan: ShardPlan) -> None:
     Example:
         >>> check_module(model, params.plan)   # doctest: +SKIP
     """
-    signature = tuple((id(p), p.shape, p.dtype) for p in module.parameters())
+    signature = tuple((id(p), p.shape, p.dtype, p.requires_grad) for p in module.parameters())
     key = ("validated", id(module))
     if plan.memo.get(key) == signature:
         return
@@ -133,6 +133,8 @@ def check_module(module: nn.Module, plan: ShardPlan) -> None:
                 f"apply: leaf {fqn!r} was sharded as {shape} {plan.dtypes[fqn]} but the module's "
                 f"parameter is now {tuple(p.shape)} {p.dtype}; the plan is stale: call fsdpfn.shard again"
             )
+        if isinstance(p, nn.Parameter):  # not a gathered copy an enclosing call swapped in
+            _check_requires_grad(fqn, p.requires_grad, plan)
     known = set(plan.params) | set(plan.aliases) | set(plan.ignored)
     extra = [n for n in module_params if n not in known]
     if extra:
@@ -143,6 +145,21 @@ def check_module(module: nn.Module, plan: ShardPlan) -> None:
     if missing:
         raise ValueError(f"apply: params has buffers {missing} that the module does not have")
     plan.memo[key] = signature
+
+
+def _check_requires_grad(fqn: str, flag: bool, plan: ShardPlan) -> None:
+    """The module's ``requires_grad`` must be what ``shard`` saw or what ``params`` say now: a flag set
+    on the module afterwards would change nothing (the tree's plan says which parameters train)."""
+    said = plan.requires_grad[fqn]
+    if flag == said or flag == (plan.origin or plan).requires_grad[fqn]:
+        return
+    fix = "fsdpfn.freeze" if not flag else "fsdpfn.unfreeze"
+    raise ValueError(
+        f"apply: parameter {fqn!r} of the module was set requires_grad={flag} after fsdpfn.shard, but params "
+        f"{'train' if said else 'freeze'} it: the Sharded tree, not the module, says which parameters train, so "
+        f"the flag would change nothing. Use params = {fix}(params, [{fqn!r}]) (a module name selects all of its "
+        "parameters; optimizer state carries over), or set the flag back"
+    )
 
 
 def _check_ties(module_params: dict[str, Any], plan: ShardPlan, module_type: str) -> None:
