@@ -9,9 +9,13 @@ Example:
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Sequence
 
-__all__ = ["listing", "torch_text"]
+import torch
+
+__all__ = ["listing", "torch_text", "user_stacklevel"]
 
 
 def listing(names: Sequence[str], limit: int = 4) -> str:
@@ -30,3 +34,20 @@ def torch_text(exc: BaseException) -> str:
         'bad op'
     """
     return str(exc).split("\nException raised from ", 1)[0]
+
+
+_OWN = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` called by this function's caller that points at the first frame
+    outside fsdpfn and torch (the user's ``model(x)``, not the hook that noticed).
+
+    Example:
+        >>> user_stacklevel() >= 1
+        True
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN):
+        frame, level = frame.f_back, level + 1
+    return level

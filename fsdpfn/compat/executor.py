@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdpfn.compat.explicit_unshard import stale_unshards
 from fsdpfn.core import Comm
 from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, ShardPlan
@@ -103,8 +104,9 @@ class CompatApply(Apply):
         call = CompatCall(self.ctx, params, self.schedule(params.plan, functorch=functorch))
         if functorch:  # torch.func transforms: no deferred reductions
             call.deferred = None
+        stale = stale_unshards(self.ctx)  # gathered by unshard() before an update changed the shards: again
         for name, st in self.ctx.states.items():  # an explicit unshard() already launched the gather
-            if st.unsharded is not None:
+            if st.unsharded is not None and name not in stale:
                 call.pending[name] = st.unsharded[0]
         return call
 

@@ -8,6 +8,8 @@ tensors of tensor-parallel ones, see ``tp.py``) and keeps its ``torch.chunk`` sl
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
@@ -18,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdpfn.compat.anomaly import allow_anomaly_checks
 from fsdpfn.compat.checks import check_mesh, check_modules, check_not_scalar, check_reshard, shard_dim_of
+from fsdpfn.compat.explicit_unshard import discard_unshard
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
 from fsdpfn.compat.replaced_params import watch_optimizer_steps
 from fsdpfn.compat.state import ManagedParam, UnitState, mark_sharded, set_state, sharded_as, state_of
@@ -151,7 +154,7 @@ def _shard(
     if managed:
         watch_optimizer_steps()  # an optimizer still holding the parameters replaced below is refused at step()
         allow_anomaly_checks()  # torch.autograd.detect_anomaly checks the DTensor gradients LocalShards returns
-    hooked: set[int] = set()
+    hooked: dict[int, nn.Module] = {}
     for earlier, mod, attr in joins:
         earlier.slots.append((mod, attr))
         mod._parameters[attr] = earlier.param
@@ -162,7 +165,7 @@ def _shard(
         for mod, attr in m.slots:
             mod._parameters[attr] = m.param
             if id(mod) not in hooked:
-                hooked.add(id(mod))
+                hooked[id(mod)] = mod
                 mod.register_load_state_dict_pre_hook(_refuse_plain_tensors)
     if device.type != "meta":
         for root in modules:
@@ -182,6 +185,9 @@ def _shard(
         kind=kind,
         ignored=frozenset(ignored),
     )
+    for mod in hooked.values():  # as FSDP2's: a state dict holds the sharded parameters, not an unshard()'s
+        mod.register_state_dict_pre_hook(functools.partial(discard_unshard, state))
+        mod.register_load_state_dict_pre_hook(functools.partial(discard_unshard, state))
     for st in inner:
         if st.parent is None:
             st.parent = state

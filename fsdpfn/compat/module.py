@@ -16,6 +16,7 @@ from torch import nn
 from fsdpfn.compat.hooks import check_all_gather, check_reduce_scatter, update_custom
 from fsdpfn.compat.dispatch import dispatch, unit_state
 from fsdpfn.compat.root import lazy_root
+from fsdpfn.compat.explicit_unshard import shard_versions
 from fsdpfn.compat.replaced_params import note_replacement
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
 from fsdpfn.layout.plan import is_byte_count
@@ -52,9 +53,9 @@ class UnshardHandle:
         st, self._state = self._state, None
         if st is None or st.unsharded is None or st.unsharded[1] is not None:
             return
-        handles, _, b = st.unsharded
+        handles, _, b, versions = st.unsharded
         full = dict(zip(b.fqns, b.finish(handles)))
-        st.unsharded = (handles, full, b)
+        st.unsharded = (handles, full, b, versions)
         for fqn, m in st.root.managed.items():
             if fqn in full:
                 value = full[fqn] if m.tp is None else m.tp.wrap(full[fqn])
@@ -106,7 +107,7 @@ class FSDPModule:
         if st.unsharded is None and any(u.name == st.name for u in ctx.plan.units):
             params = ctx.params()
             b = ctx.collective(ctx.plan.unit(st.name))
-            st.unsharded = (b.launch([params[f].detach() for f in b.fqns]), None, b)
+            st.unsharded = (b.launch([params[f].detach() for f in b.fqns]), None, b, shard_versions(ctx, b.fqns))
         handle = UnshardHandle(st if st.unsharded is not None else None)
         if async_op:
             return handle

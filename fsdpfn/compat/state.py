@@ -75,7 +75,7 @@ class UnitState:
     root: RootContext | None = None  # the root whose plan runs this state (set by lazy init)
     name: str = ""  # this state's unit name in the root's plan
     acc: dict[str, torch.Tensor] = field(default_factory=dict)  # unreduced grads while sync is off
-    unsharded: Any = None  # an explicit unshard(): (handles, full tensors or None)
+    unsharded: Any = None  # an explicit unshard(): (handles, full tensors or None, buckets, shard_versions)
 
     def top(self) -> UnitState:
         """The outermost state above this one (the root lazy init will pick)."""
