@@ -9,7 +9,6 @@ tensors of tensor-parallel ones, see ``tp.py``) and keeps its ``torch.chunk`` sl
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 

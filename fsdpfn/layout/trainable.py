@@ -67,8 +67,8 @@ def _set(tree: Sharded[T], which: Selection, value: bool, what: str) -> Sharded[
     plan = tree.plan
     chosen = select(plan, which, f"fsdpfn.{what}")
     flags = {f: value if f in chosen else plan.requires_grad[f] for f in plan.params}
-    for f in chosen:
-        if not (plan.dtypes[f].is_floating_point or plan.dtypes[f].is_complex) and value:
+    for f in chosen if value else ():
+        if not (plan.dtypes[f].is_floating_point or plan.dtypes[f].is_complex):
             raise ValueError(
                 f"fsdpfn.{what}: parameter {f!r} is {plan.dtypes[f]}; only floating-point and complex parameters "
                 "can take gradients"
