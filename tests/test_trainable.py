@@ -22,6 +22,7 @@ from fsdpfn.layout.trainable import with_requires_grad
 from fsdpfn.testing import spmd, torch_version
 
 MODULES = ["inp", "blocks.0", "blocks.1", "blocks.2", "head"]
+NAMES = [*MODULES, "blocks.1.0.bias", "head.weight"]  # a parameter alone: part of a unit frozen
 UNITS = ["blocks.0", "blocks.1", "blocks.2"]
 
 
@@ -42,8 +43,10 @@ class _Net(nn.Module):
 
 
 def _set_frozen(model: nn.Module, frozen: frozenset) -> None:
-    for name in MODULES:
-        model.get_submodule(name).requires_grad_(name not in frozen)
+    model.requires_grad_(True)
+    for name in frozen:
+        part = model.get_parameter(name) if name not in MODULES else model.get_submodule(name)
+        part.requires_grad_(False)
 
 
 def _batch(rank: int, step: int, seed: int) -> torch.Tensor:
@@ -97,7 +100,7 @@ def _run(case: dict, traced: bool = False) -> dict[str, float]:
     return {k: (got[k] - want[k]).abs().max().item() for k in want}
 
 
-_frozen_sets = st.frozensets(st.sampled_from(MODULES))
+_frozen_sets = st.frozensets(st.sampled_from(NAMES))
 
 
 @settings(max_examples=8, deadline=None)
@@ -109,9 +112,9 @@ _frozen_sets = st.frozensets(st.sampled_from(MODULES))
     width=st.integers(1, 6),
     seed=st.integers(0, 2**16),
 )
-@example(world=2, schedule=[frozenset({"inp", "blocks.0"}), frozenset({"inp"}), frozenset()], reshard=True, fuse=None, width=5, seed=0)
-@example(world=2, schedule=[frozenset(), frozenset({"blocks.1", "head"}), frozenset()], reshard=False, fuse="auto", width=5, seed=1)
-@example(world=3, schedule=[frozenset(MODULES), frozenset({"blocks.2"})], reshard=True, fuse=1 << 20, width=4, seed=2)
+@example(world=2, schedule=[{"inp", "blocks.0"}, {"inp"}, set()], reshard=True, fuse=None, width=5, seed=0)
+@example(world=2, schedule=[set(), {"blocks.1.0.bias", "head.weight"}], reshard=False, fuse="auto", width=5, seed=1)
+@example(world=3, schedule=[set(MODULES), {"blocks.2"}], reshard=True, fuse=1 << 20, width=4, seed=2)
 def test_freezing_and_unfreezing_between_steps_matches_one_process(world, schedule, reshard, fuse, width, seed):
     """A random schedule of frozen modules per step (the first as ``shard`` sees it): the functional
     layer with ``freeze``/``unfreeze`` and AdamW matches one process with ``requires_grad_`` and
@@ -127,14 +130,18 @@ def test_freezing_and_unfreezing_between_steps_matches_one_process(world, schedu
 )
 def test_compile_step_follows_freezing_between_steps():
     """Each new plan's first call runs eagerly, then traces: a frozen backbone, then all of it training."""
-    case = dict(schedule=[frozenset({"inp", "blocks.0"})] * 2 + [frozenset()] * 2, reshard=True, fuse="auto", width=5, seed=3)
+    schedule = [{"inp", "blocks.0"}] * 2 + [set()] * 2
+    case = dict(schedule=schedule, reshard=True, fuse="auto", width=5, seed=3)
     off = spmd(2, _run, case, True)[0]
     worst = max(off, key=off.get)
     assert off[worst] < 1e-5, f"traced {case}: {worst} off by {off[worst]:.3g} ({off})"
 
 
 def _plan_structure(plan):
-    return [(u.name, u.fqns, [(b.dtype, b.fqns) for b in u.gather], [(b.dtype, b.fqns) for b in u.reduce]) for u in plan.groups]
+    def buckets(layouts):
+        return [(b.dtype, b.fqns) for b in layouts]
+
+    return [(u.name, u.fqns, buckets(u.gather), buckets(u.reduce)) for u in plan.groups]
 
 
 @settings(max_examples=40, deadline=None)
