@@ -137,6 +137,7 @@ class FSDPModule:
             s.acc.clear()
         if st.root is not None:
             st.root.running = False
+            st.root.apply.leave_failed_backward()  # gathered values a backward that raised left registered
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, and also forget the gradients this module's parameters accumulated

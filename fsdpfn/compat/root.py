@@ -310,9 +310,12 @@ class RootContext:
             self._finish()
 
     def close_stale(self) -> None:
-        """Close the running call if its traced forward raised (its caller's frame is gone)."""
+        """Close the running call if its traced forward raised (its caller's frame is gone), and take out
+        the gathered values a backward that raised left registered (before, the next forward refused them
+        as parameters replaced by plain tensors, even after ``reset_iter_state()``)."""
         if self.opened is not None and self.apply.close_stale():
             self._finish()
+        self.apply.leave_failed_backward()
 
     def _finish(self) -> None:
         self.running = False

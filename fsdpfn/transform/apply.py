@@ -209,8 +209,7 @@ class Apply(UnitHooks):
             plan = params.plan
             self._validate(plan)
             self.close_stale()
-            if self._recompute.active and not in_backward():  # a backward that raised left its swaps in
-                self._recompute.leave_all()
+            self.leave_failed_backward()
             if any(o.call.plan is plan for o in self._forward):
                 raise RuntimeError(
                     f"apply: called inside another apply of the same parameters ({type(self.module).__name__}); "
@@ -297,6 +296,12 @@ class Apply(UnitHooks):
         for o in reversed(stale):
             self.close(o)
         return bool(stale)
+
+    def leave_failed_backward(self) -> None:
+        """Take out of the modules' slots the values a backward that raised left there (outside a
+        backward; a later call would otherwise find gathered copies where its parameters belong)."""
+        if self._recompute.active and not in_backward():
+            self._recompute.leave_all()
 
     # --- validation ---------------------------------------------------------------------------------
     def _validate(self, plan: ShardPlan) -> None:
