@@ -88,6 +88,15 @@ def _tie_changed(tied_before):
     fsdpfn.fsdp(model)(params, torch.ones(1, 3))
 
 
+def _shared_after_donation():
+    """A submodule shared by two models, the first sharded (donating its weights), then the second."""
+    first = _TwoLayer()
+    second = nn.Sequential()
+    second.blocks = first.blocks
+    fsdpfn.shard(first, fsdpfn.init_mesh())
+    return fsdpfn.shard(second, fsdpfn.init_mesh())
+
+
 def _donated():
     model = _TwoLayer()
     fsdpfn.shard(model, fsdpfn.init_mesh())
@@ -225,6 +234,7 @@ TRIGGERS = {
     "donated-state-dict": (lambda m, p, a: _donated().state_dict(), RuntimeError, r"state_dict: the parameters of _TwoLayer were donated to fsdpfn.shard: its state_dict would hold meta tensors, not the trained values. Save the Sharded tree instead: fsdpfn.save\(path, params\)"),
     "donated-load-state-dict": (lambda m, p, a: _donated().blocks[1].load_state_dict(nn.Linear(4, 2).state_dict()), RuntimeError, r"load_state_dict: the parameters of Linear were donated to fsdpfn.shard: values loaded into it would never reach the Sharded tree. Load into the tree: params = fsdpfn.load\(path, params\)"),
     "shard-donated": (lambda m, p, a: fsdpfn.shard(_donated(), fsdpfn.init_mesh()), ValueError, r"parameters were donated to an earlier shard\(\) call"),
+    "shard-donated-shared": (lambda m, p, a: _shared_after_donation(), ValueError, r"shard: parameter\(s\) 'blocks.0.weight', 'blocks.0.bias', 'blocks.1.weight', 'blocks.1.bias' of Sequential were donated to an earlier fsdpfn.shard of a _TwoLayer that shares them.*Shard one module holding both models"),
     "units-type": (lambda m, p, a: fsdpfn.shard(m, fsdpfn.init_mesh(), units=3, donate=False), TypeError, r"units must be a list of submodule names"),
     "meta-no-reset": (lambda m, p, a: fsdpfn.shard(_meta_module(), fsdpfn.init_mesh()), ValueError, r"has no reset_parameters\(\); pass init="),
     "sharded-pickle": (

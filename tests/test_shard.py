@@ -190,3 +190,36 @@ def test_shard_leaves_only_this_ranks_shards_resident(recipe, world, data):
         assert tree_bytes == local  # the tree holds its own shards, no view into a full tensor
     kept = spmd(world, _resident_worker, recipe, units, False)
     assert all(module_bytes == full for module_bytes, *_ in kept)  # donate=False: the weights stay
+
+
+def _shared_submodule(donate_first: bool) -> dict:
+    """Two models sharing an encoder, sharded one at a time."""
+    from fsdpfn.compat import fully_shard
+
+    torch.manual_seed(0)
+    encoder = nn.Linear(4, 4)
+    want = encoder.weight.detach().clone()
+    first = nn.Sequential(encoder, nn.Tanh(), nn.Linear(4, 2))
+    fsdpfn.shard(first, fsdpfn.init_mesh(), donate=donate_first)
+    out = {}
+    for kind in ("shard", "fully_shard"):
+        second = nn.Sequential(encoder, nn.ReLU(), nn.Linear(4, 3))
+        try:
+            if kind == "shard":
+                got = fsdpfn.full_state_dict(fsdpfn.shard(second, fsdpfn.init_mesh(), donate=False), rank0_only=False)
+            else:
+                got = {k: v.full_tensor() for k, v in fully_shard(second).state_dict().items()}
+            out[kind] = torch.equal(got["0.weight"], want)
+        except ValueError as e:
+            out[kind] = str(e)
+    return out
+
+
+def test_a_submodule_donated_by_an_earlier_shard_is_refused_not_initialised_anew():
+    """Before, the second model's ``shard`` took the donated ``meta`` placeholders for a module built on
+    ``meta`` and initialised the shared encoder anew, silently (``fully_shard`` kept them ``meta``)."""
+    for out in spmd(2, _shared_submodule, True):
+        for kind in ("shard", "fully_shard"):
+            assert f"{kind}: parameter(s) '0.weight', '0.bias' of Sequential were donated" in out[kind], out
+    for out in spmd(2, _shared_submodule, False):  # the first kept its weights: the second shards them
+        assert out == {"shard": True, "fully_shard": True}, out

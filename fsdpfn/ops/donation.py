@@ -22,9 +22,10 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn.ops.placeholder import Placeholder
 
-__all__ = ["donate_parameters", "guard", "was_donated"]
+__all__ = ["donate_parameters", "donated_by", "guard", "was_donated"]
 
 _DONATED = "_fsdpfn_donated"  # set on a module whose parameters shard() moved to meta
+_DONATED_BY = "_fsdpfn_donated_by"  # set on each meta parameter left in their place: the sharded module's type
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
 
 
@@ -39,6 +40,7 @@ def donate_parameters(module: nn.Module, params: Iterable[nn.Parameter]) -> None
             if p is not None and id(p) in ids:
                 if id(p) not in new:
                     new[id(p)] = nn.Parameter(_meta_like(p), requires_grad=p.requires_grad)
+                    setattr(new[id(p)], _DONATED_BY, type(module).__name__)
                 mod._parameters[attr] = new[id(p)]
     setattr(module, _DONATED, True)
 
@@ -98,6 +100,13 @@ def _meta_like(p: torch.Tensor) -> torch.Tensor:
         local = torch.empty_like(p._local_tensor, device="meta")
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
     return torch.empty_like(p, device="meta")
+
+
+def donated_by(param: torch.Tensor) -> str | None:
+    """The type name of the module whose ``shard`` donated the parameter ``param`` stands in for (``None``:
+    not a donated placeholder). A submodule shared by two models keeps the placeholder after the first
+    model is sharded: the second model's ``shard`` must not take it for a module built on ``meta``."""
+    return getattr(param, _DONATED_BY, None)
 
 
 def was_donated(module: nn.Module) -> bool:

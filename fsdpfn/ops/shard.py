@@ -13,7 +13,8 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from fsdpfn.core import Comm, link_of
 from fsdpfn.layout import ParamInfo, Sharded, build_plan, shard_tensor
-from fsdpfn.ops.donation import donate_parameters, guard, was_donated
+from fsdpfn.messages import listing
+from fsdpfn.ops.donation import donate_parameters, donated_by, guard, was_donated
 from fsdpfn.ops.extension import AllGatherTransform, extension_of, shard_mesh, subclass_transform
 from fsdpfn.ops.materialize import is_meta, materialize_and_shard
 from fsdpfn.ops.placement import PlacementFn, placement_dim
@@ -137,17 +138,30 @@ def _owner(names: Sequence[str], unit_names: Sequence[str]) -> str:
 
 def check_initialised(module: nn.Module, kind: str, *, then: str) -> None:
     """Refuse, by name, a parameter or buffer a lazy module has not made yet (``nn.LazyLinear`` before its
-    first forward: nothing to shard); ``kind`` names the caller, ``then`` what to do after a sample batch.
+    first forward: nothing to shard; ``kind`` names the caller, ``then`` what to do after a sample batch),
+    and parameters an earlier ``shard`` of another module donated (a submodule two models share: their
+    ``meta`` placeholders would pass for a module built on ``meta`` and be initialised anew, silently).
 
     Example:
         >>> check_initialised(nn.Linear(2, 2), "shard", then="shard it")    # passes: nothing lazy
     """
+    gone: list[tuple[str, str]] = []
     for fqn, t in [*module.named_parameters(), *module.named_buffers()]:
         if isinstance(t, UninitializedTensorMixin):
             raise ValueError(
                 f"{kind}: {fqn!r} of {type(module).__name__} is not initialised yet (a lazy module, such as "
                 f"nn.LazyLinear, makes it at its first forward): run the model once on a sample batch, then {then}"
             )
+        by = donated_by(t)
+        if by is not None:
+            gone.append((fqn, by))
+    if gone:
+        raise ValueError(
+            f"{kind}: parameter(s) {listing([f for f, _ in gone])} of {type(module).__name__} were donated to an "
+            f"earlier fsdpfn.shard of a {gone[0][1]} that shares them: their values live in that call's Sharded "
+            f"tree, and {kind} would initialise new weights in their place. Shard one module holding both models "
+            "(one Sharded tree), or pass donate=False to the earlier shard"
+        )
 
 
 def shard(
