@@ -1,6 +1,7 @@
 """Optimizers for ``Sharded`` parameters, optax-shaped and built on ``torch.optim``'s functional kernels.
 
-``sgd(...)`` and ``adamw(...)`` return a ``GradientTransformation(init, update)``:
+``sgd(...)`` and ``adamw(...)`` return a ``GradientTransformation(init, update)``; ``partition({label: opt},
+labels)`` gives each group of parameters its own (``torch.optim`` parameter groups):
 ``init(params) -> state`` and ``update(grads, state, params) -> (params, state)``. The state is a
 NamedTuple of ``Sharded`` trees plus an ``int`` update counter, so it is a pytree (save it, ``tree_map`` it: the
 counter is a non-tensor leaf).
@@ -19,6 +20,10 @@ Example:
 from fsdpfn.optim._common import DecayMask, GradientTransformation, LearningRate
 from fsdpfn.optim.adamw import AdamWState, adamw
 from fsdpfn.optim.clip import clip_grad_norm
+from fsdpfn.optim.partition import Labels, PartitionState, partition
 from fsdpfn.optim.sgd import SGDState, sgd
 
-__all__ = ["AdamWState", "DecayMask", "GradientTransformation", "LearningRate", "SGDState", "adamw", "clip_grad_norm", "sgd"]
+__all__ = [
+    "AdamWState", "DecayMask", "GradientTransformation", "Labels", "LearningRate", "PartitionState", "SGDState",
+    "adamw", "clip_grad_norm", "partition", "sgd",
+]
