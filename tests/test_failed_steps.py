@@ -4,7 +4,8 @@ A training loop that skips a bad batch (``except SomeError: optimizer.zero_grad(
 the model as it was before that step. A forward that raises closes its call; a backward that raises
 (a hook on an activation, a check inside a custom ``autograd.Function``) left the compat root's gathered
 parameters registered on the modules, and the next forward refused them as plain tensors replacing the
-sharded ones, even after ``reset_iter_state()``. Now the next call (or ``reset_iter_state()``) takes them
+sharded ones, even after ``reset_iter_state()``, and ``state_dict()`` after a last step that failed
+returned them as plain tensors. Now the next call, ``reset_iter_state()`` and the state-dict hooks take them
 out. torch 2.13's ``fully_shard`` trains on after a backward that raised, but silently off one process
 (0.05-0.11 after four SGD steps, with or without ``reset_iter_state()``).
 """
@@ -130,6 +131,7 @@ def _run(layer: str, case: dict) -> dict[str, float]:
 @example(world=2, layer="compat", fail=(1, 0, "backward"), reshard=False, reset=True, fuse=None, width=5, seed=0)
 @example(world=1, layer="compat", fail=(2, 1, "backward"), reshard=True, reset=True, fuse=None, width=3, seed=1)
 @example(world=2, layer="functional", fail=(1, 2, "backward"), reshard=False, reset=False, fuse="auto", width=5, seed=2)
+@example(world=1, layer="compat", fail=(3, 0, "backward"), reshard=False, reset=False, fuse=None, width=1, seed=0)
 def test_a_step_that_raised_leaves_training_as_if_it_was_skipped(world, layer, fail, reshard, reset, fuse, width, seed):
     """Both layers, a forward or a backward that raises at some step and block: the loop skips that step
     (compat: ``reset_iter_state()`` or not, then ``zero_grad``) and the final parameters match one process

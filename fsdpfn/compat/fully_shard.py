@@ -184,9 +184,9 @@ def _shard(
         kind=kind,
         ignored=frozenset(ignored),
     )
-    for mod in hooked.values():  # as FSDP2's: a state dict holds the sharded parameters, not an unshard()'s
-        mod.register_state_dict_pre_hook(functools.partial(discard_unshard, state))
-        mod.register_load_state_dict_pre_hook(functools.partial(discard_unshard, state))
+    for mod in hooked.values():  # as FSDP2's: a state dict holds the sharded parameters
+        mod.register_state_dict_pre_hook(functools.partial(_sharded_for_state_dict, state))
+        mod.register_load_state_dict_pre_hook(functools.partial(_sharded_for_state_dict, state))
     for st in inner:
         if st.parent is None:
             st.parent = state
@@ -200,6 +200,15 @@ def _shard(
             new_cls = _CLASSES.setdefault(key, made)  # rank-threads racing here all get the same class
         mod.__class__ = new_cls
     return module
+
+
+def _sharded_for_state_dict(state: UnitState, *_: Any) -> None:
+    """``state_dict``/``load_state_dict`` pre-hook, as FSDP2's: the modules hold their sharded ``DTensor``
+    parameters, not the full tensors of an explicit ``unshard()`` nor those a backward that raised left
+    registered (a run whose last step failed, then saved)."""
+    discard_unshard(state)
+    if state.root is not None:
+        state.root.apply.leave_failed_backward()
 
 
 def _refuse_plain_tensors(module: nn.Module, state_dict: Any, prefix: str, *_: Any) -> None:
