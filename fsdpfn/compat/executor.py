@@ -20,7 +20,7 @@ from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
-from fsdpfn.ops.functions import CallInfo
+from fsdpfn.ops.functions import CallInfo, add_by_name
 from fsdpfn.transform.apply import Apply
 from fsdpfn.transform.call import Call, _reduce_dtypes
 
@@ -57,9 +57,8 @@ class LocalShards(torch.autograd.Function):
         deferred.wait()  # the units' reduce-scatters, left in flight by their backward; then their results
         check_pass(ctx.comm)  # every rank reduced the same units (else they were mixed): before any use
         grads = tuple(deferred.add_to(f, g) for f, g in zip(ctx.fqns, grads))
-        extra = ctx.stranded()  # accumulated gradients of units this backward did not run (compat/stranded.py)
-        if extra:
-            grads = tuple(g if f not in extra else extra[f] if g is None else g + extra[f] for f, g in zip(ctx.fqns, grads))
+        # accumulated gradients of units this backward did not run (compat/stranded.py)
+        grads = add_by_name(ctx.fqns, grads, ctx.stranded())
         graph = torch.is_grad_enabled()  # create_graph: the DTensor gradients stay differentiable (a MAML step)
         return (None, None, None, None, None, *(None if g is None else _as_dtensor(g, s, graph) for g, s in zip(grads, ctx.specs)))
 

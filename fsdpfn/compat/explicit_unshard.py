@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fsdpfn.compat.state import UnitState, drop_unsharded
 from fsdpfn.core import tally
@@ -54,7 +54,7 @@ def stale_unshards(ctx: RootContext) -> set[str]:
     if not pending:
         return set()
     changed = [shard_versions(ctx, st.unsharded[2].fqns) != st.unsharded[3] for _, st in pending]
-    counts = tally(ctx.comm, changed) if ctx.comm is not None else [int(c) for c in changed]
+    counts = tally(ctx.plan.comm, changed)
     stale = {name for (name, _), n in zip(pending, counts) if n}
     for name, st in pending:
         if name in stale:
@@ -70,10 +70,9 @@ def stale_unshards(ctx: RootContext) -> set[str]:
     return stale
 
 
-def discard_unshard(state: UnitState, *_: Any) -> None:
+def discard_unshard(state: UnitState) -> None:
     """Drop ``state``'s explicit unshard, if any: its gather finished (every rank launched it, so it
-    completes everywhere; the result is not used) and the sharded parameters registered again. Also the
-    ``state_dict``/``load_state_dict`` pre-hook of the modules holding the unit's parameters."""
+    completes everywhere; the result is not used) and the sharded parameters registered again."""
     if state.unsharded is None:
         return
     handles, full, b, _ = state.unsharded

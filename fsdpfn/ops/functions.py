@@ -20,7 +20,7 @@ from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.grad_checks import UsedElsewhere, check_dense, second_order_error
 
-__all__ = ["CallInfo", "ReduceFunction", "UnshardFunction", "apply_buckets"]
+__all__ = ["CallInfo", "ReduceFunction", "UnshardFunction", "add_by_name", "apply_buckets"]
 
 @dataclass
 class CallInfo:
@@ -47,6 +47,21 @@ class CallInfo:
     # gradients to add (by FQN), taken when the backward runs: a reentrant checkpoint inside the unit left
     # them on its recompute's values, outside autograd's reach (see fsdpfn.transform.recompute)
     extra: Callable[[], dict[str, torch.Tensor]] | None = None
+
+
+def add_by_name(
+    fqns: Sequence[str], grads: Sequence[torch.Tensor | None], extra: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor | None, ...]:
+    """``grads`` (one per name of ``fqns``, ``None``: none) with ``extra[fqn]`` added where it has one: the
+    gradients a backward gets from outside autograd (a reentrant checkpoint's, stranded accumulations).
+
+    Example:
+        >>> add_by_name(["a", "b"], [None, torch.ones(1)], {"a": torch.ones(1), "b": torch.ones(1)})
+        (tensor([1.]), tensor([2.]))
+    """
+    if not extra:
+        return tuple(grads)
+    return tuple(g if f not in extra else extra[f] if g is None else g + extra[f] for f, g in zip(fqns, grads))
 
 
 _NO_INFO = CallInfo()  # never mutated: a call without extras
@@ -93,9 +108,7 @@ class _BucketCollective(torch.autograd.Function):
         if info.in_graph_backward and b.scale != 1.0 and b.comm.scaled_backward_task == torch._C._current_graph_task_id():
             raise second_order_error(b)
         if info.extra is not None:
-            extra = info.extra()
-            if extra:
-                grads = tuple(g if f not in extra else extra[f] if g is None else g + extra[f] for f, g in zip(b.fqns, grads))
+            grads = add_by_name(b.fqns, grads, info.extra())
         check_dense(b.fqns, grads)
         if info.sink is not None:  # deferred reduction: keep the full gradients, reduce later
             for f, g in zip(b.fqns, grads):
