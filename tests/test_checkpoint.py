@@ -202,6 +202,48 @@ def test_hsdp_save_loads_on_a_flat_mesh(tmp_path):
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
+# ---- pipeline stages: trees on sub-meshes checkpoint over their own ranks --------------------------
+def _stage_checkpoints(path, recipes, stages):
+    """Rank r is in stage r // (world // stages): each stage trains its own model over its dp ranks and
+    saves, loads and exports it on those ranks alone, the stages' keys alike and their paths apart."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = dist.get_world_size() // stages
+    mesh = init_device_mesh("cpu", (stages, dp), mesh_dim_names=("pp", "dp"))["dp"]
+    stage = dist.get_rank() // dp
+    recipe = recipes[stage]
+    units = recipe.unit_candidates()[:1]
+    params = fsdpfn.shard(recipe.build(), mesh, units=units, donate=False)
+    apply = fsdpfn.fsdp(recipe.build())
+    step = fsdpfn.value_and_grad(lambda p, x: apply(p, x).pow(2).mean(), check_finite=True)
+    _, grads = step(params, recipe.inputs(2, seed=dist.get_rank()))  # the reductions run over the stage too
+    grads, _ = fsdpfn.clip_grad_norm(grads, 1.0)
+    params = torch.utils._pytree.tree_map(lambda t: t * (stage + 2) + 1, params)
+    ck.save(f"{path}/stage{stage}", {"model": params, "stage": stage})
+    like = fsdpfn.shard(recipe.build(), mesh, units=units)
+    got = ck.load(f"{path}/stage{stage}", {"model": like, "stage": -1})
+    full = ck.full_state_dict(params)  # the stage's first rank keeps it
+    back = ck.load_full_state_dict(like, full or None)
+    same = all(torch.equal(got["model"][k], params[k]) and torch.equal(back[k], params[k]) for k in params.keys())
+    return stage, got["stage"], same, full
+
+
+@settings(max_examples=3, deadline=None)
+@given(recipes=st.lists(fst.model_recipes(), min_size=4, max_size=4), stages=st.sampled_from([2, 4]))
+def test_pipeline_stages_checkpoint_on_their_own_ranks(tmp_path_factory, recipes, stages):
+    path = str(tmp_path_factory.mktemp("stages"))
+    out = spmd(4, _stage_checkpoints, path, recipes, stages)
+    dp = 4 // stages
+    for rank, (stage, saved_stage, same, full) in enumerate(out):
+        assert stage == saved_stage == rank // dp and same, rank
+        if rank % dp:
+            assert full == {}
+        else:
+            want = {k: v * (stage + 2) + 1 for k, v in recipes[stage].build().state_dict().items()}
+            assert full.keys() == want.keys() and all(torch.equal(full[k], want[k]) for k in want), rank
+
+
 # ---- atomic writes ---------------------------------------------------------------------------------
 def _leftovers(path):
     parent, name = os.path.split(path)

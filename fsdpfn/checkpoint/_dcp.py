@@ -45,16 +45,17 @@ def _save_planner() -> Any:
     return dcp.DefaultSavePlanner()  # pragma: no cover - older torch
 
 
-def dcp_save(state: dict[str, Any], directory: str | os.PathLike[str]) -> None:
-    """``dcp.save`` of a flat state dict into ``directory`` (collective over the default group)."""
+def dcp_save(state: dict[str, Any], directory: str | os.PathLike[str], group: Any = None) -> None:
+    """``dcp.save`` of a flat state dict into ``directory``: collective over ``group`` (the ranks holding
+    the saved trees, ``fsdpfn.checkpoint._sync.dcp_group``; ``None``: the default group)."""
     with _dcp_errors("save"):
         writer = dcp.FileSystemWriter(directory)
-        dcp.save(state, storage_writer=writer, planner=_save_planner(), no_dist=not dist_ready())
+        dcp.save(state, storage_writer=writer, planner=_save_planner(), process_group=group, no_dist=not dist_ready())
 
 
-def dcp_load(state: dict[str, Any], directory: str | os.PathLike[str], metadata: Any = None) -> None:
-    """``dcp.load`` into a flat state dict, reading metadata with the allow-list unpickler (or using
-    ``metadata``, already read that way) and refusing pickled entries."""
+def dcp_load(state: dict[str, Any], directory: str | os.PathLike[str], metadata: Any = None, group: Any = None) -> None:
+    """``dcp.load`` into a flat state dict over ``group`` (as ``dcp_save``), reading metadata with the
+    allow-list unpickler (or using ``metadata``, already read that way) and refusing pickled entries."""
     with _dcp_errors("load"):
         reader = SafeFileSystemReader(directory, metadata)
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not dist_ready())
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group, no_dist=not dist_ready())

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from fsdpfn.checkpoint.errors import CheckpointError, CheckpointMismatchError, UnsafeCheckpointError
-from fsdpfn.core import Comm
+from fsdpfn.core import Comm, span_mesh
 from fsdpfn.core.guard import INTERNAL
 
-__all__ = ["broadcast_tensors", "comm_for", "dist_ready", "is_root", "root_run"]
+__all__ = ["broadcast_tensors", "comm_for", "dcp_group", "dist_ready", "is_root", "root_run"]
 
 _ALIGN = 16  # byte alignment of each tensor inside a packed broadcast buffer
 
@@ -36,22 +36,23 @@ def dist_ready() -> bool:
 
 
 def comm_for(plans: Sequence[Any]) -> Comm | None:
-    """The ``Comm`` of the first of ``plans`` (``ShardPlan``s); without one, a ``Comm`` over every rank of
-    the default process group (``None`` when there is no process group: a single process). A plan over
-    tensor-parallel parameters communicates over one data-parallel group per TP rank; the checkpoint's
-    file-system steps must agree over every rank, so it gets the whole world's ``Comm`` too (made once
-    per plan)."""
-    for plan in plans:
-        if plan.comm is not None and not getattr(plan, "tp", None):
-            return plan.comm
-    for plan in plans:
-        if plan.comm is not None:
-            world = plan.memo.get(("checkpoint.world_comm",))
-            if world is None:
-                from fsdpfn.core import init_mesh
-
-                world = plan.memo[("checkpoint.world_comm",)] = Comm(init_mesh(device=plan.comm.groups.device.type))
-            return world
+    """The ``Comm`` a checkpoint of ``plans`` (``ShardPlan``s) coordinates over: 1-D, over every rank
+    that holds a part of them (each plan's mesh and, for tensor-parallel parameters, their dp + tp mesh)
+    and no other, so that pipeline stages sharded over sub-meshes of one world checkpoint independently
+    (``fsdpfn.core.span_mesh``; made once per span, kept on the first plan). Without plans: every rank of
+    the default process group (``None`` when there is none, or a world of one: a single process)."""
+    plans = [plan for plan in plans if plan.comm is not None]
+    if plans:
+        meshes = [plan.comm.mesh for plan in plans]
+        meshes += [layout.mesh for plan in plans for layout in (getattr(plan, "tp", None) or {}).values()]
+        ranks = tuple(sorted({int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()}))
+        key = ("checkpoint.span", ranks)
+        comm = plans[0].memo.get(key)
+        if comm is None:
+            span = span_mesh(meshes)
+            own = next((plan.comm for plan in plans if plan.comm.mesh is span), None)
+            comm = plans[0].memo[key] = own if own is not None else Comm(span)
+        return comm
     from torch.distributed import get_world_size
 
     if not dist_ready() or get_world_size() == 1:
@@ -59,6 +60,12 @@ def comm_for(plans: Sequence[Any]) -> Comm | None:
     from fsdpfn.core import init_mesh
 
     return Comm(init_mesh())
+
+
+def dcp_group(comm: Comm | None) -> Any:
+    """The process group ``torch.distributed.checkpoint`` runs over for ``comm`` (from ``comm_for``):
+    its ranks only (``None``: the default group, or no group at all)."""
+    return None if comm is None else comm.groups.shard_group
 
 
 def _device(comm: Comm) -> torch.device:

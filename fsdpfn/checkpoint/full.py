@@ -63,7 +63,8 @@ def full_state_dict(
     Collective: call it on every rank. Streams one unit at a time: gather the unit (no autograd), copy
     its full tensors out (to the CPU when ``cpu``), drop the gathered buffer, go on — the extra memory
     on the device is one unit, never the model. With ``rank0_only`` (the default) only rank 0 keeps the
-    copies and the other ranks return ``{}``. Values are exact: under a mixed-precision policy the
+    copies and the other ranks return ``{}`` (rank 0 of the tree's mesh: a pipeline stage's first rank when
+    the tree lives on a sub-mesh). Values are exact: under a mixed-precision policy the
     parameters are still gathered in their own dtype.
 
     Example:
@@ -72,7 +73,7 @@ def full_state_dict(
         ...     model.load_state_dict(sd); torch.save(sd, "model.pt")
     """
     plan = _check(params, "full_state_dict")
-    keep = not rank0_only or is_root(comm_for([plan]))  # with TP: the world's first rank, not each dp group's
+    keep = not rank0_only or is_root(comm_for([plan]))  # with TP: the dp x tp ranks' first, not each dp group's
     aliases = plan.tied
     got: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -162,7 +163,7 @@ def load_full_state_dict(
         >>> params = fsdpfn.checkpoint.load_full_state_dict(params, sd)    # doctest: +SKIP
     """
     plan = _check(like, "load_full_state_dict")
-    comm = comm_for([plan]) if rank0_only else None  # with TP: broadcast from the world's first rank
+    comm = comm_for([plan]) if rank0_only else None  # with TP: from the dp x tp ranks' first
     local = not rank0_only or is_root(comm)
 
     def check() -> None:

@@ -17,7 +17,7 @@ import torch.utils._pytree as tp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from fsdpfn.checkpoint._dcp import dcp_load, dcp_save
-from fsdpfn.checkpoint._sync import comm_for
+from fsdpfn.checkpoint._sync import comm_for, dcp_group
 from fsdpfn.checkpoint.atomic import verify, write_atomically
 from fsdpfn.checkpoint.dtensor import global_shape, leaf_kind, param_dtensor, zero_d_values
 from fsdpfn.checkpoint.errors import CheckpointMismatchError
@@ -108,11 +108,12 @@ def _flatten(tree: Any, what: str) -> tuple[list[Any], Any, list[_Leaf], set[str
 def save(path: str | os.PathLike[str], tree: Any) -> None:
     """Save ``tree`` to the directory ``path`` in ``torch.distributed.checkpoint`` format, atomically.
 
-    Collective: call it on every rank. ``tree`` is any pytree (dicts, lists, tuples, named tuples ...)
-    whose leaves are tensors, ``fsdpfn.Sharded`` trees (parameters, gradients, optimizer state) and
-    ``int``/``float``/``bool``/``str`` scalars (``None`` is kept by the structure). Parameter shards are
-    written as DTensor chunks (``Shard(0)``), so the checkpoint loads at any world size and into FSDP2
-    models; tied parameters are written under every name, as ``module.state_dict()`` does.
+    Collective: call it on every rank of ``tree``'s mesh (only those: docs/checkpoints.md). ``tree`` is
+    any pytree (dicts, lists, tuples, named tuples ...) whose leaves are tensors, ``fsdpfn.Sharded`` trees
+    (parameters, gradients, optimizer state) and ``int``/``float``/``bool``/``str`` scalars (``None`` is
+    kept by the structure). Parameter shards are written as DTensor chunks (``Shard(0)``), so the
+    checkpoint loads at any world size and into FSDP2 models; tied parameters are written under every
+    name, as ``module.state_dict()`` does.
 
     Plain tensors (and a ``Sharded``'s replicated leaves, like buffers or Adam's step counters) are
     taken as replicated: rank 0's value is written. Values that differ per rank (e.g. each rank's
@@ -160,7 +161,7 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
         for name in leaf.names:
             state[name] = value
 
-    write_atomically(os.fspath(path), comm, lambda tmp: dcp_save(state, tmp), scalars)
+    write_atomically(os.fspath(path), comm, lambda tmp: dcp_save(state, tmp, dcp_group(comm)), scalars)
 
 
 def _match(leaves: list[_Leaf], md: Any, scalars: dict[str, Any], scope: set[str] | None, strict: bool) -> list[str]:
@@ -209,8 +210,8 @@ def _match(leaves: list[_Leaf], md: Any, scalars: dict[str, Any], scope: set[str
 def load(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -> Any:
     """Load the checkpoint at ``path`` into a tree shaped like ``like`` (which is not modified).
 
-    Collective: call it on every rank. ``like`` gives the structure, the target world size and plan
-    (its ``Sharded`` trees, built with ``fsdpfn.shard`` at *this* run's world size), dtypes and devices;
+    Collective: call it on every rank of ``like``'s mesh. ``like`` gives the structure, the target world
+    size and plan (its ``Sharded`` trees, built with ``fsdpfn.shard`` at *this* run's world size), dtypes and devices;
     its values are not used. DCP reshards by chunk metadata, so a checkpoint written at any world size
     (or by FSDP2 with ``dcp.save({"model": model.state_dict()})``) loads. ``like``'s top-level entries
     select what is read; within them, names and global shapes must match: every missing key, unexpected
@@ -265,7 +266,8 @@ def load(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -> Any
         else:
             state[leaf.src] = result[id(leaf)] = torch.empty_like(v, memory_format=torch.contiguous_format)
     if state:
-        dcp_load(state, path, md)
+        plans = {id(leaf.plan): leaf.plan for leaf in leaves if leaf.plan is not None}
+        dcp_load(state, path, md, dcp_group(comm_for(list(plans.values()))))
     for leaf in leaves:
         if leaf.kind == "zero_d" and leaf.src is not None:
             full = result[id(leaf)].reshape(1)

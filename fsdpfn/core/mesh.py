@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["MeshGroups", "default_mesh", "init_mesh", "mesh_groups"]
+__all__ = ["MeshGroups", "default_mesh", "init_mesh", "mesh_groups", "span_mesh"]
 
 
 def _default_device_type() -> str:
@@ -96,6 +96,34 @@ def init_mesh(
     if len(names) != len(shape):
         raise ValueError(f"init_mesh: {len(names)} names {names} for a {len(shape)}-D shape {shape}")
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def span_mesh(meshes: Sequence[DeviceMesh]) -> DeviceMesh:
+    """A 1-D mesh over every rank of ``meshes``: the ranks that must all take part in a step that
+    concerns the whole of what lives on them (a checkpoint of a tree sharded over a data-parallel mesh
+    and, with tensor parallelism, its TP mesh too).
+
+    A 1-D mesh that already holds every one of those ranks is returned as it is; ranks that make up the
+    whole world get the default group's mesh. Otherwise (a sub-mesh: one pipeline stage's data-parallel
+    ranks, or HSDP's two dims) a group of those ranks alone is made, by them alone (``new_group`` with
+    local synchronisation), so ranks outside it (other pipeline stages) need not join. Collective over
+    those ranks: each calls it at the same point.
+
+    Example:
+        >>> stage = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]  # doctest: +SKIP
+        >>> span_mesh([stage])                   # the stage's own dp mesh          # doctest: +SKIP
+    """
+    if not meshes:
+        raise ValueError("span_mesh: no mesh given")
+    ranks = sorted({int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()})
+    for mesh in meshes:
+        if mesh.ndim == 1 and sorted(int(r) for r in mesh.mesh.tolist()) == ranks:
+            return mesh
+    device_type = meshes[0].device_type
+    if len(ranks) == dist.get_world_size():
+        return init_device_mesh(device_type, (len(ranks),))
+    group = dist.new_group(ranks, use_local_synchronization=True)
+    return DeviceMesh.from_group(group, device_type)
 
 
 @dataclass(frozen=True)
