@@ -116,6 +116,15 @@ def check_modules(module: Any, kind: str) -> list[nn.Module]:
                 f"apply {kind} to each module in it (or pass them as a list to group them in one unit)",
             )
         )
+    if isinstance(module, (nn.ParameterList, nn.ParameterDict)) and type(module).forward is nn.Module.forward:
+        # FSDP2 accepts these and fails at the first forward (its hooks never run: nothing gathers them)
+        raise ValueError(
+            _say(
+                f"{kind} does not support containers that do not implement forward: {module}",
+                f"an nn.{type(module).__name__} is never called, so its parameters would never be gathered: apply "
+                f"{kind} to the module whose forward uses them (their parent), or leave them to its unit",
+            )
+        )
     return modules
 
 

@@ -91,7 +91,38 @@ def resolve_units(module: nn.Module, units: Units) -> list[str]:
         if name:
             chosen.append(name)
     order = {fqn: i for i, fqn in enumerate(named)}
-    return sorted(chosen, key=order.__getitem__)  # each name once: a repeat raised above
+    chosen = sorted(chosen, key=order.__getitem__)  # each name once: a repeat raised above
+    _refuse_containers(module, chosen)
+    return chosen
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def _refuse_containers(module: nn.Module, chosen: Sequence[str]) -> None:
+    """A unit is gathered by its module's forward; a container without one (``nn.ModuleList``,
+    ``nn.ParameterList`` ...) is never called, so the parameters it would hold could never be gathered
+    (the first call would fail). Refused here, by name, unless nested units take every parameter in it
+    (an empty unit: harmless)."""
+    for name in chosen:
+        sub = module.get_submodule(name)
+        if not isinstance(sub, _CONTAINERS) or type(sub).forward is not nn.Module.forward:
+            continue
+        inner = [u for u in chosen if u.startswith(name + ".")]
+        held = [f"{name}.{k}" for k, _ in sub.named_parameters(remove_duplicate=False)]
+        held = [f for f in held if not any(f.startswith(u + ".") for u in inner)]
+        if held:
+            kind = type(sub).__name__
+            if isinstance(sub, (nn.ModuleList, nn.ModuleDict)):
+                each = ", ".join(repr(f"{name}.{k}") for k in list(sub._modules)[:2])
+                what = f"make each module in it a unit ({each}, ...; or pass their type) or name their parent"
+            else:
+                what = "name the module whose forward uses them (their parent), or leave them to the root"
+
+            raise ValueError(
+                f"units: {name!r} is an nn.{kind}, a container without a forward of its own: it is never called, so "
+                f"its parameters ({held[0]!r}{' ...' if len(held) > 1 else ''}) would never be gathered; {what}"
+            )
 
 
 def ignored_ids(ignored_params: Iterable[Any] | None, where: str) -> set[int]:
