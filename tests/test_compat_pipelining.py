@@ -107,7 +107,9 @@ def _one_process(widths, microbatches, world, seed, steps=2):
     world=st.sampled_from([2, 4]),
     seed=st.integers(0, 3),
 )
-def test_compat_stages_under_pipelining_schedules_equal_one_process(schedule, width, microbatches, reshard, world, seed):
+def test_compat_stages_under_pipelining_schedules_equal_one_process(
+    schedule, width, microbatches, reshard, world, seed
+):
     widths = width[: 2 * SCHEDULES[schedule] + 1]
     want = _one_process(widths, microbatches, world, seed)
     for rank, got in enumerate(spmd(world, _pipeline, schedule, widths, microbatches, reshard, seed)):

@@ -211,8 +211,8 @@ def load(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -> Any
     """Load the checkpoint at ``path`` into a tree shaped like ``like`` (which is not modified).
 
     Collective: call it on every rank of ``like``'s mesh. ``like`` gives the structure, the target world
-    size and plan (its ``Sharded`` trees, built with ``fsdpfn.shard`` at *this* run's world size), dtypes and devices;
-    its values are not used. DCP reshards by chunk metadata, so a checkpoint written at any world size
+    size and plan (its ``Sharded`` trees, built with ``fsdpfn.shard`` at *this* run's world size), dtypes
+    and devices; its values are not used. DCP reshards by chunk metadata, so a checkpoint written at any world size
     (or by FSDP2 with ``dcp.save({"model": model.state_dict()})``) loads. ``like``'s top-level entries
     select what is read; within them, names and global shapes must match: every missing key, unexpected
     key and shape difference is reported in ONE ``CheckpointMismatchError`` before anything is read.
