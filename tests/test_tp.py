@@ -244,6 +244,50 @@ def test_sequence_parallel_matches_fsdp2_tp_and_the_unsharded_model():
     spmd(4, _w_train, (2, 2), (4, 5, 6, 3, 2), SP, False, timeout=TIMEOUT)
 
 
+def _w_non_finite(widths, plan_name, leaf, bad_rank, value):
+    """value_and_grad(check_finite=True)'s check over a dp 2 x tp 2 tree, one rank's gradient poisoned."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdpfn
+    from fsdpfn.transform.grad import check_grads_finite
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    params = fsdpfn.shard(_parallelize(Net(widths), mesh["tp"], plan_name), mesh["dp"], units=["l1", "l2"])
+    grads = torch.utils._pytree.tree_map(torch.zeros_like, params)
+    name = params.plan.params[leaf % len(params.plan.params)]
+    poisoned = dist.get_rank() == bad_rank and grads[name].numel() > 0
+    if poisoned:
+        grads[name].view(-1)[-1] = value
+    try:
+        check_grads_finite(grads, params.plan)
+    except FloatingPointError as e:
+        return name, poisoned, str(e)
+    return name, poisoned, None
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    widths=st.tuples(_edge, _hidden, _hidden, _hidden, _edge),
+    plan=st.sampled_from(sorted(PLANS)),
+    leaf=st.integers(0, 7),
+    bad_rank=st.integers(0, 3),
+    value=st.sampled_from([float("nan"), float("inf"), -float("inf")]),
+)
+def test_non_finite_gradient_on_one_tp_rank_is_caught_on_every_rank(widths, plan, leaf, bad_rank, value):
+    # each dp group holds other TP slices: a check over the dp group alone raised on that rank's tp slice only.
+    # Without TP parameters the dp groups ({0, 2}, {1, 3}) train apart (as pipeline stages): only the bad one raises
+    out = spmd(4, _w_non_finite, widths, plan, leaf, bad_rank, value, timeout=TIMEOUT)
+    name = out[0][0]
+    poisoned = any(p for _, p, _ in out)
+    for rank, (_, _, message) in enumerate(out):
+        if poisoned and (PLANS[plan] or rank % 2 == bad_rank % 2):
+            assert message is not None and message.endswith(f"non-finite gradient in {name!r} on rank {bad_rank}"), (rank, message)
+        else:
+            assert message is None, (rank, message)
+
+
 # ---- checkpoints: save / load round trip, and reload at another dp size ----------------------------------
 CKPT_WIDTHS = (3, 4, 6, 2, 5)
 

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from fsdpfn.checkpoint.errors import CheckpointError, CheckpointMismatchError, UnsafeCheckpointError
-from fsdpfn.core import Comm, span_mesh
+from fsdpfn.core import Comm
 from fsdpfn.core.guard import INTERNAL
+from fsdpfn.ops.span import span_comm
 
 __all__ = ["broadcast_tensors", "comm_for", "dcp_group", "dist_ready", "is_root", "root_run"]
 
@@ -39,20 +40,11 @@ def comm_for(plans: Sequence[Any]) -> Comm | None:
     """The ``Comm`` a checkpoint of ``plans`` (``ShardPlan``s) coordinates over: 1-D, over every rank
     that holds a part of them (each plan's mesh and, for tensor-parallel parameters, their dp + tp mesh)
     and no other, so that pipeline stages sharded over sub-meshes of one world checkpoint independently
-    (``fsdpfn.core.span_mesh``; made once per span, kept on the first plan). Without plans: every rank of
-    the default process group (``None`` when there is none, or a world of one: a single process)."""
+    (``fsdpfn.ops.span.span_comm``). Without plans: every rank of the default process group (``None``
+    when there is none, or a world of one: a single process)."""
     plans = [plan for plan in plans if plan.comm is not None]
     if plans:
-        meshes = [plan.comm.mesh for plan in plans]
-        meshes += [layout.mesh for plan in plans for layout in (getattr(plan, "tp", None) or {}).values()]
-        ranks = tuple(sorted({int(r) for mesh in meshes for r in mesh.mesh.flatten().tolist()}))
-        key = ("checkpoint.span", ranks)
-        comm = plans[0].memo.get(key)
-        if comm is None:
-            span = span_mesh(meshes)
-            own = next((plan.comm for plan in plans if plan.comm.mesh is span), None)
-            comm = plans[0].memo[key] = own if own is not None else Comm(span)
-        return comm
+        return span_comm(plans)
     from torch.distributed import get_world_size
 
     if not dist_ready() or get_world_size() == 1:

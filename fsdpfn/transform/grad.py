@@ -17,6 +17,7 @@ from fsdpfn.layout import Sharded, Unreduced
 from fsdpfn.messages import listing
 from fsdpfn.ops.api import check_shards, is_positive_number, reduce_scale
 from fsdpfn.ops.deferred import DeferredReductions
+from fsdpfn.ops.span import span_comm
 from fsdpfn.transform.call import GradMode
 from fsdpfn.transform.reentrant import has_reentrant_checkpoint, reentrant_error
 
@@ -223,19 +224,29 @@ def grad(
 
 
 def check_grads_finite(grads: Any, plan: Any) -> None:
-    """Raise on every rank if any rank has a non-finite gradient, naming the leaves and ranks."""
+    """Raise on every rank if any rank has a non-finite gradient, naming the leaves and (global) ranks.
+    With tensor parallelism every dp x tp rank takes part: each holds other slices."""
     names = [k for k in plan.params if plan.requires_grad[k]]
-    world = plan.world * plan.replicas
-    flags = torch.zeros(len(names), world, dtype=torch.float64)
-    me = torch.distributed.get_rank(plan.comm.groups.shard_group) if world > 1 else 0
-    me = me + plan.world * (torch.distributed.get_rank(plan.comm.groups.replicate_group) if plan.replicas > 1 else 0)
+    flags, me, comm = _rank_flags(plan, len(names))
     for i, k in enumerate(names):
         g = grads[k]
         if g is not None and not bool(torch.isfinite(g).all()):
             flags[i, me] = 1.0
-    if world > 1:
-        plan.comm.all_reduce_sum(flags, label="check_finite").wait()
-    bad = [(names[i], r) for i, r in flags.nonzero().tolist()]
+    if flags.shape[1] > 1:
+        comm.all_reduce_sum(flags, label="check_finite").wait()
+    ranks = comm.mesh.mesh.flatten().tolist() if comm is not None else [0]
+    bad = [(names[i], ranks[r]) for i, r in flags.nonzero().tolist()]
     if bad:
         where = ", ".join(f"{leaf!r} on rank {r}" for leaf, r in bad)
         raise FloatingPointError(f"value_and_grad(check_finite=True): non-finite gradient in {where}")
+
+
+def _rank_flags(plan: Any, rows: int) -> tuple[torch.Tensor, int, Any]:
+    """Zero flags ``(rows, ranks)`` over the ranks holding the tree, this rank's column, and the ``Comm``
+    that sums them (column ``c`` is global rank ``comm.mesh.mesh.flatten()[c]``)."""
+    comm = span_comm([plan]) if plan.tp else plan.comm
+    if comm is None:
+        return torch.zeros(rows, 1, dtype=torch.float64), 0, None
+    groups = comm.groups
+    me = groups.rank + groups.world * (torch.distributed.get_rank(groups.replicate_group) if groups.replicas > 1 else 0)
+    return torch.zeros(rows, groups.world * groups.replicas, dtype=torch.float64), me, comm
