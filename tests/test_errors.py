@@ -301,6 +301,10 @@ TRIGGERS = {
     "optim-other-plan": (lambda m, p, a: fsdpfn.optim.sgd(lr=0.1).update(_grads(m, fsdpfn.shard(m, fsdpfn.init_mesh(), donate=False), a), fsdpfn.optim.sgd(lr=0.1).init(p), p), ValueError, r"grads were built for another plan"),
     "optim-hyper": (lambda m, p, a: fsdpfn.optim.sgd(lr=0.1, nesterov=True), ValueError, r"nesterov=True requires momentum > 0"),
     "clip-not-sharded": (lambda m, p, a: fsdpfn.clip_grad_norm({}, 1.0), TypeError, r"grads must be a fsdpfn.Sharded"),
+    "loss-scale-args": (lambda m, p, a: fsdpfn.optim.loss_scale(backoff_factor=1.5), ValueError, r"loss_scale: invalid backoff_factor=1.5; it must be in \(0, 1\)"),
+    "loss-scale-interval": (lambda m, p, a: fsdpfn.optim.loss_scale(growth_interval=0), ValueError, r"loss_scale: invalid growth_interval=0; it must be an int >= 1"),
+    "loss-scale-grads": (lambda m, p, a: fsdpfn.optim.loss_scale().unscale(dict(p.items()), fsdpfn.optim.loss_scale().init()), TypeError, r"loss_scale.unscale: grads must be the fsdpfn.Sharded gradients value_and_grad returns, got dict"),
+    "loss-scale-state": (lambda m, p, a: fsdpfn.optim.loss_scale().scale(torch.ones(()), 1024.0), TypeError, r"loss_scale: state must be the LossScaleState init\(\) made, got float"),
     "clip-max-norm": (lambda m, p, a: fsdpfn.clip_grad_norm(p, -1.0), ValueError, r"max_norm=-1.0 must be >= 0"),
 }
 

@@ -245,7 +245,8 @@ def test_sequence_parallel_matches_fsdp2_tp_and_the_unsharded_model():
 
 
 def _w_non_finite(widths, plan_name, leaf, bad_rank, value):
-    """value_and_grad(check_finite=True)'s check over a dp 2 x tp 2 tree, one rank's gradient poisoned."""
+    """value_and_grad(check_finite=True)'s check and loss_scale's over a dp 2 x tp 2 tree, one rank's gradient
+    poisoned."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -260,11 +261,13 @@ def _w_non_finite(widths, plan_name, leaf, bad_rank, value):
     poisoned = dist.get_rank() == bad_rank and grads[name].numel() > 0
     if poisoned:
         grads[name].view(-1)[-1] = value
+    ls = fsdpfn.optim.loss_scale()
+    _, finite, _ = ls.unscale(torch.utils._pytree.tree_map(torch.clone, grads), ls.init())  # the same decision
     try:
         check_grads_finite(grads, params.plan)
     except FloatingPointError as e:
-        return name, poisoned, str(e)
-    return name, poisoned, None
+        return name, poisoned, str(e), finite
+    return name, poisoned, None, finite
 
 
 @settings(max_examples=4, deadline=None)
@@ -275,17 +278,18 @@ def _w_non_finite(widths, plan_name, leaf, bad_rank, value):
     bad_rank=st.integers(0, 3),
     value=st.sampled_from([float("nan"), float("inf"), -float("inf")]),
 )
-def test_non_finite_gradient_on_one_tp_rank_is_caught_on_every_rank(widths, plan, leaf, bad_rank, value):
+def test_non_finite_gradient_on_one_tp_rank_is_seen_by_every_rank(widths, plan, leaf, bad_rank, value):
     # each dp group holds other TP slices: a check over the dp group alone raised on that rank's tp slice only.
     # Without TP parameters the dp groups ({0, 2}, {1, 3}) train apart (as pipeline stages): only the bad one raises
     out = spmd(4, _w_non_finite, widths, plan, leaf, bad_rank, value, timeout=TIMEOUT)
     name = out[0][0]
-    poisoned = any(p for _, p, _ in out)
-    for rank, (_, _, message) in enumerate(out):
+    poisoned = any(p for _, p, _, _ in out)
+    for rank, (_, _, message, finite) in enumerate(out):
         if poisoned and (PLANS[plan] or rank % 2 == bad_rank % 2):
             assert message is not None and message.endswith(f"non-finite gradient in {name!r} on rank {bad_rank}"), (rank, message)
+            assert not finite, rank  # fsdpfn.optim.loss_scale skips the step there too
         else:
-            assert message is None, (rank, message)
+            assert message is None and finite, (rank, message)
 
 
 # ---- checkpoints: save / load round trip, and reload at another dp size ----------------------------------

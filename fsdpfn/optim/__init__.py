@@ -6,7 +6,8 @@ labels)`` gives each group of parameters its own (``torch.optim`` parameter grou
 NamedTuple of ``Sharded`` trees plus an ``int`` update counter, so it is a pytree (save it, ``tree_map`` it: the
 counter is a non-tensor leaf).
 Updates are local to each rank's shards and in place by default. ``clip_grad_norm(grads, max_norm)``
-clips by the global norm over every rank (one all-reduce).
+clips by the global norm over every rank (one all-reduce). ``loss_scale()`` is float16's dynamic loss
+scaling (``torch.amp.GradScaler``'s rule): scale the loss, unscale the gradients, skip non-finite steps.
 
 Example:
     >>> import fsdpfn.optim as optim                                      # doctest: +SKIP
@@ -20,10 +21,11 @@ Example:
 from fsdpfn.optim._common import DecayMask, GradientTransformation, LearningRate
 from fsdpfn.optim.adamw import AdamWState, adamw
 from fsdpfn.optim.clip import clip_grad_norm
+from fsdpfn.optim.loss_scale import LossScale, LossScaleState, loss_scale
 from fsdpfn.optim.partition import Labels, PartitionState, partition
 from fsdpfn.optim.sgd import SGDState, sgd
 
 __all__ = [
-    "AdamWState", "DecayMask", "GradientTransformation", "Labels", "LearningRate", "PartitionState", "SGDState",
-    "adamw", "clip_grad_norm", "partition", "sgd",
+    "AdamWState", "DecayMask", "GradientTransformation", "Labels", "LearningRate", "LossScale", "LossScaleState",
+    "PartitionState", "SGDState", "adamw", "clip_grad_norm", "loss_scale", "partition", "sgd",
 ]
