@@ -86,12 +86,12 @@ def test_matches_grad_scaler_and_skips_the_same_steps_on_every_rank(
             torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
 
 
-def _one_rank_overflows(bad_rank):
+def _one_rank_overflows(bad_rank, mesh_shape):
     """Only ``bad_rank``'s shard of the gradients is non-finite: every rank must skip."""
     import torch.distributed as dist
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0"])
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(mesh_shape), units=["0"])
     grads = torch.utils._pytree.tree_map(torch.ones_like, params)
     if dist.get_rank() == bad_rank:
         grads["0.weight"][0, 0] = float("inf")
@@ -100,8 +100,11 @@ def _one_rank_overflows(bad_rank):
     return finite, state, float(grads["2.weight"].flatten()[0]) if grads["2.weight"].numel() else None
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_an_overflow_in_one_ranks_shard_skips_every_rank(world):
-    for rank, (finite, state, unscaled) in enumerate(spmd(world, _one_rank_overflows, world - 1)):
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)], ids=["fsdp2", "fsdp4", "hsdp2x2"])
+def test_an_overflow_in_one_ranks_shard_skips_every_rank(mesh_shape):
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    for rank, (finite, state, unscaled) in enumerate(spmd(world, _one_rank_overflows, world - 1, mesh_shape)):
         assert not finite and state == fsdpfn.optim.LossScaleState(4.0, 0), rank
         assert unscaled in (None, 1.0 / 8.0)  # divided in place
