@@ -274,6 +274,7 @@ class Apply(UnitHooks):
 
     def end(self, opened: OpenCall, out: Any) -> Any:
         """Finish a call whose forward returned ``out``: close it, keep it for backward, cast the output."""
+        self._keep_reassigned_buffers(opened.call.params)
         self.close(opened)
         call = opened.call
         changed = changed_in_place(call)
@@ -337,7 +338,8 @@ def fsdp(
     the start of the forward until its gradient is reduced. Gradients reach the shards reduced as
     ``reduce_op`` says: ``"avg"`` (the mean over data-parallel ranks, DDP's convention), ``"sum"``, or
     the sum divided by ``divide_by``. ``apply`` mutates nothing outside the call (buffers updated in
-    place by the module, such as running statistics, are the tree's own buffer leaves).
+    place by the module, such as running statistics, are the tree's own buffer leaves; a buffer the forward
+    replaces is copied into its leaf).
 
     Example:
         >>> apply = fsdpfn.fsdp(model)                                       # doctest: +SKIP

@@ -78,6 +78,7 @@ def run_traced(apply: Apply, params: Sharded[torch.Tensor], fn: Any, args: tuple
     swapped += apply._swap_buffers(params)
     args, kwargs = cast_inputs(plan, args, kwargs, "")
     out = fn(*args, **kwargs)
+    apply._keep_reassigned_buffers(params, traced=True)
     apply._restore(swapped)
     apply._forward.pop()
     cast = cast_output(plan, out, "")

@@ -114,6 +114,36 @@ class UnitHooks:
             table[attr] = params[fqn]
         return out
 
+    def _keep_reassigned_buffers(self, params: Sharded[torch.Tensor], traced: bool = False) -> None:
+        """Copy into the tree's leaf what the forward assigned to a buffer (``self.count = self.count + 1``,
+        an EMA computed out of place) instead of updating it in place: the module's own buffer would keep
+        it, so the tree keeps it too (else it was lost when the call restored the module). Shape and
+        device must stay (a ``Sharded`` tree's leaves are fixed by its plan); the dtype is the leaf's.
+        ``traced``: inside a whole-step trace (the copy is an input mutation the compiled step applies)."""
+        for fqn in params.plan.buffers:
+            table, attr = self._target(fqn, "b")
+            leaf, new = params[fqn], table.get(attr)
+            if new is leaf:
+                continue
+            if not isinstance(new, torch.Tensor) or new.shape != leaf.shape or new.device != leaf.device:
+                what = f"{type(new).__name__}" if not isinstance(new, torch.Tensor) else (
+                    f"a tensor of shape {tuple(new.shape)} on {new.device}")
+                raise RuntimeError(self._kept_buffer_error(fqn, leaf, what))
+            batched = torch._C._functorch.is_batchedtensor
+            if not traced and batched(new) and not batched(leaf):
+                raise RuntimeError(self._kept_buffer_error(fqn, leaf, "a per-example value (under torch.func.vmap)"))
+            with torch.no_grad():
+                leaf.copy_(new)
+
+    def _kept_buffer_error(self, fqn: str, leaf: torch.Tensor, what: str) -> str:
+        return (
+            f"apply: the forward of {type(self.module).__name__} replaced buffer {fqn!r} (shape {tuple(leaf.shape)} "
+            f"on {leaf.device}) by {what}; the Sharded tree keeps one value of each buffer's shape and device "
+            "from fsdpfn.shard, so the new value cannot be kept. Keep the buffer's shape (assign or copy_ a value "
+            "of the same shape; under torch.func.vmap, update buffers in eval mode or outside vmap only), or hold "
+            "such state outside the model"
+        )
+
     @staticmethod
     def _restore(swapped: Swap) -> None:
         for table, attr, old in reversed(swapped):
