@@ -166,3 +166,30 @@ def _vmapped_training_forward():
 def test_a_per_example_buffer_under_vmap_is_refused_by_name():
     with pytest.raises(RuntimeError, match=r"replaced buffer '0.ema' .* by a per-example value \(under torch.func.vmap\)"):
         _vmapped_training_forward()
+
+
+class _Positions(nn.Module):
+    """A cache of position features as a non-persistent buffer, rebuilt (longer) when a longer input comes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("table", torch.arange(2.0), persistent=False)
+
+    def forward(self, x):
+        if self.table.shape[0] < x.shape[1]:
+            self.register_buffer("table", torch.arange(float(x.shape[1])), persistent=False)
+        return self.lin(x) + self.table[: x.shape[1], None]
+
+
+def test_a_non_persistent_cache_rebuilt_for_longer_inputs_is_left_to_the_next_call():
+    torch.manual_seed(0)
+    model = _Positions()
+    plain = _Positions()
+    plain.load_state_dict(model.state_dict())
+    params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    apply = fsdpfn.fsdp(model)
+    for length in (2, 5, 3, 6):
+        x = torch.randn(1, length, 3)
+        torch.testing.assert_close(apply(params, x), plain(x))
+    assert params["table"].shape == (2,)  # the tree's leaf keeps its shape: the call rebuilt its own

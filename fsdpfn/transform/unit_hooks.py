@@ -118,19 +118,25 @@ class UnitHooks:
         """Copy into the tree's leaf what the forward assigned to a buffer (``self.count = self.count + 1``,
         an EMA computed out of place) instead of updating it in place: the module's own buffer would keep
         it, so the tree keeps it too (else it was lost when the call restored the module). Shape and
-        device must stay (a ``Sharded`` tree's leaves are fixed by its plan); the dtype is the leaf's.
-        ``traced``: inside a whole-step trace (the copy is an input mutation the compiled step applies)."""
+        device must stay (a ``Sharded`` tree's leaves are fixed by its plan); the dtype is the leaf's. A
+        non-persistent buffer that no longer fits (a cache rebuilt for a longer sequence) is left to be
+        rebuilt by the next call, as before. ``traced``: inside a whole-step trace (the copy is an input
+        mutation the compiled step applies)."""
         for fqn in params.plan.buffers:
             table, attr = self._target(fqn, "b")
             leaf, new = params[fqn], table.get(attr)
             if new is leaf:
                 continue
+            batched = torch._C._functorch.is_batchedtensor
+            fits = isinstance(new, torch.Tensor) and new.shape == leaf.shape and new.device == leaf.device and (
+                traced or not batched(new) or batched(leaf))
+            if not fits and fqn in params.plan.transient_buffers:
+                continue  # a non-persistent buffer (a cache the forward rebuilds, e.g. for a longer sequence)
             if not isinstance(new, torch.Tensor) or new.shape != leaf.shape or new.device != leaf.device:
                 what = f"{type(new).__name__}" if not isinstance(new, torch.Tensor) else (
                     f"a tensor of shape {tuple(new.shape)} on {new.device}")
                 raise RuntimeError(self._kept_buffer_error(fqn, leaf, what))
-            batched = torch._C._functorch.is_batchedtensor
-            if not traced and batched(new) and not batched(leaf):
+            if not fits:
                 raise RuntimeError(self._kept_buffer_error(fqn, leaf, "a per-example value (under torch.func.vmap)"))
             with torch.no_grad():
                 leaf.copy_(new)
