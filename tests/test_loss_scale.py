@@ -108,3 +108,10 @@ def test_an_overflow_in_one_ranks_shard_skips_every_rank(mesh_shape):
     for rank, (finite, state, unscaled) in enumerate(spmd(world, _one_rank_overflows, world - 1, mesh_shape)):
         assert not finite and state == fsdpfn.optim.LossScaleState(4.0, 0), rank
         assert unscaled in (None, 1.0 / 8.0)  # divided in place
+
+
+def test_the_state_is_saved_and_loaded_with_a_checkpoint(tmp_path):
+    ls = fsdpfn.optim.loss_scale()
+    state = ls.init()._replace(scale=1024.0, good_steps=7)
+    fsdpfn.save(str(tmp_path / "ck"), {"loss_scale": state})
+    assert fsdpfn.load(str(tmp_path / "ck"), {"loss_scale": ls.init()}) == {"loss_scale": state}
