@@ -130,8 +130,11 @@ class _Grows(nn.Module):
 def test_a_buffer_replaced_by_another_shape_is_refused_by_name():
     model = _Grows()
     params = fsdpfn.shard(model, fsdpfn.init_mesh())
+    apply = fsdpfn.fsdp(model)
     with pytest.raises(RuntimeError, match=r"replaced buffer 'seen' \(shape \(1,\) on cpu\) by a tensor of shape \(2,\)"):
-        fsdpfn.fsdp(model)(params, torch.ones(1, 2))
+        apply(params, torch.ones(1, 2))
+    model.forward = lambda x: model.lin(x)  # the call was closed: the module serves the next one
+    assert apply(params, torch.ones(1, 2)).shape == (1, 2)
 
 
 def test_compile_step_keeps_replaced_buffers_as_the_eager_step():

@@ -274,9 +274,10 @@ class Apply(UnitHooks):
 
     def end(self, opened: OpenCall, out: Any) -> Any:
         """Finish a call whose forward returned ``out``: close it, keep it for backward, cast the output."""
-        self._keep_reassigned_buffers(opened.call.params)
+        replaced = self._replaced_buffers(opened.call.params)
         self.close(opened)
         call = opened.call
+        self._keep_replaced_buffers(call.params, replaced)
         changed = changed_in_place(call)
         if changed:  # a change autograd did not see (no graph): it would be lost, silently
             raise changed_in_place_error([], changed)

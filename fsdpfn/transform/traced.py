@@ -78,9 +78,10 @@ def run_traced(apply: Apply, params: Sharded[torch.Tensor], fn: Any, args: tuple
     swapped += apply._swap_buffers(params)
     args, kwargs = cast_inputs(plan, args, kwargs, "")
     out = fn(*args, **kwargs)
-    apply._keep_reassigned_buffers(params, traced=True)
+    replaced = apply._replaced_buffers(params)
     apply._restore(swapped)
     apply._forward.pop()
+    apply._keep_replaced_buffers(params, replaced, traced=True)
     cast = cast_output(plan, out, "")
     return out if cast is None else cast
 

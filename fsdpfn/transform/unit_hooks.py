@@ -114,20 +114,30 @@ class UnitHooks:
             table[attr] = params[fqn]
         return out
 
-    def _keep_reassigned_buffers(self, params: Sharded[torch.Tensor], traced: bool = False) -> None:
-        """Copy into the tree's leaf what the forward assigned to a buffer (``self.count = self.count + 1``,
-        an EMA computed out of place) instead of updating it in place: the module's own buffer would keep
-        it, so the tree keeps it too (else it was lost when the call restored the module). Shape and
-        device must stay (a ``Sharded`` tree's leaves are fixed by its plan); the dtype is the leaf's. A
-        non-persistent buffer that no longer fits (a cache rebuilt for a longer sequence) is left to be
-        rebuilt by the next call, as before. ``traced``: inside a whole-step trace (the copy is an input
-        mutation the compiled step applies)."""
+    def _replaced_buffers(self, params: Sharded[torch.Tensor]) -> list[tuple[str, Any]]:
+        """``(fqn, value)`` for each buffer the forward replaced (``self.count = self.count + 1``, an EMA
+        computed out of place) instead of updating the tree's leaf in place: read before the call restores
+        the module, written by ``_keep_replaced_buffers`` after it."""
+        out = []
         for fqn in params.plan.buffers:
             table, attr = self._target(fqn, "b")
-            leaf, new = params[fqn], table.get(attr)
-            if new is leaf:
-                continue
-            batched = torch._C._functorch.is_batchedtensor
+            new = table.get(attr)
+            if new is not params[fqn]:
+                out.append((fqn, new))
+        return out
+
+    def _keep_replaced_buffers(
+        self, params: Sharded[torch.Tensor], replaced: list[tuple[str, Any]], traced: bool = False
+    ) -> None:
+        """Copy into the tree's leaves the values the forward assigned to buffers (``_replaced_buffers``):
+        the module's own buffers would keep them, so the tree keeps them too (else they were lost when the
+        call restored the module). Shape and device must stay (a ``Sharded`` tree's leaves are fixed by its
+        plan); the dtype is the leaf's. A non-persistent buffer that no longer fits (a cache rebuilt for a
+        longer sequence) is left to be rebuilt by the next call, as before. ``traced``: inside a whole-step
+        trace (the copy is an input mutation the compiled step applies)."""
+        batched = torch._C._functorch.is_batchedtensor
+        for fqn, new in replaced:
+            leaf = params[fqn]
             fits = isinstance(new, torch.Tensor) and new.shape == leaf.shape and new.device == leaf.device and (
                 traced or not batched(new) or batched(leaf))
             if not fits and fqn in params.plan.transient_buffers:
