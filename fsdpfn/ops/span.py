@@ -12,7 +12,7 @@ from typing import Any
 
 from fsdpfn.core import Comm, span_mesh
 
-__all__ = ["span_comm"]
+__all__ = ["agreement_comm", "span_comm"]
 
 
 def span_comm(plans: Sequence[Any]) -> Comm:
@@ -36,3 +36,14 @@ def span_comm(plans: Sequence[Any]) -> Comm:
         own = next((plan.comm for plan in plans if plan.comm.mesh is span), None)
         comm = plans[0].memo[key] = own if own is not None else Comm(span)
     return comm
+
+
+def agreement_comm(plan: Any) -> Any:
+    """The ``Comm`` over which every rank holding ``plan``'s tree reaches one decision (a non-finite
+    gradient anywhere, a step to skip): the plan's own (both dims of HSDP; ``None`` for a single process
+    without one) unless tensor-parallel parameters put other slices on other dp groups, then ``span_comm``.
+
+    Example:
+        >>> agreement_comm(params.plan).all_reduce_sum(flags).wait()   # doctest: +SKIP
+    """
+    return span_comm([plan]) if plan.tp and plan.comm is not None else plan.comm

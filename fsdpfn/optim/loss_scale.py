@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fsdpfn.layout import Sharded, Unreduced
-from fsdpfn.ops.span import span_comm
+from fsdpfn.ops.span import agreement_comm
 from fsdpfn.optim._common import real
 
 __all__ = ["LossScale", "LossScaleState", "loss_scale"]
@@ -128,7 +128,7 @@ def _unscale_and_agree(grads: Sharded[Any], inv_scale: float) -> bool:
         inv = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
         found += flag.cpu()
-    comm = span_comm([plan]) if plan.tp else plan.comm
+    comm = agreement_comm(plan)
     if comm is not None and comm.groups.world * comm.groups.replicas > 1:
         flag = found.to(comm.groups.device)
         comm.all_reduce_sum(flag, label="loss_scale").wait()

@@ -17,7 +17,7 @@ from fsdpfn.layout import Sharded, Unreduced
 from fsdpfn.messages import listing
 from fsdpfn.ops.api import check_shards, is_positive_number, reduce_scale
 from fsdpfn.ops.deferred import DeferredReductions
-from fsdpfn.ops.span import span_comm
+from fsdpfn.ops.span import agreement_comm
 from fsdpfn.transform.call import GradMode
 from fsdpfn.transform.reentrant import has_reentrant_checkpoint, reentrant_error
 
@@ -244,7 +244,7 @@ def check_grads_finite(grads: Any, plan: Any) -> None:
 def _rank_flags(plan: Any, rows: int) -> tuple[torch.Tensor, int, Any]:
     """Zero flags ``(rows, ranks)`` over the ranks holding the tree, this rank's column, and the ``Comm``
     that sums them (column ``c`` is global rank ``comm.mesh.mesh.flatten()[c]``)."""
-    comm = span_comm([plan]) if plan.tp else plan.comm
+    comm = agreement_comm(plan)
     if comm is None:
         return torch.zeros(rows, 1, dtype=torch.float64), 0, None
     groups = comm.groups
