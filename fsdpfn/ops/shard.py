@@ -118,7 +118,6 @@ def _refuse_containers(module: nn.Module, chosen: Sequence[str]) -> None:
                 what = f"make each module in it a unit ({each}, ...; or pass their type) or name their parent"
             else:
                 what = "name the module whose forward uses them (their parent), or leave them to the root"
-
             raise ValueError(
                 f"units: {name!r} is an nn.{kind}, a container without a forward of its own: it is never called, so "
                 f"its parameters ({held[0]!r}{' ...' if len(held) > 1 else ''}) would never be gathered; {what}"

@@ -71,6 +71,7 @@ def loss_scale(
         >>> if finite:                                                                   # doctest: +SKIP
         ...     params, opt_state = opt.update(grads, opt_state, params)
     """
+
     def number(name: str, value: Any, ok: Callable[[float], bool], bound: str) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(float(value)):
             raise ValueError(f"loss_scale: invalid {name}={value!r}; it must be {bound}")
