@@ -266,6 +266,7 @@ TRIGGERS = {
     "leaf-type": (lambda m, p, a: a(p.replace({"blocks.0.bias": 3}), torch.ones(1, 3)), TypeError, r"leaf 'blocks.0.bias' is int"),
     "apply-not-sharded": (lambda m, p, a: a(dict(p.items()), torch.ones(1, 3)), TypeError, r"first argument must be the fsdpfn.Sharded"),
     "apply-other-module": (lambda m, p, a: a(fsdpfn.shard(_TwoLayer(out=5), fsdpfn.init_mesh()), torch.ones(1, 3)), ValueError, r"leaf 'blocks.1.weight' was sharded as \(5, 4\)"),
+    "apply-stale-dtype": (lambda m, p, a: fsdpfn.fsdp(m.double())(p, torch.ones(1, 3, dtype=torch.float64)), ValueError, r"is now \(4, 3\) torch.float64; the plan is stale: call fsdpfn.shard again \(module.to / .double\(\) / .half\(\) after shard: .*mp_policy=MixedPrecisionPolicy\(param_dtype=...\)\), or convert the module back\)"),
     "apply-stale": (lambda m, p, a: fsdpfn.fsdp(_changed(m))(p, torch.ones(1, 3)), ValueError, r"is now \(3, 4\) torch.float32; the plan is stale"),
     "apply-tied-after-shard": (lambda m, p, a: _tie_changed(False), ValueError, r"apply: _Tied ties 'embed.weight' and 'head.weight' \(one parameter\), but params holds 'embed.weight' and 'head.weight' as separate leaves: the tie was made after fsdpfn.shard.*Tie the weights before calling fsdpfn.shard"),
     "apply-module-requires-grad": (lambda m, p, a: (m.blocks[0].requires_grad_(False), a(p, torch.ones(1, 3))), ValueError, r"apply: parameter 'blocks.0.weight' of the module was set requires_grad=False after fsdpfn.shard, but params train it.*params = fsdpfn.freeze\(params, \['blocks.0.weight'\]\)"),

@@ -129,9 +129,14 @@ def check_module(module: nn.Module, plan: ShardPlan) -> None:
             )
         shape = tuple(plan.tp[fqn].shape) if fqn in plan.tp else plan.specs[fqn].shape  # TP: global shape
         if tuple(p.shape) != shape or p.dtype != plan.dtypes[fqn]:
+            how = (
+                " (module.to / .double() / .half() after shard: the tree's dtypes are its plan's; compute in another "
+                "dtype with shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)), or convert the module back)"
+                if tuple(p.shape) == shape else ""
+            )
             raise ValueError(
                 f"apply: leaf {fqn!r} was sharded as {shape} {plan.dtypes[fqn]} but the module's "
-                f"parameter is now {tuple(p.shape)} {p.dtype}; the plan is stale: call fsdpfn.shard again"
+                f"parameter is now {tuple(p.shape)} {p.dtype}; the plan is stale: call fsdpfn.shard again{how}"
             )
         if isinstance(p, nn.Parameter):  # not a gathered copy an enclosing call swapped in
             _check_requires_grad(fqn, p.requires_grad, plan)
