@@ -6,6 +6,9 @@
   The switch is per thread (a rank may be a thread of PyTorch's threaded test group): each rank turns it
   on at the same point of its own program; a thread that never set it follows the thread that made the
   rank's communicator (CUDA autograd's workers), then the main thread.
+- In the same mode each unit's gathered parameters are copied when gathered and compared when released:
+  a forward that wrote to them through ``.data`` (no version counter moves, so it is otherwise unseen; the
+  write never reaches the shards) raises the in-place-change ``RuntimeError`` naming the unit.
 - Waits time out after ``FSDPFN_TIMEOUT`` seconds (default 600; a number > 0) with ``CollectiveTimeout``; a collective
   whose peer died raises ``CollectiveError``. Both name the unit and the last completed collective.
 

@@ -167,3 +167,49 @@ def test_bad_debug_and_timeout_settings_are_refused_naming_the_variable():
     proc = subprocess.run([sys.executable, "-c", "import fsdpfn"], env={**os.environ, "FSDPFN_DEBUG": "ture"},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "set it to 1 (on) or 0 (off)" in proc.stderr, proc.stderr[-2000:]
+
+
+class _WritesThroughData(torch.nn.Module):
+    """Halves its weight through ``.data`` in training forwards (an EMA codebook's update, say): no
+    version counter moves, so outside debug mode the write to the gathered copy is lost, silently (as with
+    torch's fully_shard)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        if self.training:
+            self.lin.weight.data.mul_(0.5)
+        return self.lin(x)
+
+
+def _data_write(layer, debug):
+    import contextlib
+
+    import fsdpfn.debug
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_WritesThroughData(), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    try:
+        with fsdpfn.debug.check_collectives() if debug else contextlib.nullcontext():
+            if layer == "functional":
+                params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=["0"])
+                apply = fsdpfn.fsdp(model)
+                fsdpfn.value_and_grad(lambda p: apply(p, torch.ones(2, 3)).sum())(params)
+            else:
+                from fsdpfn.compat import fully_shard
+
+                fully_shard(model[0])
+                fully_shard(model)
+                model(torch.ones(2, 3)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("layer", ["functional", "compat"])
+def test_debug_mode_finds_writes_through_data_to_gathered_parameters(layer):
+    assert spmd(2, _data_write, layer, False) == [None, None]  # not without debug mode: no counter moved
+    for message in spmd(2, _data_write, layer, True):
+        assert message is not None and "changed a parameter of unit '0' ('0.lin.weight', '0.lin.bias') in place" in message

@@ -689,7 +689,7 @@ def test_autograds_inplace_error_is_explained_in_either_torchs_wording(node):
     from fsdpfn.transform.validate import explain_inplace_error
 
     w = torch.zeros(2)
-    call = SimpleNamespace(changed=[], gathered={"body": {"emb.weight": w, "emb.bias": w}}, versions={"body": (w._version, w._version)})
+    call = SimpleNamespace(changed=[], gathered={"body": {"emb.weight": w, "emb.bias": w}}, versions={"body": (w._version, w._version)}, snapshots={})
     exc = RuntimeError(f"Output 1 of {node} is a view and its base or another view of its base has been modified inplace. ...")
     explained = explain_inplace_error(exc, call)
     assert explained is not None and "the forward changed 'emb.bias' in place" in str(explained)

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdpfn.core import Handle
+from fsdpfn.core.guard import checking
 from fsdpfn.core.traced import Collectives
 from fsdpfn.layout import Sharded, UnitPlan
 from fsdpfn.layout.schedule import Schedule
@@ -30,7 +31,7 @@ from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.functions import CallInfo, apply_buckets
 from fsdpfn.ops.shared import launch_shared, shares_gather
 from fsdpfn.transform.eager import eager
-from fsdpfn.transform.validate import versions_moved
+from fsdpfn.transform.validate import contents_moved, versions_moved
 
 __all__ = ["Call", "GradMode", "OpenCall", "Packed", "without_autograd"]
 
@@ -101,6 +102,7 @@ class Call:
         self.gathered: dict[str, dict[str, torch.Tensor]] = {}
         self.with_grad: dict[str, bool] = {}  # per gathered group: whether autograd was on when it was gathered
         self.versions: dict[str, tuple[int, ...]] = {}  # each gathered tensor's version counter when gathered
+        self.snapshots: dict[str, tuple[torch.Tensor, ...]] = {}  # debug mode: copies, for writes via .data
         self.extra_grads: dict[str, dict[str, torch.Tensor]] = {}  # group -> gradients its reduction adds
         self.changed: list[tuple[str, tuple[str, ...]]] = []  # units changed in place, found at their release
         self.regathered: dict[str, dict[str, torch.Tensor]] = {}
@@ -157,6 +159,8 @@ class Call:
         self.with_grad[name] = torch.is_grad_enabled()
         if not b.in_place and not torch.is_inference_mode_enabled():  # (inference tensors have no versions)
             self.versions[name] = tuple(t._version for t in outs)  # a change in place here would be lost
+            if checking(self.plan.comm.guard.owner if self.plan.comm is not None else None):
+                self.snapshots[name] = tuple(t.detach().clone() for t in outs)
         self.tracks_grad[name] = {f: o.requires_grad for f, o in full.items()}
         if name not in self.order:
             self.order.append(name)
@@ -233,7 +237,7 @@ class Call:
         full = self.gathered.pop(name, None)
         if full is not None:
             was = self.versions.pop(name, ())
-            if versions_moved(full.values(), was):
+            if versions_moved(full.values(), was) or contents_moved(full.values(), self.snapshots.pop(name, None)):
                 self.changed.append((name, tuple(full)))
             for t in full.values():
                 if t.numel() and type(t) is torch.Tensor:

@@ -5,7 +5,7 @@ changed a gathered parameter in place, did wrong."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -15,8 +15,8 @@ from fsdpfn.layout import ShardPlan
 from fsdpfn.messages import listing, torch_text
 
 __all__ = [
-    "changed_in_place", "changed_in_place_error", "check_module", "explain_forward_error", "explain_inplace_error",
-    "explain_meta_error", "versions_moved",
+    "changed_in_place", "changed_in_place_error", "check_module", "contents_moved", "explain_forward_error",
+    "explain_inplace_error", "explain_meta_error", "versions_moved",
 ]
 
 
@@ -60,6 +60,22 @@ def explain_inplace_error(exc: BaseException, call: Any) -> RuntimeError | None:
     return changed_in_place_error([fqns[k] for _, fqns in units if len(fqns) > k])
 
 
+def contents_moved(tensors: Iterable[torch.Tensor], snapshot: Sequence[torch.Tensor] | None) -> bool:
+    """Whether any of ``tensors`` differs, bit for bit, from its copy in ``snapshot`` (debug mode: a write
+    through ``.data`` moves no version counter). ``None``: no snapshot was taken.
+
+    Example:
+        >>> x = torch.zeros(2)
+        >>> snap = [x.clone()]
+        >>> contents_moved([x], snap), (x.data.add_(1), contents_moved([x], snap))[1]
+        (False, True)
+    """
+    if snapshot is None:
+        return False
+    bits = lambda t: t.detach().reshape(-1).view(torch.uint8)  # noqa: E731 - NaN equals itself here
+    return any(not torch.equal(bits(t), bits(s)) for t, s in zip(tensors, snapshot))
+
+
 def versions_moved(tensors: Iterable[torch.Tensor], versions: Iterable[int]) -> bool:
     """Whether any of ``tensors`` was changed in place since its version counter read ``versions``.
 
@@ -79,6 +95,7 @@ def changed_in_place(call: Any) -> list[tuple[str, tuple[str, ...]]]:
     return call.changed + [
         (name, tuple(full)) for name, full in call.gathered.items()
         if versions_moved(full.values(), call.versions.get(name, ()))
+        or contents_moved(full.values(), call.snapshots.get(name))
     ]  # fmt: skip
 
 
@@ -95,7 +112,7 @@ def changed_in_place_error(names: list[str], units: list[tuple[str, tuple[str, .
         ) if units else "a unit's parameter"
     return RuntimeError(
         f"apply: the forward changed {which} in place (nn.Embedding(max_norm=...) renormalises its weight in "
-        "place; so does weight.mul_(...)). Inside the forward a unit's parameters are gathered copies: a "
+        "place; so does weight.mul_(...), or a write through weight.data, which debug mode finds). Inside the forward a unit's parameters are gathered copies: a "
         "change there never reaches the shards, so it would be lost. Compute it out of place, or change the "
         "parameters themselves between steps (the Sharded tree's shards; with fully_shard, the DTensor "
         "parameters under torch.no_grad())"
