@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -62,7 +64,7 @@ def _one_process(recipe, world, kw, poisoned):
     return trace, model.state_dict()
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=int(os.environ.get("FSDPFN_LS_EXAMPLES", "8")), deadline=None)
 @given(
     recipe=fst.model_recipes(min_width=2, min_seq=2),
     data=st.data(),
@@ -83,7 +85,8 @@ def test_matches_grad_scaler_and_skips_the_same_steps_on_every_rank(
     for trace, got in spmd(world, _sharded_run, recipe, units, kw, poisoned):
         assert [(f, s) for f, s, _ in trace] == [(f, s) for f, s, _ in want_trace]
         for k, v in want.items():
-            torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+            # float32, the ranks' sum in another order, 5 momentum steps: rounding, not a skipped update
+            torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
 def _one_rank_overflows(bad_rank, mesh_shape):
