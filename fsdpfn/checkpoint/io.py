@@ -105,6 +105,11 @@ def _flatten(tree: Any, what: str) -> tuple[list[Any], Any, list[_Leaf], set[str
     return nodes, spec, leaves, scope
 
 
+def _plans(leaves: list[_Leaf]) -> list[Any]:
+    """The plans of the ``Sharded`` trees among ``leaves``, each once, in order."""
+    return list({id(leaf.plan): leaf.plan for leaf in leaves if leaf.plan is not None}.values())
+
+
 def save(path: str | os.PathLike[str], tree: Any) -> None:
     """Save ``tree`` to the directory ``path`` in ``torch.distributed.checkpoint`` format, atomically.
 
@@ -136,10 +141,10 @@ def save(path: str | os.PathLike[str], tree: Any) -> None:
     dup = [k for k, n in seen.items() if n > 1]
     if dup:
         raise ValueError(f"save: several leaves map to the checkpoint keys {dup}; rename them (paths join with '.')")
-    plans = {id(leaf.plan): leaf.plan for leaf in leaves if leaf.plan is not None}
-    comm = comm_for(list(plans.values()))
+    plans = _plans(leaves)
+    comm = comm_for(plans)
     zero: dict[int, torch.Tensor] = {}
-    for plan in plans.values():
+    for plan in plans:
         group = [leaf for leaf in leaves if leaf.kind == "zero_d" and leaf.plan is plan]
         zero.update(zip(map(id, group), zero_d_values(plan, [leaf.value for leaf in group])))
     state: dict[str, Any] = {}
@@ -266,8 +271,7 @@ def load(path: str | os.PathLike[str], like: Any, *, strict: bool = True) -> Any
         else:
             state[leaf.src] = result[id(leaf)] = torch.empty_like(v, memory_format=torch.contiguous_format)
     if state:
-        plans = {id(leaf.plan): leaf.plan for leaf in leaves if leaf.plan is not None}
-        dcp_load(state, path, md, dcp_group(comm_for(list(plans.values()))))
+        dcp_load(state, path, md, dcp_group(comm_for(_plans(leaves))))
     for leaf in leaves:
         if leaf.kind == "zero_d" and leaf.src is not None:
             full = result[id(leaf)].reshape(1)

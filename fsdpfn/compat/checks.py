@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdpfn.compat.state import state_of
 from fsdpfn.messages import listing, torch_text
 from fsdpfn.ops.placement import check_placement, check_placement_type
+from fsdpfn.ops.shard import never_called
 
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
@@ -109,22 +110,15 @@ def check_modules(module: Any, kind: str) -> list[nn.Module]:
         if kind == "replicate":
             raise RuntimeError("Cannot apply `replicate()` on a Module already managed by `fully_shard`")
         raise AssertionError(_say(f"Inserting {m} more than once.", f"{type(m).__name__} is already managed by {st.kind}"))
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
-        raise ValueError(
-            _say(
-                f"{kind} does not support containers that do not implement forward: {module}",
-                f"apply {kind} to each module in it (or pass them as a list to group them in one unit)",
-            )
+    if isinstance(module, nn.Module) and never_called(module):
+        # FSDP2 refuses ModuleList/Dict so; it accepts ParameterList/Dict and fails at the first forward
+        advice = (
+            f"apply {kind} to each module in it (or pass them as a list to group them in one unit)"
+            if isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            else f"an nn.{type(module).__name__} is never called, so its parameters would never be gathered: apply "
+            f"{kind} to the module whose forward uses them (their parent), or leave them to its unit"
         )
-    if isinstance(module, (nn.ParameterList, nn.ParameterDict)) and type(module).forward is nn.Module.forward:
-        # FSDP2 accepts these and fails at the first forward (its hooks never run: nothing gathers them)
-        raise ValueError(
-            _say(
-                f"{kind} does not support containers that do not implement forward: {module}",
-                f"an nn.{type(module).__name__} is never called, so its parameters would never be gathered: apply "
-                f"{kind} to the module whose forward uses them (their parent), or leave them to its unit",
-            )
-        )
+        raise ValueError(_say(f"{kind} does not support containers that do not implement forward: {module}", advice))
     return modules
 
 

@@ -96,7 +96,16 @@ def resolve_units(module: nn.Module, units: Units) -> list[str]:
     return chosen
 
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+def never_called(module: nn.Module) -> bool:
+    """Whether ``module`` is a container without a forward of its own (``nn.ModuleList``, ``ModuleDict``,
+    ``ParameterList``, ``ParameterDict``): nothing ever calls it, so no forward hook of it ever runs.
+
+    Example:
+        >>> never_called(nn.ModuleList([nn.Linear(2, 2)])), never_called(nn.Sequential())
+        (True, False)
+    """
+    containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+    return isinstance(module, containers) and type(module).forward is nn.Module.forward
 
 
 def _refuse_containers(module: nn.Module, chosen: Sequence[str]) -> None:
@@ -106,7 +115,7 @@ def _refuse_containers(module: nn.Module, chosen: Sequence[str]) -> None:
     (an empty unit: harmless)."""
     for name in chosen:
         sub = module.get_submodule(name)
-        if not isinstance(sub, _CONTAINERS) or type(sub).forward is not nn.Module.forward:
+        if not never_called(sub):
             continue
         inner = [u for u in chosen if u.startswith(name + ".")]
         held = [f"{name}.{k}" for k, _ in sub.named_parameters(remove_duplicate=False)]
