@@ -2,7 +2,8 @@
 torch's ``fully_shard`` in the same test):
 
 * DPO: two forwards of a model with nested units and activation checkpointing (``torch.utils.checkpoint``
-  around a unit, inside it, or torch's composable ``checkpoint(module)``) before one backward;
+  around a unit, inside it, around the whole root call or ``apply``, or torch's composable
+  ``checkpoint(module)``) before one backward;
 * a chunked head: the body's hidden states computed once, the head (its modules grouped in one
   ``fully_shard([...])`` call; units of their own in the functional plan) run and backpropagated chunk by chunk,
   then one backward through the body with the accumulated gradient;
@@ -101,7 +102,7 @@ def _compat(impl: str, ckpt: str, pattern: str, reshard: bool, mp: bool, seed: i
     else:
         from fsdpfn.compat import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(seed)
-    model = Model("none" if ckpt == "composable" else ckpt)
+    model = Model("none" if ckpt in ("composable", "root") else ckpt)
     kw: dict = dict(reshard_after_forward=reshard)
     if mp:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -118,10 +119,11 @@ def _compat(impl: str, ckpt: str, pattern: str, reshard: bool, mp: bool, seed: i
     rank, world = dist.get_rank(), dist.get_world_size()
     xa, xb = _batches(world, seed)
     mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    run = _around_root(model, ckpt)
     if pattern == "dpo":
-        _dpo_loss(model(xa[mine]), model(xb[mine])).backward()
+        _dpo_loss(run(xa[mine]), run(xb[mine])).backward()
     else:
-        h = model(xa[mine], head=False)
+        h = run(xa[mine], head=False)
         hd = h.detach().requires_grad_()
         for c in hd.split(CHUNK):  # the head's group is gathered (and reduced) once per chunk
             model.out(model.norm(c)).float().pow(2).sum().div(16).backward()
@@ -131,11 +133,11 @@ def _compat(impl: str, ckpt: str, pattern: str, reshard: bool, mp: bool, seed: i
 
 def _functional(ckpt: str, pattern: str, reshard: bool, mp: bool, seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    model = Model(ckpt)
+    model = Model("none" if ckpt == "root" else ckpt)
     policy = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
     units = [f"body.blocks.{i}" for i in range(BLOCKS)] + ["body"] + (["norm", "out"] if pattern == "chunk" else [])
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, mp_policy=policy)
-    apply = fsdpfn.fsdp(model, reshard_after_forward=reshard)
+    apply = _around_root(fsdpfn.fsdp(model, reshard_after_forward=reshard), ckpt)
     rank, world = dist.get_rank(), dist.get_world_size()
     xa, xb = _batches(world, seed)
     mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
@@ -151,6 +153,14 @@ def _functional(ckpt: str, pattern: str, reshard: bool, mp: bool, seed: int) -> 
         h.backward(hd.grad)
         grads = tree_map(lambda t: t.grad, params)
     return fsdpfn.full_state_dict(grads, rank0_only=False)
+
+
+def _around_root(fn, ckpt: str):
+    """``fn`` (the root module or ``apply``), run inside a checkpoint region for ``ckpt="root"``: the root's
+    call then begins inside it, and the recompute in backward is a plain forward (compat) or the call again."""
+    if ckpt != "root":
+        return fn
+    return lambda *a, **kw: checkpoint(fn, *a, use_reentrant=False, **kw)
 
 
 def _check(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: dict, what: str) -> None:
@@ -180,7 +190,7 @@ def _check_bf16(got: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], w
         _check(got, want, BF16, f"{what} vs reference")
 
 
-PATTERNS = dict(ckpt=st.sampled_from(["around", "inside", "composable"]), pattern=st.sampled_from(["dpo", "chunk"]))
+PATTERNS = dict(ckpt=st.sampled_from(["around", "inside", "composable", "root"]), pattern=st.sampled_from(["dpo", "chunk"]))
 
 
 @settings(max_examples=6, deadline=None)

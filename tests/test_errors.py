@@ -555,8 +555,8 @@ def _compat_other_mesh():
     from fsdpfn.compat import fully_shard
 
     model = _TwoLayer()
-    fully_shard(model.blocks[1], mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
     fully_shard(model, mesh=fsdpfn.init_mesh())
+    fully_shard(model.blocks[1], mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
     model(torch.ones(1, 3))
 
 
@@ -586,7 +586,7 @@ COMPAT_TRIGGERS = {
     "compat-spmd-param": (lambda m, p, a: _compat_spmd_plain(), ValueError, r"parameter 'weight' of Linear is a plain Parameter; with dp_mesh_dims every parameter must be a DTensor on the whole mesh"),
     "compat-subclass": (lambda m, p, a: _compat_subclass(), ValueError, r"'weight' of Linear is a WithHook defining only fsdp_pre_all_gather"),
     "compat-offload-cuda": (lambda m, p, a: _compat_offload_cuda(), NotImplementedError, r"CPUOffloadPolicy on a cuda mesh"),
-    "compat-other-mesh": (lambda m, p, a: _compat_other_mesh(), NotImplementedError, r"module 'blocks.1' was sharded on a different mesh"),
+    "compat-other-mesh": (lambda m, p, a: _compat_other_mesh(), NotImplementedError, r"module 'blocks.1' was sharded on a different mesh than the root FSDP_TwoLayer, after the root's own fully_shard call: apply fully_shard to the modules inside first"),
     "compat-custom-comm": (lambda m, p, a: _compat_model().set_symm_mem_for_comm(), NotImplementedError, r"set_symm_mem_for_comm: symmetric-memory collectives are not supported"),
     "compat-comm-protocol": (lambda m, p, a: _compat_model().set_custom_all_gather(object()), TypeError, r"set_custom_all_gather: object is not a torch.distributed.fsdp AllGather: it needs an allocate\(size, \*, dtype, device\) method"),
     "compat-comm-allocate": (lambda m, p, a: _compat_bad_allocate(), ValueError, r"set_custom_all_gather: _OneElement.allocate\(\(\d+,\), dtype=torch.float32, device=cpu\) returned \(1,\) torch.float32 on cpu"),

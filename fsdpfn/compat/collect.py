@@ -1,8 +1,9 @@
 """What a compat root's module tree holds: the ``fully_shard`` states below it and each parameter's unit.
 
 ``collect_units`` finds every state under the root module (its unit name is the module's FQN relative
-to the root, ``""`` for the root's own) and refuses trees one plan cannot run (another root already
-initialised below, another mesh, ``replicate`` mixed with ``fully_shard``). ``collect_params`` walks
+to the root, ``""`` for the root's own), leaves the subtrees of states on another mesh to plans of their
+own (``UnitState.outer``) and refuses trees one plan cannot run (another root already initialised below,
+a state on another mesh sharded after the root, ``replicate`` mixed with ``fully_shard``). ``collect_params`` walks
 ``named_parameters`` once: each managed parameter once under its first name (later names are aliases,
 and the parameter belongs to the innermost unit holding all its names, as a tied parameter does in
 ``fsdpfn.shard``), the unmanaged ones ``ignored_params`` allowed, and the ``ParamInfo``s the plan is
@@ -28,20 +29,29 @@ from fsdpfn.ops.extension import shard_mesh, subclass_transform
 __all__ = ["Collected", "collect_params", "collect_units", "follow_moved"]
 
 
-def collect_units(module: nn.Module, state: UnitState, owner: Any) -> tuple[dict[str, UnitState], dict[str, str]]:
+def collect_units(
+    module: nn.Module, state: UnitState, owner: Any
+) -> tuple[dict[str, UnitState], dict[str, str], dict[str, UnitState]]:
     """The states of the ``fully_shard`` calls under root ``module`` (whose own state is ``state`` and
-    whose root context is ``owner``), by unit name, and each module path's unit.
+    whose root context is ``owner``), by unit name, each module path's unit, and the states below that
+    root plans of their own (``UnitState.outer``: sharded on another mesh; their subtrees are theirs).
 
     Example:
-        >>> states, unit_at = collect_units(model, state_of(model), root)   # doctest: +SKIP
-        >>> list(states)                                                     # doctest: +SKIP
-        ['', 'blocks.0', 'blocks.1']
+        >>> states, unit_at, nested = collect_units(model, state_of(model), root)   # doctest: +SKIP
+        >>> list(states), list(nested)                                               # doctest: +SKIP
+        (['', 'blocks.0', 'blocks.1'], ['blocks.0.experts', 'blocks.1.experts'])
     """
     states: dict[str, UnitState] = {}
     unit_at: dict[str, str] = {}  # module path -> the unit (state name) of that module's fully_shard call
+    nested: dict[str, UnitState] = {}
     for fqn, mod in module.named_modules():
+        if any(fqn.startswith(f"{n}.") for n in nested):
+            continue
         st = state_of(mod)
         if st is None:
+            continue
+        if st.outer is not None and st is not state:
+            nested[fqn] = st
             continue
         name = next((n for n, s in states.items() if s is st), None)
         if name is not None:
@@ -68,14 +78,15 @@ def collect_units(module: nn.Module, state: UnitState, owner: Any) -> tuple[dict
         if st.mesh != state.mesh:
             raise NotImplementedError(
                 f"fully_shard: module {name!r} was sharded on a different mesh than the root "
-                f"{type(module).__name__}; fsdpfn.compat runs one mesh per root"
+                f"{type(module).__name__}, after the root's own fully_shard call: apply fully_shard to the modules "
+                "inside first, then to the root (a module on its own mesh then runs as a plan of its own)"
             )
         if st.kind != state.kind:
             raise NotImplementedError(
                 f"{st.kind} on {name!r} under {state.kind} on the root: mixing fully_shard and replicate "
                 "in one module tree is not supported"
             )
-    return states, unit_at
+    return states, unit_at, nested
 
 
 @dataclass
@@ -92,10 +103,16 @@ class Collected:
 
 
 def collect_params(
-    module: nn.Module, state: UnitState, states: dict[str, UnitState], unit_at: dict[str, str], allowed: frozenset[str]
+    module: nn.Module,
+    state: UnitState,
+    states: dict[str, UnitState],
+    unit_at: dict[str, str],
+    allowed: frozenset[str],
+    nested: Iterable[str] = (),
 ) -> Collected:
     """Every parameter of root ``module``'s tree with its unit. ``allowed``: names an earlier plan of this
-    root left unmanaged (their ``ignored_params`` may be gone from the tree's states since).
+    root left unmanaged (their ``ignored_params`` may be gone from the tree's states since); ``nested``:
+    the module paths whose parameters plans of their own manage (``collect_units``).
 
     Example:
         >>> found = collect_params(model, root_state, states, unit_at, frozenset())   # doctest: +SKIP
@@ -112,8 +129,11 @@ def collect_params(
     ignored_ids = state.ignored.union(*(st.ignored for st in states.values()))
     owner_name: dict[int, str] = {}
     units_of: dict[int, list[str]] = {}  # per ManagedParam: the units enclosing all its names, outermost first
+    inside = tuple(f"{n}." for n in nested)
     for fqn, p in module.named_parameters(remove_duplicate=False):
         found.fqns.append(fqn)
+        if fqn.startswith(inside):
+            continue
         path, _, attr = fqn.rpartition(".")
         mod = module.get_submodule(path)
         hit = slot_of.get((id(mod), attr))

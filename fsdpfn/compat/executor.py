@@ -94,6 +94,7 @@ class CompatApply(Apply):
     """``Apply`` whose calls are ``CompatCall``s and whose units may span several modules."""
 
     placeholders = False  # outside its forward a unit's parameters stay FSDP2's sharded DTensors
+    recomputes_plainly = True  # a root called inside a checkpointed region (compat/dispatch.py)
 
     def __init__(self, ctx: RootContext):
         super().__init__(ctx.module, reshard_after_forward=True, prefetch=1, reduce_op="avg", divide_by=None)

@@ -188,8 +188,11 @@ def _shard(
         mod.register_state_dict_pre_hook(functools.partial(_sharded_for_state_dict, state))
         mod.register_load_state_dict_pre_hook(functools.partial(_sharded_for_state_dict, state))
     for st in inner:
-        if st.parent is None:
-            st.parent = state
+        if st.parent is None and st.outer is None:
+            if st.mesh == state.mesh:
+                st.parent = state
+            else:  # its own plan on its own mesh, nested in this one's root (compat/collect.py)
+                st.outer = state
     for mod in modules:
         set_state(mod, state)
         cls = type(mod)

@@ -130,14 +130,18 @@ class FSDPModule:
                 f"reset_iter_state must be called on the root FSDP module\nthe root is {type(st.root.module).__name__}, "
                 f"not this {type(self).__name__}"
             )
-        states = st.root.states.values() if st.root is not None else [st]
-        for s in states:
-            if s.unsharded is not None:
-                drop_unsharded(s)
-            s.acc.clear()
-        if st.root is not None:
-            st.root.running = False
-            st.root.apply.leave_failed_backward()  # gathered values a backward that raised left registered
+        if st.root is None:
+            if st.unsharded is not None:
+                drop_unsharded(st)
+            st.acc.clear()
+            return
+        for root in st.root.family():  # with the roots nested on other meshes
+            for s in root.states.values():
+                if s.unsharded is not None:
+                    drop_unsharded(s)
+                s.acc.clear()
+            root.running = False
+            root.apply.leave_failed_backward()  # gathered values a backward that raised left registered
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, and also forget the gradients this module's parameters accumulated
@@ -147,16 +151,18 @@ class FSDPModule:
         them: it sees only the sharded parameters; use ``model.zero_grad()``.)"""
         super().zero_grad(set_to_none)  # type: ignore[misc]
         st = unit_state(self)
-        root = st.root
-        if root is None or not root.acc:
+        if st.root is None:
             return
-        if root.state is st:
-            root.acc.clear()
+        roots = st.root.family()  # with the roots nested on other meshes below
+        if st.root.state is st:
+            for root in roots:
+                root.acc.clear()
             return
         mine = {id(p) for p in self.parameters()}
-        for fqn, m in root.managed.items():
-            if id(m.param) in mine:
-                root.acc.pop(fqn, None)
+        for root in roots:
+            for fqn, m in root.managed.items():
+                if id(m.param) in mine:
+                    root.acc.pop(fqn, None)
 
     # --- gradient knobs -----------------------------------------------------------------------------
     def set_is_last_backward(self, is_last_backward: bool) -> None:

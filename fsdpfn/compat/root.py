@@ -55,6 +55,7 @@ class RootContext:
         self.deferred = DeferredReductions()
         self.comm: Comm | None = None
         self.states: dict[str, UnitState] = {}
+        self.nested_states: dict[str, UnitState] = {}  # roots of their own below this one (another mesh)
         self.acc: dict[str, torch.Tensor] = {}  # unreduced grads of every unit (fqns are unique)
         # a forward ran with some unit's sync off since the last backward that looked for stranded gradients
         # (compat/stranded.py); set by user switches alike on every rank, so every rank looks at the same point
@@ -78,8 +79,8 @@ class RootContext:
                 f"these modules were passed to one {self.state.kind} call; apply {self.state.kind} to a module "
                 "holding them all (e.g. the model) and run forward through it"
             )
-        states, unit_at = collect_units(self.module, self.state, self)
-        found = collect_params(self.module, self.state, states, unit_at, self.ignored)
+        states, unit_at, nested = collect_units(self.module, self.state, self)
+        found = collect_params(self.module, self.state, states, unit_at, self.ignored, nested)
         self.managed, self.tp = found.managed, found.tp
         mesh = self.state.mesh
         if self.comm is None:
@@ -130,6 +131,7 @@ class RootContext:
                 self.acc.update(st.acc)
                 st.acc = self.acc
         self.states = states
+        self.nested_states = nested
         self.ignored = frozenset(found.ignored)
         self.fqns = found.fqns
         self.managed_fqns = tuple(self.managed)  # LocalShards' outputs, in order: where deferred results go
@@ -164,7 +166,21 @@ class RootContext:
         return self._fusion[1]
 
     def _fusion_inputs(self, states: dict[str, UnitState]) -> tuple[int | None, dict[str, Any]]:
-        return self.state.min_bucket_bytes, {n: st.fuse_key(st is self.state) for n, st in states.items()}
+        return self.state.min_bucket_bytes, {n: st.fuse_key(self.is_root(st)) for n, st in states.items()}
+
+    def is_root(self, st: UnitState) -> bool:
+        """Whether ``st`` is FSDP's root: this root's own state, unless this root is nested in another
+        one's forward (``UnitState.outer``), where its state behaves as any unit's (resharding by default)."""
+        return st is self.state and self.state.outer is None
+
+    def family(self) -> list[RootContext]:
+        """This root and the roots initialised below it on other meshes (``UnitState.outer``), at any
+        depth: what the root module's ``zero_grad`` and ``reset_iter_state`` reach."""
+        found = [self]
+        for st in self.nested_states.values():
+            if st.root is not None and st.root is not self:
+                found.extend(st.root.family())
+        return found
 
     def unit_state(self, name: str) -> UnitState | None:
         """The state of unit ``name``, or of the first unit of fused group ``name`` (fused units share
@@ -194,7 +210,7 @@ class RootContext:
     # --- knobs, read per call -----------------------------------------------------------------------
     def reshards(self, name: str) -> bool:
         st = self.unit_state(name)
-        return st is not None and st.reshards(is_root=st is self.state)
+        return st is not None and st.reshards(is_root=self.is_root(st))
 
     def defers(self, name: str) -> bool:
         """Whether unit or group ``name``'s backward keeps its gradients unreduced (``acc``) for now:
@@ -242,7 +258,8 @@ class RootContext:
         if meta:
             check_materialized(self)
         if moved:
-            fqns = check_managed(self.module, self.states.values(), self.ignored, self.state.kind)
+            states = [*self.states.values(), *self.nested_states.values()]
+            fqns = check_managed(self.module, states, self.ignored, self.state.kind)
             if fqns == self.fqns:
                 self.tree = ModuleTree(self.module)  # a parameter-free module swapped: nothing to plan again
             else:

@@ -57,6 +57,9 @@ class UnitState:
     kind: str = "fully_shard"  # or "replicate"
     ignored: frozenset[int] = frozenset()  # ids of the ignored_params given (unmanaged on purpose)
     parent: UnitState | None = None  # the state of the nearest fully_shard call above (set by that call)
+    # that call's state when it was on another mesh (MoE experts on their own mesh inside a block): this
+    # state then roots a plan of its own, run inside the enclosing root's forward (RootContext.nested)
+    outer: UnitState | None = None
     # knobs (FSDPModule.set_*)
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
@@ -78,7 +81,7 @@ class UnitState:
     unsharded: Any = None  # an explicit unshard(): (handles, full tensors or None, buckets, shard_versions)
 
     def top(self) -> UnitState:
-        """The outermost state above this one (the root lazy init will pick)."""
+        """The outermost state above this one on the same mesh (the root lazy init will pick)."""
         st = self
         while st.parent is not None:
             st = st.parent

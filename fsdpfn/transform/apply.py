@@ -23,7 +23,7 @@ from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import reduce_scale
-from fsdpfn.transform.call import Call, OpenCall, outer_saved_hooks
+from fsdpfn.transform.call import Call, OpenCall, checkpoint_region, outer_saved_hooks
 from fsdpfn.transform.casting import cast_inputs, cast_output, copy_shard_views
 from fsdpfn.transform.eager import caller_frame, eager, functorch_active, in_backward, on_stack, under_compile
 from fsdpfn.transform.fusion import plan_fusion
@@ -89,6 +89,7 @@ class Apply(UnitHooks):
         self._targets: dict[str, tuple[dict[str, Any], str]] = {}
         self._unit_hooks: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self._remat_depth = 0  # > 0 while remat runs a unit: the unit hooks stand aside
+        self._calls = 0  # calls begun: their order, alike on every rank (Call.serial)
 
     def __repr__(self) -> str:
         reduction = f"sum / {self.divide_by}" if self.divide_by is not None else self.reduce_op
@@ -227,6 +228,8 @@ class Apply(UnitHooks):
             if functorch and (traced or under_compile()):
                 raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
             call = self.new_call(params, functorch)
+            self._calls += 1
+            call.serial = self._calls
             call.remat = self.reshard_after_forward is not False and functorch and _only_grad_transforms()
             call.released = self._recompute.leave
             self._install_hooks(plan)
@@ -239,6 +242,7 @@ class Apply(UnitHooks):
             opened.overridden = override_forwards(self, call) if call.remat else []
             if call.reshard:
                 call.outer_hooks = outer_saved_hooks()
+                call.in_checkpoint = self.recomputes_plainly and checkpoint_region(call.outer_hooks)
                 opened.hooks = torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack)
                 opened.hooks.__enter__()
             if any(u.name == "" for u in plan.units):

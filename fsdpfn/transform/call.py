@@ -76,6 +76,12 @@ def outer_saved_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], 
     return top(False) if top is not None else None
 
 
+def checkpoint_region(hooks: tuple[Callable[[torch.Tensor], Any], Any] | None) -> bool:
+    """Whether ``hooks`` (``outer_saved_hooks()``) are a non-reentrant activation checkpoint's forward
+    hooks: the call begins inside its region."""
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
+
+
 class Call:
     """Per-call bookkeeping of ``fsdp(module)(params, ...)``.
 
@@ -112,6 +118,9 @@ class Call:
         # the saved-tensor hooks around the call: what pack does not replace goes to them (autograd runs
         # only the innermost hooks, so without this the call's own would silently switch theirs off)
         self.outer_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
+        # every saved tensor goes to the outer hooks, an activation checkpoint's (see UnitHooks.recomputes_plainly)
+        self.in_checkpoint = False
+        self.serial = 0  # its place among its Apply's calls (the same on every rank)
         self.tracks_grad: dict[str, dict[str, bool]] = {}  # per group: which gathered tensors take a gradient
         self.packed_units: set[str] = set()  # units backward will have to re-gather
         self.members_done: dict[str, set[str]] = {}  # fused groups: units whose forward finished
@@ -270,7 +279,7 @@ class Call:
         result) would then hold the node that holds it, a cycle that only a backward through the node
         breaks (torch's ``saved_tensors_hooks`` warns of it): a forward whose graph is dropped without one
         (an evaluation in grad mode, an early exit, ``retain_graph``) would leak its activations."""
-        got = self._pack_own(t)
+        got = None if self.in_checkpoint else self._pack_own(t)
         if got is not None:
             return got
         if self.outer_hooks is not None:

@@ -46,6 +46,11 @@ class UnitHooks:
     _unit_hooks: dict[str, tuple[Callable[..., Any], Callable[..., Any]]]
     _remat_depth: int
     placeholders = True  # _swap_placeholders: the compat layer's modules keep FSDP2's sharded DTensors instead
+    # A call begun inside an activation checkpoint's region is recomputed in backward as a plain forward
+    # (the compat layer: its units' values swapped in, no call), not as the call again (``checkpoint(apply,
+    # params, x)``): the checkpoint matches the saved tensors of both one by one, so such a call packs none
+    # of its own and hands them all to the checkpoint, which holds none (``Call.in_checkpoint``).
+    recomputes_plainly = False
 
     # --- swapping --------------------------------------------------------------------------------
     def _target(self, fqn: str, kind: str) -> tuple[dict[str, Any], str]:
@@ -251,14 +256,32 @@ class UnitHooks:
         return hook
 
     def _recompute_call(self, name: str) -> Call | None:
-        calls = [c for c in self._backward if any(u.name == name for u in c.plan.units)]
+        """The call whose values a recompute of unit ``name`` uses when its backward has not started yet
+        (a checkpoint region around the whole call). Several forwards awaiting backward (DPO's two) must
+        hold the same values; the one whose group is still gathered is taken, else the first: alike on
+        every rank (``serial``, not the weak set's order), so every rank gathers alike."""
+        calls = sorted((c for c in self._backward if any(u.name == name for u in c.plan.units)), key=lambda c: c.serial)
         if not calls:
             return None
         first = calls[0]
         for c in calls[1:]:
-            if any(c.params[k] is not first.params[k] for k in first.plan.params):
+            if any(not _same_tensor(c.params[k], first.params[k]) for k in first.plan.params):
                 raise RuntimeError(
                     f"apply: unit {name!r} is being recomputed (activation checkpointing) while several forwards "
                     "over different parameter trees await backward; run backward before the next forward"
                 )
-        return first
+        group = first.plan.group_of[name]
+        return next((c for c in calls if group in c.gathered or group in c.regathered), first)
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    """Whether two calls' leaves are one tensor: the same object, or views of the same memory (each
+    compat forward takes fresh views of the parameters' local shards)."""
+    if a is b:
+        return True
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.numel() == 0 or b.numel() == 0:
+        return False
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride()
+    )  # fmt: skip

@@ -145,7 +145,8 @@ def check_module(module: nn.Module, plan: ShardPlan) -> None:
                 f"the Sharded was built from another module ({plan.module_type})"
             )
         shape = tuple(plan.tp[fqn].shape) if fqn in plan.tp else plan.specs[fqn].shape  # TP: global shape
-        if tuple(p.shape) != shape or p.dtype != plan.dtypes[fqn]:
+        # a gathered copy an enclosing call or its backward swapped in (a plain tensor) is in the compute dtype
+        if tuple(p.shape) != shape or (p.dtype != plan.dtypes[fqn] and isinstance(p, nn.Parameter)):
             how = (
                 " (module.to / .double() / .half() after shard: the tree's dtypes are its plan's; compute in another "
                 "dtype with shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)), or convert the module back)"
