@@ -6,8 +6,8 @@ A module sharded on another mesh than the ``fully_shard`` call enclosing it root
 over its own mesh, its own unit reshards after forward as any non-root unit, and the root module's
 ``zero_grad``/``reset_iter_state`` reach it. Before, the root refused the tree (``NotImplementedError``).
 Checked against one process on the whole batch, with both meshes covering every rank (a 1-D mesh and
-an HSDP mesh, either one inside), gradient accumulation with a dropped microbatch, and activation
-checkpointing around the blocks.
+an HSDP mesh, either one inside), gradient accumulation with a dropped microbatch, activation
+checkpointing around the blocks and torchtitan's explicit prefetch lists (the next block and its experts).
 """
 
 from __future__ import annotations
@@ -99,6 +99,12 @@ def _train(cfg: dict) -> dict[str, torch.Tensor] | None:
         fully_shard(blk.experts, mesh=inner, **kw)
         fully_shard(blk, mesh=outer, **kw)
     fully_shard(model, mesh=outer, **kw)
+    if cfg["prefetch"]:  # torchtitan's explicit prefetch under EP: the next block and its experts
+        blocks = list(model.blocks)
+        for blk, nxt in zip(blocks, blocks[1:]):
+            blk.set_modules_to_forward_prefetch([nxt, nxt.experts])
+        for blk, prev in zip(blocks[1:], blocks):
+            blk.set_modules_to_backward_prefetch([prev, prev.experts])
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for s in range(STEPS):
         if cfg["drop"]:  # a microbatch run without sync and dropped: reaches no reduction
@@ -129,16 +135,19 @@ def _train(cfg: dict) -> dict[str, torch.Tensor] | None:
     raf=st.sampled_from([None, True, False]),
     width=st.integers(2, 7),
     hidden=st.integers(1, 9),
-    blocks=st.integers(1, 2),
+    blocks=st.integers(1, 3),
     micro=st.integers(1, 2),
     drop=st.booleans(),
     ckpt=st.booleans(),
+    prefetch=st.booleans(),
 )
-def test_blocks_and_experts_on_two_meshes_match_one_process(world, data, inner_hsdp, raf, width, hidden, blocks, micro, drop, ckpt):
+def test_blocks_and_experts_on_two_meshes_match_one_process(
+    world, data, inner_hsdp, raf, width, hidden, blocks, micro, drop, ckpt, prefetch
+):
     replicas = data.draw(st.sampled_from([r for r in range(1, world + 1) if world % r == 0]), label="replicas")
     cfg = dict(
         replicas=replicas, inner_hsdp=inner_hsdp, raf=raf, width=width, hidden=hidden, blocks=blocks, micro=micro,
-        drop=drop, ckpt=ckpt,
+        drop=drop, ckpt=ckpt, prefetch=prefetch,
     )  # fmt: skip
     got = spmd(world, _train, cfg)[0]
     ref = _reference(cfg, world)

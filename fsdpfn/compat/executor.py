@@ -154,6 +154,18 @@ class CompatApply(Apply):
     def unit_modules(self, name: str) -> list[nn.Module]:
         return list(self.ctx.states[name].modules)
 
+    def _pre_hook(self, name: str) -> Callable[..., Any]:
+        gather = super()._pre_hook(name)
+        st = self.ctx.states.get(name)
+
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            got = gather(mod, args, kwargs)
+            if st is not None and st.forward_prefetch and self._forward and not torch.compiler.is_compiling():
+                self.ctx.nested_prefetch(name)  # roots on other meshes in its prefetch list
+            return got
+
+        return hook
+
     def _swap_names(self, names: list[tuple[str, str]], full: dict[str, torch.Tensor]) -> Any:
         tp = self.ctx.tp
         if tp:  # the gathered TP-local tensors, seen by the TP modules as DTensors on their TP mesh

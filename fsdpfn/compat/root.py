@@ -196,8 +196,10 @@ class RootContext:
         return self.unit_state(name) or self.state
 
     def names_of(self, states: Sequence[UnitState]) -> list[str]:
-        """The unit names of ``states`` (explicit prefetch lists); units without parameters drop out."""
+        """The unit names of ``states`` (explicit prefetch lists); units without parameters drop out, and
+        so do the nested roots' states (``nested_prefetch`` starts those)."""
         units = {u.name for u in self.plan.units}
+        states = [st for st in states if not self._nested(st)]
         for st in states:
             if st.root is not self:
                 raise ValueError(
@@ -206,6 +208,19 @@ class RootContext:
                 )
         groups = [self.plan.group_of[st.name] for st in states if st.name in units]
         return list(dict.fromkeys(groups))
+
+    def _nested(self, st: UnitState) -> bool:
+        return any(st is n for n in self.nested_states.values())
+
+    def nested_prefetch(self, name: str) -> None:
+        """Start the gathers of the nested roots in unit ``name``'s forward prefetch list (torchtitan lists
+        the next block's experts, on their own mesh, beside the block) as their explicit ``unshard()``:
+        their forward then finds them in flight."""
+        st = self.states.get(name)
+        listed = st.forward_prefetch if st is not None else None
+        for other in listed or ():
+            if self._nested(other) and other.unsharded is None:
+                other.modules[0].unshard(async_op=True)
 
     # --- knobs, read per call -----------------------------------------------------------------------
     def reshards(self, name: str) -> bool:
