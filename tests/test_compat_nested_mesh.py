@@ -1,7 +1,9 @@
 """``fully_shard`` on different meshes under one root (torchtitan's MoE: each block's experts on a mesh
-of their own inside blocks on another), as torch's ``fully_shard`` runs it.
+of their own inside blocks on another), and ``replicate`` inside ``fully_shard`` (or the other way
+round), as torch runs them.
 
-A module sharded on another mesh than the ``fully_shard`` call enclosing it roots a plan of its own
+A module sharded on another mesh than the ``fully_shard`` call enclosing it (or by the other kind of call)
+roots a plan of its own
 (``UnitState.outer``), run inside the enclosing root's forward: its parameters are gathered and reduced
 over its own mesh, its own unit reshards after forward as any non-root unit, and the root module's
 ``zero_grad``/``reset_iter_state`` reach it. Before, the root refused the tree (``NotImplementedError``).
@@ -87,18 +89,24 @@ def _meshes(replicas: int):
 
 
 def _train(cfg: dict) -> dict[str, torch.Tensor] | None:
-    from fsdpfn.compat import fully_shard
+    from fsdpfn.compat import fully_shard, replicate
     from fsdpfn.compat.state import state_of
 
     rank = dist.get_rank()
     flat, hsdp = _meshes(cfg["replicas"])
-    inner, outer = (hsdp, flat) if cfg["inner_hsdp"] else (flat, hsdp)
+    if cfg["kinds"] == "two meshes":
+        inner, outer = (hsdp, flat) if cfg["inner_hsdp"] else (flat, hsdp)
+        inner_call = outer_call = fully_shard
+    else:  # replicate inside fully_shard or the other way round, on one mesh
+        inner, outer = flat, flat
+        inner_call, outer_call = (replicate, fully_shard) if cfg["kinds"] == "replicate in fully_shard" else (fully_shard, replicate)
     kw = {} if cfg["raf"] is None else {"reshard_after_forward": cfg["raf"]}
     model = Net(cfg["width"], cfg["hidden"], cfg["blocks"], cfg["ckpt"])
+    kw_in, kw_out = (kw if inner_call is fully_shard else {}), (kw if outer_call is fully_shard else {})
     for blk in model.blocks:
-        fully_shard(blk.experts, mesh=inner, **kw)
-        fully_shard(blk, mesh=outer, **kw)
-    fully_shard(model, mesh=outer, **kw)
+        inner_call(blk.experts, mesh=inner, **kw_in)
+        outer_call(blk, mesh=outer, **kw_out)
+    outer_call(model, mesh=outer, **kw_out)
     if cfg["prefetch"]:  # torchtitan's explicit prefetch under EP: the next block and its experts
         blocks = list(model.blocks)
         for blk, nxt in zip(blocks, blocks[1:]):
@@ -122,7 +130,9 @@ def _train(cfg: dict) -> dict[str, torch.Tensor] | None:
         assert blk.attn.weight.device_mesh == outer
         nested = state_of(blk.experts).root
         assert nested is not state_of(model).root and nested.comm.mesh == inner
-        assert nested.reshards("") == (cfg["raf"] is not False)  # a unit, not FSDP's root: reshards by default
+        assert state_of(blk.experts).kind == inner_call.__name__
+        if inner_call is fully_shard:  # a unit, not FSDP's root: reshards by default
+            assert nested.reshards("") == (cfg["raf"] is not False)
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.named_parameters()}
     return full if rank == 0 else None
 
@@ -131,6 +141,7 @@ def _train(cfg: dict) -> dict[str, torch.Tensor] | None:
 @given(
     world=st.integers(2, 4),
     data=st.data(),
+    kinds=st.sampled_from(["two meshes", "replicate in fully_shard", "fully_shard in replicate"]),
     inner_hsdp=st.booleans(),
     raf=st.sampled_from([None, True, False]),
     width=st.integers(2, 7),
@@ -142,11 +153,11 @@ def _train(cfg: dict) -> dict[str, torch.Tensor] | None:
     prefetch=st.booleans(),
 )
 def test_blocks_and_experts_on_two_meshes_match_one_process(
-    world, data, inner_hsdp, raf, width, hidden, blocks, micro, drop, ckpt, prefetch
+    world, data, kinds, inner_hsdp, raf, width, hidden, blocks, micro, drop, ckpt, prefetch
 ):
     replicas = data.draw(st.sampled_from([r for r in range(1, world + 1) if world % r == 0]), label="replicas")
     cfg = dict(
-        replicas=replicas, inner_hsdp=inner_hsdp, raf=raf, width=width, hidden=hidden, blocks=blocks, micro=micro,
+        replicas=replicas, kinds=kinds, inner_hsdp=inner_hsdp, raf=raf, width=width, hidden=hidden, blocks=blocks, micro=micro,
         drop=drop, ckpt=ckpt, prefetch=prefetch,
     )  # fmt: skip
     got = spmd(world, _train, cfg)[0]

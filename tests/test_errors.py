@@ -560,6 +560,15 @@ def _compat_other_mesh():
     model(torch.ones(1, 3))
 
 
+def _compat_kind_after_root():
+    from fsdpfn.compat import fully_shard, replicate
+
+    model = _TwoLayer()
+    fully_shard(model)
+    replicate(model.blocks[1])
+    model(torch.ones(1, 3))
+
+
 COMPAT_TRIGGERS = {
     "compat-twice": (lambda m, p, a: _compat_twice(), AssertionError, r"^Each distinct composable distributed API can only be applied to a module once. fully_shard has already been applied to the following module:\nFSDPLinear"),
     "compat-parameter-container": (lambda m, p, a: __import__("fsdpfn.compat").compat.fully_shard(nn.ParameterList([nn.Parameter(torch.ones(2))])), ValueError, r"^fully_shard does not support containers that do not implement forward: ParameterList.*\nan nn.ParameterList is never called, so its parameters would never be gathered: apply fully_shard to the module whose forward uses them"),
@@ -586,6 +595,7 @@ COMPAT_TRIGGERS = {
     "compat-spmd-param": (lambda m, p, a: _compat_spmd_plain(), ValueError, r"parameter 'weight' of Linear is a plain Parameter; with dp_mesh_dims every parameter must be a DTensor on the whole mesh"),
     "compat-subclass": (lambda m, p, a: _compat_subclass(), ValueError, r"'weight' of Linear is a WithHook defining only fsdp_pre_all_gather"),
     "compat-offload-cuda": (lambda m, p, a: _compat_offload_cuda(), NotImplementedError, r"CPUOffloadPolicy on a cuda mesh"),
+    "compat-kind-after-root": (lambda m, p, a: _compat_kind_after_root(), NotImplementedError, r"replicate on 'blocks.1' was applied after fully_shard on the root FSDP_TwoLayer: apply replicate to the modules inside first"),
     "compat-other-mesh": (lambda m, p, a: _compat_other_mesh(), NotImplementedError, r"module 'blocks.1' was sharded on a different mesh than the root FSDP_TwoLayer, after the root's own fully_shard call: apply fully_shard to the modules inside first"),
     "compat-custom-comm": (lambda m, p, a: _compat_model().set_symm_mem_for_comm(), NotImplementedError, r"set_symm_mem_for_comm: symmetric-memory collectives are not supported"),
     "compat-comm-protocol": (lambda m, p, a: _compat_model().set_custom_all_gather(object()), TypeError, r"set_custom_all_gather: object is not a torch.distributed.fsdp AllGather: it needs an allocate\(size, \*, dtype, device\) method"),

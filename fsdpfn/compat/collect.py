@@ -83,8 +83,9 @@ def collect_units(
             )
         if st.kind != state.kind:
             raise NotImplementedError(
-                f"{st.kind} on {name!r} under {state.kind} on the root: mixing fully_shard and replicate "
-                "in one module tree is not supported"
+                f"{st.kind} on {name!r} was applied after {state.kind} on the root {type(module).__name__}: apply "
+                f"{st.kind} to the modules inside first, then {state.kind} to the root (inside first, it runs as a "
+                "plan of its own)"
             )
     return states, unit_at, nested
 

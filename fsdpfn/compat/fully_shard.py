@@ -189,9 +189,9 @@ def _shard(
         mod.register_load_state_dict_pre_hook(functools.partial(_sharded_for_state_dict, state))
     for st in inner:
         if st.parent is None and st.outer is None:
-            if st.mesh == state.mesh:
+            if st.mesh == state.mesh and st.kind == state.kind:
                 st.parent = state
-            else:  # its own plan on its own mesh, nested in this one's root (compat/collect.py)
+            else:  # its own plan on its own mesh (or replicate in fully_shard), nested in this one's root
                 st.outer = state
     for mod in modules:
         set_state(mod, state)

@@ -57,8 +57,9 @@ class UnitState:
     kind: str = "fully_shard"  # or "replicate"
     ignored: frozenset[int] = frozenset()  # ids of the ignored_params given (unmanaged on purpose)
     parent: UnitState | None = None  # the state of the nearest fully_shard call above (set by that call)
-    # that call's state when it was on another mesh (MoE experts on their own mesh inside a block): this
-    # state then roots a plan of its own, run inside the enclosing root's forward (RootContext.nested)
+    # that call's state when it was on another mesh (MoE experts on their own mesh inside a block) or of
+    # the other kind (replicate inside fully_shard): this state then roots a plan of its own, run inside
+    # the enclosing root's forward (RootContext.nested_states)
     outer: UnitState | None = None
     # knobs (FSDPModule.set_*)
     requires_gradient_sync: bool = True
