@@ -168,7 +168,8 @@ class CompatCfg:
     are ``fully_shard`` units below the root: ``blocks``, ``blocks+qkv`` (and each block's ``qkv`` inside it),
     ``blocks+qkv0`` (and only the first block's ``qkv``), or ``qkv`` (only those: the rest of each block belongs to
     the root); ``fuse`` = ``set_min_bucket_bytes`` on
-    fsdpfn's root (torch has no such knob)."""
+    fsdpfn's root (torch has no such knob); ``fullgraph`` = the blocks compiled with ``fullgraph=True`` (torchtitan's
+    setting: a graph break inside a block is an error; blocks holding no unit of their own)."""
 
     world: int = 2
     widths: tuple[int, ...] = (4, 6, 3, 5, 7)
@@ -181,6 +182,7 @@ class CompatCfg:
     ckpt: str | None = None
     units: str = "blocks"
     fuse: int | None = None
+    fullgraph: bool = False
 
     @property
     def blocks_compiled(self):
@@ -206,13 +208,14 @@ def _compat_train(lib_name, cfg, compiled, backend="aot_eager", default_backend=
     model = _net(cfg.widths, cfg.seed, cfg.ckpt)
     counter = CountingBackend(backend)
     compile_kw = {} if default_backend else dict(backend=counter)
+    block_kw = dict(compile_kw, fullgraph=True) if cfg.fullgraph else compile_kw
     mode = cfg.mode if compiled else ""
     if "before" in mode:
         for block in model.blocks:
-            block.compile(**compile_kw)
+            block.compile(**block_kw)
     if "child" in mode:
         for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block, **compile_kw)
+            model.blocks[i] = torch.compile(block, **block_kw)
     kw = dict(mesh=mesh, reshard_after_forward=cfg.reshard)
     if cfg.mp:
         kw["mp_policy"] = lib.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -226,7 +229,7 @@ def _compat_train(lib_name, cfg, compiled, backend="aot_eager", default_backend=
         model.set_min_bucket_bytes(cfg.fuse)
     if "after" in mode:
         for block in model.blocks:
-            block.compile(**compile_kw)
+            block.compile(**block_kw)
     forward = torch.compile(model, **compile_kw) if "root" in mode else model
     opt = torch.optim.AdamW(model.parameters(), **HP)
     micros = 2 if cfg.accum else 1
@@ -334,24 +337,29 @@ def compat_configs(draw):
     dim = draw(st.integers(4, 7))  # narrow layer norms are ill-conditioned (see test_compat_parity.py)
     d_in, d_out = draw(st.integers(2, 5)), draw(st.integers(1, 3))
     hiddens = tuple(draw(st.lists(st.integers(3, 8), min_size=1, max_size=3)))
+    mode = draw(st.sampled_from(COMPAT_MODES))
+    units = draw(st.sampled_from(["blocks", "blocks", "blocks+qkv", "blocks+qkv0", "qkv"]))
     return CompatCfg(
         world=draw(fst.world_sizes(1, 3)),
         widths=(d_in, dim, d_out, *hiddens),
         seq=draw(st.integers(2, 4)),  # one position: exactly-zero attention grads, which Adam amplifies
         seed=draw(st.integers(0, 10_000)),
-        mode=draw(st.sampled_from(COMPAT_MODES)),
+        mode=mode,
         reshard=draw(st.sampled_from([True, False, None])),
         mp=draw(st.booleans()),
         accum=draw(st.booleans()),
         ckpt=draw(st.sampled_from([None, "unit", "inside"])),
-        units=draw(st.sampled_from(["blocks", "blocks", "blocks+qkv", "blocks+qkv0", "qkv"])),
+        units=units,
         fuse=draw(st.sampled_from([None, 1, 300, 10**6])),
+        fullgraph=units == "blocks" and mode in ("before", "after", "child") and draw(st.booleans()),
     )
 
 
 @settings(max_examples=2)  # compiling is slow: few random draws, plus these examples every run
 @given(cfg=compat_configs())
 @example(cfg=CompatCfg(world=2, mode="after", ckpt="unit", accum=True, reshard=True))
+@example(cfg=CompatCfg(world=2, mode="after", fullgraph=True, reshard=True))  # raised "Skip calling disable()d" before
+@example(cfg=CompatCfg(world=2, mode="before", fullgraph=True, mp=True, ckpt="inside"))
 @example(cfg=CompatCfg(world=2, widths=(3, 5, 2, 6, 6), mode="root+child" if NESTED_COMPILE else "root+before", ckpt="inside", mp=True, fuse=10**6, seed=1))
 def test_compat_compiled_training_matches_eager_and_torch(cfg):
     _check_compat(cfg)
@@ -393,6 +401,7 @@ class FuncCfg:
     fuse: int | None = None
     mp: bool = False
     ckpt: str | None = None
+    fullgraph: bool = False  # blocks compiled with fullgraph=True (where no unit sits inside a block)
 
 
 def _blocks(model):
@@ -414,15 +423,16 @@ def _func_train(cfg, compiled, backend="aot_eager", default_backend=False):
     model = _net(recipe.widths, recipe.seed, cfg.ckpt) if recipe.kind == "transformer" else recipe.build()
     counter = CountingBackend(backend)
     compile_kw = {} if default_backend else dict(backend=counter)
+    block_kw = dict(compile_kw, fullgraph=True) if cfg.fullgraph else compile_kw
     mode = cfg.mode if compiled else ""
     if "before" in mode:
         for block in _blocks(model):
-            block.compile(**compile_kw)
+            block.compile(**block_kw)
     mp = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.mp else None
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=list(cfg.units), min_bucket_bytes=cfg.fuse, mp_policy=mp, donate=False)
     if "after" in mode:
         for block in _blocks(model):
-            block.compile(**compile_kw)
+            block.compile(**block_kw)
     apply = fsdpfn.fsdp(model, reshard_after_forward=cfg.reshard, prefetch=cfg.prefetch)
     loss_fn = lambda p, x, y: F.mse_loss(apply(p, x).float(), y)  # noqa: E731
     if "loss" in mode:
@@ -489,12 +499,16 @@ def func_configs(draw):
     recipe = draw(fst.model_recipes(min_width=4, min_seq=2))
     transformer = recipe.kind == "transformer"
     ckpt = draw(st.sampled_from([None, "unit", "inside"])) if transformer else None
+    units = tuple(draw(fst.unit_plans(recipe)))
+    # dynamo does not compile a torch.nn module (Linear, Sequential) called on its own: an MLP's loss only
+    mode = draw(st.sampled_from(FUNC_MODES if transformer else ("loss",)))
+    inner = any(u.startswith("blocks.") and u.count(".") > 1 for u in units)  # a unit inside a block: a break
     return FuncCfg(
         world=draw(fst.world_sizes(1, 3)),
         recipe=recipe,
-        units=tuple(draw(fst.unit_plans(recipe))),
-        # dynamo does not compile a torch.nn module (Linear, Sequential) called on its own: an MLP's loss only
-        mode=draw(st.sampled_from(FUNC_MODES if transformer else ("loss",))),
+        units=units,
+        mode=mode,
+        fullgraph=mode in ("before", "after") and not inner and draw(st.booleans()),
         reshard=draw(st.booleans()),
         prefetch=draw(st.integers(0, 2)),
         fuse=draw(st.sampled_from([None, 1, 300, 10**6])),
@@ -509,6 +523,7 @@ _R = ModelRecipe("transformer", (4, 6, 3, 5, 7), seed=3, seq=3)
 @settings(max_examples=3)  # compiling is slow: few random draws, plus these examples every run
 @given(cfg=func_configs())
 @example(cfg=FuncCfg(2, _R, ("blocks.0", "blocks.1"), "loss+before", fuse=10**6, mp=True, ckpt="unit"))
+@example(cfg=FuncCfg(2, _R, ("blocks.0", "blocks.1", "head"), "after", fullgraph=True, ckpt="inside"))  # raised before
 @example(cfg=FuncCfg(3, _R, ("inp", "blocks.0.qkv", "blocks.1", "head"), "after", False, prefetch=2, ckpt="inside"))
 @example(  # a random draw found the torch.nn unit in checkpointed blocks of two widths (test above, narrowed)
     cfg=FuncCfg(

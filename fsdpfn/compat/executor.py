@@ -23,6 +23,7 @@ from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.functions import CallInfo, add_by_name
 from fsdpfn.transform.apply import Apply
 from fsdpfn.transform.call import Call, _reduce_dtypes
+from fsdpfn.transform.eager import eager_frame
 
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
@@ -164,7 +165,7 @@ class CompatApply(Apply):
                 self.ctx.nested_prefetch(name)  # roots on other meshes in its prefetch list
             return got
 
-        return hook
+        return eager_frame(hook)
 
     def _swap_names(self, names: list[tuple[str, str]], full: dict[str, torch.Tensor]) -> Any:
         tp = self.ctx.tp

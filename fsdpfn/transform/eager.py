@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["REASON", "caller_frame", "eager", "functorch_active", "in_backward", "on_stack", "stable_graph_choice", "under_compile", "uncompiled_forward"]
+__all__ = ["REASON", "caller_frame", "eager", "eager_frame", "functorch_active", "in_backward", "on_stack", "stable_graph_choice", "under_compile", "uncompiled_forward"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -38,6 +38,24 @@ def eager(fn: F) -> F:
     if _HAS_REASON:
         return torch.compiler.disable(fn, reason=REASON)  # type: ignore[return-value]
     return torch.compiler.disable(fn)  # type: ignore[return-value]  # pragma: no cover - torch without reason=
+
+
+def eager_frame(fn: F) -> F:
+    """Have dynamo's frame callback run ``fn``'s frames as they are, untraced, while a caller dynamo is
+    tracing still inlines ``fn``. fsdpfn's unit hooks run between a compiled unit's ``_call_impl`` and its
+    forward (``block.compile(fullgraph=True)``): traced as frames of their own, they met the ``eager``
+    machinery as a graph break, an error under ``fullgraph=True``, where FSDP2's hooks (disabled functions
+    themselves) are run as they are; ``compile_step``'s and a compiled root's traces inline them as before.
+    (``torch._dynamo.skip`` would also refuse inlining; a torch without ``skip_code`` keeps the break.)
+
+    Example:
+        >>> def hook(mod, args): ...
+        >>> hook = eager_frame(hook)
+    """
+    skip = getattr(torch._dynamo.eval_frame, "skip_code", None)
+    if skip is not None:
+        skip(fn.__code__)
+    return fn
 
 
 def functorch_active() -> bool:

@@ -18,7 +18,7 @@ from torch import nn
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.ops.placeholder import Placeholder
 from fsdpfn.transform.casting import cast_inputs, cast_output
-from fsdpfn.transform.eager import eager, functorch_active, in_backward, stable_graph_choice, uncompiled_forward
+from fsdpfn.transform.eager import eager, eager_frame, functorch_active, in_backward, stable_graph_choice, uncompiled_forward
 from fsdpfn.transform.traced import enter_unit, exit_unit
 
 if TYPE_CHECKING:
@@ -228,7 +228,7 @@ class UnitHooks:
                 return enter_unit(self, self._forward[-1].call, name, args, kwargs)
             return eager_pre(mod, args, kwargs)
 
-        return hook
+        return eager_frame(hook)
 
     def _post_hook(self, name: str) -> Callable[..., Any]:
         @eager  # the eager executor: compiled code breaks around it
@@ -253,7 +253,7 @@ class UnitHooks:
                 return exit_unit(self, self._forward[-1].call, name, out)
             return eager_post(mod, args, out)
 
-        return hook
+        return eager_frame(hook)
 
     def _recompute_call(self, name: str) -> Call | None:
         """The call whose values a recompute of unit ``name`` uses when its backward has not started yet
