@@ -801,3 +801,25 @@ def test_functional_compiled_forward_that_raises_leaves_no_trace():
         _same(loss, want_loss, f"{where}: loss")
         for n in want_grads:
             _same(grads[n], want_grads[n], f"{where}: {n}.grad")
+
+
+def _wrapped_after_fully_shard_with_fullgraph():
+    from fsdpfn.compat import fully_shard
+
+    _reset()
+    model = _net((4, 6, 3, 5), 0, None)
+    fully_shard(model.blocks[0])
+    fully_shard(model)
+    model.blocks[0] = torch.compile(model.blocks[0], backend="aot_eager", fullgraph=True)
+    try:
+        model(torch.randn(LOCAL_BATCH, 3, 4))
+    except Exception as e:  # noqa: BLE001 - dynamo's Unsupported, whose reason is fsdpfn's
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_compiling_a_unit_with_fullgraph_after_fully_shard_says_what_works():
+    """``torch.compile(unit, fullgraph=True)`` after ``fully_shard`` traces the unit's dispatch, whose eager
+    steps break the graph: dynamo's error names the two ways that compile a unit whole."""
+    (msg,) = spmd(1, _wrapped_after_fully_shard_with_fullgraph)
+    assert msg is not None and "unit.compile(fullgraph=True)" in msg and "before fully_shard" in msg, msg

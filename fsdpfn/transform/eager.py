@@ -23,7 +23,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 REASON = (
     "fsdpfn runs each unit's gather, swap and reshard eagerly, so compiled code breaks at unit boundaries by "
-    "design; to trace a whole training step into one graph (fullgraph=True) use fsdpfn.compile_step"
+    "design; to trace a whole training step into one graph (fullgraph=True) use fsdpfn.compile_step; to compile "
+    "one unit with fullgraph=True use unit.compile(fullgraph=True), or torch.compile(unit) before fully_shard"
 )
 _HAS_REASON = "reason" in inspect.signature(torch.compiler.disable).parameters
 
