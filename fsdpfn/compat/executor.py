@@ -96,6 +96,7 @@ class CompatApply(Apply):
 
     placeholders = False  # outside its forward a unit's parameters stay FSDP2's sharded DTensors
     recomputes_plainly = True  # a root called inside a checkpointed region (compat/dispatch.py)
+    fresh_views = True  # each forward's tree: LocalShards' views of the DTensor parameters' local shards
 
     def __init__(self, ctx: RootContext):
         super().__init__(ctx.module, reshard_after_forward=True, prefetch=1, reduce_op="avg", divide_by=None)

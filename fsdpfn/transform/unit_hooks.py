@@ -51,6 +51,10 @@ class UnitHooks:
     # params, x)``): the checkpoint matches the saved tensors of both one by one, so such a call packs none
     # of its own and hands them all to the checkpoint, which holds none (``Call.in_checkpoint``).
     recomputes_plainly = False
+    # Each call's tree is fresh views of the same shards (the compat layer's DTensor parameters): two
+    # forwards awaiting backward read the same values. A functional tree is the user's: only the very
+    # same leaves are (a tree updated in place since holds other values under the same memory).
+    fresh_views = False
 
     # --- swapping --------------------------------------------------------------------------------
     def _target(self, fqn: str, kind: str) -> tuple[dict[str, Any], str]:
@@ -265,7 +269,8 @@ class UnitHooks:
             return None
         first = calls[0]
         for c in calls[1:]:
-            if any(not _same_tensor(c.params[k], first.params[k]) for k in first.plan.params):
+            same = _same_tensor if self.fresh_views else (lambda a, b: a is b)
+            if any(not same(c.params[k], first.params[k]) for k in first.plan.params):
                 raise RuntimeError(
                     f"apply: unit {name!r} is being recomputed (activation checkpointing) while several forwards "
                     "over different parameter trees await backward; run backward before the next forward"
@@ -275,8 +280,8 @@ class UnitHooks:
 
 
 def _same_tensor(a: Any, b: Any) -> bool:
-    """Whether two calls' leaves are one tensor: the same object, or views of the same memory (each
-    compat forward takes fresh views of the parameters' local shards)."""
+    """Whether two compat calls' leaves are one parameter's shard: the same object, or views of the same
+    memory (each compat forward takes fresh views of the parameters' local shards)."""
     if a is b:
         return True
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.numel() == 0 or b.numel() == 0:
