@@ -37,10 +37,14 @@ class Block(nn.Module):
         super().__init__()
         self.attn = nn.Linear(width, width)
         self.experts = nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, width))
+        self.gate = nn.Linear(width, 1)
         self.ckpt = ckpt
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.experts(torch.tanh(self.attn(x)))
+        h = torch.tanh(self.attn(x))
+        # the product saves the experts' output: a checkpoint's recompute comes before the backward reaches
+        # the nested root's output (it raised CheckpointError before the root's values were swapped in there)
+        return x + self.experts(h) * torch.sigmoid(self.gate(h))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return checkpoint(self._run, x, use_reentrant=False) if self.ckpt else self._run(x)

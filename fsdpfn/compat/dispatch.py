@@ -43,7 +43,11 @@ def dispatch(module: nn.Module, fn: Callable[..., Any] | None, args: tuple[Any, 
     if ctx is None or not ctx.running or st is ctx.state:
         ctx, start = _entry_eagerly(module, st) if torch.compiler.is_compiling() else _entry(module, st)
         if ctx is None:  # an activation-checkpoint recompute in backward: the unit hooks supply the values
-            return nn.Module.__call__(module, *args, **kwargs) if fn is None else fn(*args, **kwargs)
+            call = functools.partial(nn.Module.__call__, module) if fn is None else fn
+            root = st.root
+            if root is not None and st is root.state:  # a root called inside the checkpointed region
+                return root.apply.run_recomputed_root(call, args, kwargs)
+            return call(*args, **kwargs)
         if start:
             return ctx.run(functools.partial(_inside_call, ctx, st, module, fn), args, kwargs)
     return _inside(ctx, st, module, fn, args, kwargs)

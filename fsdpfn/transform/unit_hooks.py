@@ -259,6 +259,25 @@ class UnitHooks:
 
         return eager_frame(hook)
 
+    def run_recomputed_root(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``fn(*args, **kwargs)``, the root's forward re-run by an activation-checkpoint recompute in backward
+        (the compat layer: a root called inside a checkpointed region, e.g. MoE experts on their own mesh
+        inside a checkpointed block), with the root unit's values of the call awaiting backward in its
+        slots and its inputs and output cast as that call's were. The recompute can come before the
+        backward reaches the call's output (a product saves the root's output and the recompute makes it),
+        so the values cannot wait for that (``BackwardSwaps._enter``)."""
+        call = self._recompute.current.get("") or self._recompute_call("")
+        if call is None or "" not in call.plan.group_of:
+            return fn(*args, **kwargs)
+        swapped = self._swap(call.plan, self._recompute.values(call, call.plan.group_of[""], ""), "")
+        try:
+            args, kwargs = cast_inputs(call.plan, args, kwargs, "")
+            out = fn(*args, **kwargs)
+        finally:
+            self._restore(swapped)
+        cast = cast_output(call.plan, out, "")
+        return out if cast is None else cast
+
     def _recompute_call(self, name: str) -> Call | None:
         """The call whose values a recompute of unit ``name`` uses when its backward has not started yet
         (a checkpoint region around the whole call). Several forwards awaiting backward (DPO's two) must
