@@ -465,3 +465,15 @@ def test_a_forward_after_the_optimizer_step_sees_the_new_weights(world, seed, re
     for rank, got in enumerate(spmd(world, _eval_between_steps, seed, reshard)):
         for i, (g, w) in enumerate(zip(got, want)):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} output {i}: {m}")
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_two_forwards_inside_root_checkpoints_with_an_empty_shard(reshard):
+    """DPO's two forwards of a compat root each inside a checkpoint, at world 4: the head's 3 rows leave
+    rank 3 an empty shard. The recompute takes the values of one of the forwards awaiting backward, which
+    must hold the same shards on every rank (an empty shard compared by its memory address, none, made
+    rank 3 alone refuse them: a hang)."""
+    want = _reference("root", "dpo", 4, 5)
+    ours = spmd(4, _compat, "fsdpfn", "root", "dpo", reshard, False, 5)
+    for rank in range(4):
+        _check(ours[rank], want, FP32, f"fsdpfn.compat rank {rank} vs reference")

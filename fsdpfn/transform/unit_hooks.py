@@ -287,8 +287,8 @@ class UnitHooks:
         if not calls:
             return None
         first = calls[0]
+        same = _same_tensor if self.fresh_views else (lambda a, b: a is b)
         for c in calls[1:]:
-            same = _same_tensor if self.fresh_views else (lambda a, b: a is b)
             if any(not same(c.params[k], first.params[k]) for k in first.plan.params):
                 raise RuntimeError(
                     f"apply: unit {name!r} is being recomputed (activation checkpointing) while several forwards "
@@ -299,13 +299,13 @@ class UnitHooks:
 
 
 def _same_tensor(a: Any, b: Any) -> bool:
-    """Whether two compat calls' leaves are one parameter's shard: the same object, or views of the same
-    memory (each compat forward takes fresh views of the parameters' local shards)."""
+    """Whether two compat calls' leaves are one parameter's shard: the same object, or the same view of
+    one tensor (each compat forward takes fresh views of the parameters' local shards; by identity of the
+    viewed tensor, so an empty shard, whose memory has no address, is one too)."""
     if a is b:
         return True
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.numel() == 0 or b.numel() == 0:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return False
-    return (
-        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-        and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride()
-    )  # fmt: skip
+    base_a = a._base if a._base is not None else a
+    base_b = b._base if b._base is not None else b
+    return base_a is base_b and a.storage_offset() == b.storage_offset() and a.shape == b.shape and a.stride() == b.stride()
