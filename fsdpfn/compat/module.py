@@ -130,16 +130,12 @@ class FSDPModule:
                 f"reset_iter_state must be called on the root FSDP module\nthe root is {type(st.root.module).__name__}, "
                 f"not this {type(self).__name__}"
             )
-        if st.root is None:
-            if st.unsharded is not None:
-                drop_unsharded(st)
-            st.acc.clear()
-            return
-        for root in st.root.family():  # with the roots nested on other meshes
-            for s in root.states.values():
-                if s.unsharded is not None:
-                    drop_unsharded(s)
-                s.acc.clear()
+        roots = st.root.family() if st.root is not None else []  # with the roots nested on other meshes
+        for s in [s for root in roots for s in root.states.values()] if roots else [st]:
+            if s.unsharded is not None:
+                drop_unsharded(s)
+            s.acc.clear()
+        for root in roots:
             root.running = False
             root.apply.leave_failed_backward()  # gathered values a backward that raised left registered
 

@@ -219,10 +219,10 @@ class UnitHooks:
                 self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, full, name))
                 return cast_inputs(call.plan, args, kwargs, name)
             if in_backward():
-                call = self._recompute.current.get(name) or self._recompute_call(name)
-                if call is not None:
-                    values = self._recompute.values(call, call.plan.group_of[name], name)
-                    self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, values, name))
+                found = self._swap_for_recompute(name)
+                if found is not None:
+                    call, swapped = found
+                    self._unit_swaps.setdefault(name, []).append(swapped)
                     return cast_inputs(call.plan, args, kwargs, name)
             self._unit_swaps.setdefault(name, []).append([])
             return None
@@ -266,10 +266,10 @@ class UnitHooks:
         slots and its inputs and output cast as that call's were. The recompute can come before the
         backward reaches the call's output (a product saves the root's output and the recompute makes it),
         so the values cannot wait for that (``BackwardSwaps._enter``)."""
-        call = self._recompute.current.get("") or self._recompute_call("")
-        if call is None or "" not in call.plan.group_of:
+        found = self._swap_for_recompute("")
+        if found is None:
             return fn(*args, **kwargs)
-        swapped = self._swap(call.plan, self._recompute.values(call, call.plan.group_of[""], ""), "")
+        call, swapped = found
         try:
             args, kwargs = cast_inputs(call.plan, args, kwargs, "")
             out = fn(*args, **kwargs)
@@ -277,6 +277,14 @@ class UnitHooks:
             self._restore(swapped)
         cast = cast_output(call.plan, out, "")
         return out if cast is None else cast
+
+    def _swap_for_recompute(self, name: str) -> tuple[Call, Swap] | None:
+        """For a recompute of unit ``name`` in backward: the call whose values it uses and their swap into
+        the unit's slots (``None``: no call awaiting backward holds the unit)."""
+        call = self._recompute.current.get(name) or self._recompute_call(name)
+        if call is None:
+            return None
+        return call, self._swap(call.plan, self._recompute.values(call, call.plan.group_of[name], name), name)
 
     def _recompute_call(self, name: str) -> Call | None:
         """The call whose values a recompute of unit ``name`` uses when its backward has not started yet

@@ -146,7 +146,9 @@ def check_module(module: nn.Module, plan: ShardPlan) -> None:
             )
         shape = tuple(plan.tp[fqn].shape) if fqn in plan.tp else plan.specs[fqn].shape  # TP: global shape
         # a gathered copy an enclosing call or its backward swapped in (a plain tensor) is in the compute dtype
-        if tuple(p.shape) != shape or (p.dtype != plan.dtypes[fqn] and isinstance(p, nn.Parameter)):
+        # and takes the gradient flag of the call
+        own = isinstance(p, nn.Parameter)
+        if tuple(p.shape) != shape or (p.dtype != plan.dtypes[fqn] and own):
             how = (
                 " (module.to / .double() / .half() after shard: the tree's dtypes are its plan's; compute in another "
                 "dtype with shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=...)), or convert the module back)"
@@ -156,7 +158,7 @@ def check_module(module: nn.Module, plan: ShardPlan) -> None:
                 f"apply: leaf {fqn!r} was sharded as {shape} {plan.dtypes[fqn]} but the module's "
                 f"parameter is now {tuple(p.shape)} {p.dtype}; the plan is stale: call fsdpfn.shard again{how}"
             )
-        if isinstance(p, nn.Parameter):  # not a gathered copy an enclosing call swapped in
+        if own:
             _check_requires_grad(fqn, p.requires_grad, plan)
     known = set(plan.params) | set(plan.aliases) | set(plan.ignored)
     extra = [n for n in module_params if n not in known]
