@@ -43,7 +43,7 @@ tests_half() {
     # 1. every CUDA test (tests/test_cuda.py runs tests/scripts/cuda_checks.py, each check in a fresh process)
     #    and the core's, in the background: the probe and the trainings share the GPU meanwhile (their
     #    speed is not measured; the bench half runs alone)
-    FSDPFN_EXAMPLES=${FSDPFN_EXAMPLES:-12} timeout 330 python3 -m pytest -v -rs -p no:cacheprovider \
+    FSDPFN_EXAMPLES=${FSDPFN_EXAMPLES:-12} timeout 400 python3 -m pytest -v -rs -p no:cacheprovider \
         tests/test_cuda.py "tests/test_core.py::test_cuda_gather_and_reduce_world_one" > "$OUT/tests.log" 2>&1 &
     local tests_pid=$!
     # 2. which real collectives two ranks can run on one GPU (gloo on CUDA tensors)

@@ -183,6 +183,161 @@ def compat_world1() -> None:
             torch.testing.assert_close(runs["fsdpfn"][1][n], p, **tol, msg=lambda m: f"bf16={bf16} {n}: {m}")
 
 
+class _MoEBlock(torch.nn.Module):
+    """torchtitan's MoE block in small: experts on a mesh of their own, gated."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.attn = torch.nn.Linear(width, width)
+        self.experts = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.Tanh(), torch.nn.Linear(2 * width, width))
+        self.gate = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.attn(x))
+        return x + self.experts(h) * torch.sigmoid(self.gate(h))
+
+
+def nested_root_world1() -> None:
+    """Experts ``fully_shard``ed on another mesh than their blocks (a nested root, whose gather the enclosing
+    block starts by explicit forward prefetch) train on CUDA to torch's ``fully_shard``'s losses and weights
+    (fp32, then bf16 parameters with fp32 reduction): the nested root's gather, reduction and reshard on
+    the core's side streams."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdpfn.compat import MixedPrecisionPolicy, fully_shard
+    from fsdpfn.compat.state import state_of
+
+    _world1()
+    blocks_mesh = init_device_mesh(DEVICE, (1,), mesh_dim_names=("dp",))
+    experts_mesh = init_device_mesh(DEVICE, (1, 1), mesh_dim_names=("rep", "shard"))
+    for bf16 in (False, True):
+        torch.manual_seed(0)
+        base = torch.nn.Sequential(torch.nn.Linear(16, 32), *[_MoEBlock(32) for _ in range(3)], torch.nn.Linear(32, 4)).to(DEVICE)
+        runs = {}
+        for name, shard_fn, mp in (("fsdpfn", fully_shard, MixedPrecisionPolicy), ("torch", torch_fully_shard, TorchMP)):
+            model = copy.deepcopy(base)
+            kw = {"mp_policy": mp(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+            blocks = list(model)[1:-1]
+            for block in blocks:
+                shard_fn(block.experts, mesh=experts_mesh, **kw)
+                shard_fn(block, mesh=blocks_mesh, **kw)
+            shard_fn(model, mesh=blocks_mesh, **kw)
+            for block, nxt in zip(blocks, blocks[1:]):  # torchtitan's lists under EP: the next block and its experts
+                block.set_modules_to_forward_prefetch([nxt, nxt.experts])
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            for step in range(4):
+                x = torch.randn(8, 16, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
+                loss = model(x).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+            if name == "fsdpfn":
+                assert state_of(blocks[0].experts).root is not state_of(model).root, "the experts root no plan"
+            runs[name] = (torch.stack(losses), {n: p.full_tensor() for n, p in model.named_parameters()})
+        tol = dict(rtol=2e-2, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(runs["fsdpfn"][0], runs["torch"][0], **tol)
+        for n, p in runs["torch"][1].items():
+            torch.testing.assert_close(runs["fsdpfn"][1][n], p, **tol, msg=lambda m: f"bf16={bf16} {n}: {m}")
+
+
+def compiled_blocks_world1() -> None:
+    """Blocks compiled with ``fullgraph=True`` before sharding (torchtitan's recipe; inductor's kernels on CUDA)
+    train in both layers to the losses and weights of the same layer uncompiled."""
+    from fsdpfn.compat import fully_shard
+
+    mesh = _world1()
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"  # the CPU run checks this script, quickly
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(*[_MoEBlock(32) for _ in range(3)]).to(DEVICE)
+
+    def functional(compiled: bool) -> tuple[torch.Tensor, dict]:
+        model = copy.deepcopy(base)
+        if compiled:
+            for block in model:
+                block.compile(backend=backend, fullgraph=True)
+        params = fsdpfn.shard(model, mesh, units=["0", "1", "2"])
+        apply = fsdpfn.fsdp(model)
+        opt = fsdpfn.optim.adamw(lr=1e-2)
+        state = opt.init(params)
+        losses = []
+        for step in range(3):
+            x = torch.randn(8, 32, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
+            loss, grads = fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())(params)
+            params, state = opt.update(grads, state, params)
+            losses.append(loss.detach())
+        return torch.stack(losses), {k: v.clone() for k, v in params.params().items()}
+
+    def compat(compiled: bool) -> tuple[torch.Tensor, dict]:
+        model = copy.deepcopy(base)
+        for block in model:
+            if compiled:
+                block.compile(backend=backend, fullgraph=True)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            x = torch.randn(8, 32, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return torch.stack(losses), {n: p.full_tensor() for n, p in model.named_parameters()}
+
+    for name, train in (("functional", functional), ("compat", compat)):
+        torch._dynamo.reset()
+        got, want = train(True), train(False)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} losses: {m}")
+        for k, v in want[1].items():
+            torch.testing.assert_close(got[1][k], v, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} {k}: {m}")
+
+
+def loss_scale_fp16_world1() -> None:
+    """float16 parameters (fp32 reduction) with ``fsdpfn.optim.loss_scale`` on CUDA: while the scaled gradients
+    overflow float16 every step is skipped and the scale backs off; the first finite step's unscaled
+    gradients equal float32's, within float16 rounding, and its update moves the shards."""
+    mesh = _world1()
+    policy = fsdpfn.MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)) for _ in range(3)]).to(DEVICE)
+    x = torch.randn(16, 32, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(0))
+    fp32 = copy.deepcopy(base)
+    fp32_apply = fsdpfn.fsdp(fp32)
+    _, want = fsdpfn.value_and_grad(lambda p: fp32_apply(p, x).square().mean())(fsdpfn.shard(fp32, mesh, units=["0", "1", "2"]))
+    want = {k: v.clone() for k, v in want.params().items()}
+    model = copy.deepcopy(base)
+    params = fsdpfn.shard(model, mesh, units=["0", "1", "2"], mp_policy=policy)
+    apply = fsdpfn.fsdp(model)
+    loss_fn = lambda p: apply(p, x).float().square().mean()  # noqa: E731
+    ls = fsdpfn.optim.loss_scale(2.0**40, growth_interval=1000)  # far past float16's 65504
+    ls_state = ls.init()
+    opt = fsdpfn.optim.sgd(lr=1e-2)
+    opt_state = opt.init(params)
+    before = {k: v.clone() for k, v in params.params().items()}
+    skipped = 0
+    for _ in range(60):
+        _, grads = fsdpfn.value_and_grad(lambda p: ls.scale(loss_fn(p), ls_state))(params)
+        scale = ls_state.scale
+        grads, finite, ls_state = ls.unscale(grads, ls_state)
+        if finite:
+            break
+        skipped += 1
+        assert ls_state.scale == scale / 2, (scale, ls_state.scale)
+    assert finite and skipped > 0, f"finite={finite} after {skipped} skipped steps (scale {ls_state.scale})"
+    for k, g in grads.params().items():
+        assert torch.isfinite(g).all(), k
+        torch.testing.assert_close(g, want[k], rtol=2e-2, atol=1e-2 * float(want[k].abs().max()), msg=lambda m: f"{k}: {m}")
+    params, opt_state = opt.update(grads, opt_state, params)
+    still = [k for k, v in params.params().items() if torch.equal(v, before[k])]
+    assert not still, f"the finite step left {still} unchanged"
+    print(f"loss_scale_fp16_world1: {skipped} overflowing steps skipped, then finite at scale {scale:.3g}")
+
+
 def _gloo_step_worker(recipe, units, seed, reshard, prefetch):
     """One rank of ``gloo_world2_step``: the functional step on CUDA tensors over a gloo group."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -468,6 +623,7 @@ def fake_step_memory() -> None:
 
 CHECKS = {f.__name__: f for f in (
     step_world1, mixed_precision_world1, checkpoint_world1, compat_world1, gloo_world2_step,
+    nested_root_world1, compiled_blocks_world1, loss_scale_fp16_world1,
     fake_gather_waits_for_inputs, fake_result_waits_for_gather, fake_reduce_keeps_its_input,
     fake_bucket_pack_waits_for_shards, fake_bucket_pack_keeps_its_shards, fake_flat_gather_waits_for_shards,
     fake_span_gather_keeps_its_shards, fake_step_memory,
