@@ -181,3 +181,41 @@ def test_a_parameter_used_on_some_ranks_with_a_zero_gradient_is_refused_on_every
         for name, value in results[0][1].items():
             for rank, (_, got) in enumerate(results[1:], 1):
                 torch.testing.assert_close(got[name], value, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def _nested_step(skips: list[tuple[int, ...]]):
+    """``_Net``'s blocks as units of a root nested on another mesh (``fully_shard`` on an HSDP mesh inside a
+    ``fully_shard`` on the 1-D mesh), rank r skipping ``skips[r]``: what the backward did."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdpfn.compat import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat = init_device_mesh("cpu", (world,))
+    other = init_device_mesh("cpu", (1, world), mesh_dim_names=("rep", "shard"))
+    net = _Net(3, 0)
+    model = nn.Sequential(nn.Linear(3, 3), net)
+    for b in net.blocks:
+        fully_shard(b, mesh=other)
+    fully_shard(net, mesh=other)
+    fully_shard(model, mesh=flat)
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(rank))
+    try:
+        net.forward = lambda x, _f=net.forward: _f(x, skips[rank])
+        model(x).pow(2).mean().backward()
+    except CollectivePlanError as e:
+        return "raised", str(e)
+    return "trained", None
+
+
+@pytest.mark.parametrize("skips", [[(1,), (2,)], [(1,), (1,)]])
+def test_a_divergence_inside_a_root_nested_on_another_mesh_raises_on_every_rank(skips):
+    """A root nested in another's forward reads its check at the end of the backward (its ranks need not
+    meet in the middle of the enclosing backward): the divergence is still refused by every rank, before
+    ``backward()`` returns; the same blocks everywhere train."""
+    results = spmd(2, _nested_step, skips)
+    if skips[0] != skips[1]:
+        assert [kind for kind, _ in results] == ["raised", "raised"], results
+        assert all("ranks ran different collectives since the last check" in msg for _, msg in results)
+    else:
+        assert [kind for kind, _ in results] == ["trained", "trained"], results

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn.compat.explicit_unshard import stale_unshards
 from fsdpfn.core import Comm
-from fsdpfn.core.pass_check import check_pass
+from fsdpfn.core.pass_check import start_pass_check
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.buckets import Buckets
@@ -40,9 +40,10 @@ class LocalShards(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, specs: tuple[Any, ...], fqns: tuple[str, ...], deferred: DeferredReductions, comm: Comm,
-                stranded: Callable[[], dict[str, torch.Tensor]], *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+                stranded: Callable[[], dict[str, torch.Tensor]], nested: bool, *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.specs = specs
         ctx.comm = comm
+        ctx.nested = nested
         ctx.stranded = stranded
         ctx.fqns = fqns
         ctx.deferred = deferred
@@ -56,12 +57,20 @@ class LocalShards(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         deferred: DeferredReductions = ctx.deferred
         deferred.wait()  # the units' reduce-scatters, left in flight by their backward; then their results
-        check_pass(ctx.comm)  # every rank reduced the same units (else they were mixed): before any use
+        # every rank reduced the same units (else they were mixed): known before any use of the gradients. A
+        # root nested in another's forward reads the verdict at the end of the backward (its backward is
+        # one unit's), so the rest of the backward need not wait for the other ranks here
+        verdict = start_pass_check(ctx.comm)
+        if verdict is not None:
+            if ctx.nested:
+                torch.autograd.Variable._execution_engine.queue_callback(verdict)
+            else:
+                verdict()
         grads = tuple(deferred.add_to(f, g) for f, g in zip(ctx.fqns, grads))
         # accumulated gradients of units this backward did not run (compat/stranded.py)
         grads = add_by_name(ctx.fqns, grads, ctx.stranded())
         graph = torch.is_grad_enabled()  # create_graph: the DTensor gradients stay differentiable (a MAML step)
-        return (None, None, None, None, None, *(None if g is None else _as_dtensor(g, s, graph) for g, s in zip(grads, ctx.specs)))
+        return (None, None, None, None, None, None, *(None if g is None else _as_dtensor(g, s, graph) for g, s in zip(grads, ctx.specs)))
 
 
 def _as_dtensor(g: torch.Tensor, spec: Any, graph: bool) -> DTensor:

@@ -288,7 +288,7 @@ class RootContext:
         params = [m.param for m in self.managed.values()]
         local = LocalShards.apply(
             tuple(p._spec for p in params), self.managed_fqns, deferred if deferred is not None else DeferredReductions(),
-            self.comm, functools.partial(reduce_stranded, self), *params,
+            self.comm, functools.partial(reduce_stranded, self), self.state.outer is not None, *params,
         )  # fmt: skip
         return Sharded._from_children(list(local), self.plan)
 

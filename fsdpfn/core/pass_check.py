@@ -22,13 +22,15 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fsdpfn.core.comm import Comm
 from fsdpfn.core.guard import CollectivePlanError
 from fsdpfn.messages import listing
 
-__all__ = ["check_pass"]
+__all__ = ["check_pass", "start_pass_check"]
 
 _LABEL = "fsdpfn:check that ranks ran the same collectives"
 
@@ -36,6 +38,21 @@ _LABEL = "fsdpfn:check that ranks ran the same collectives"
 def check_pass(comm: Comm) -> None:
     """Compare the digest of ``comm``'s collectives since the last call across its mesh (a collective:
     every rank calls it at the same point) and raise ``CollectivePlanError`` on every rank if they differ."""
+    finish = start_pass_check(comm)
+    if finish is not None:
+        finish()
+
+
+def start_pass_check(comm: Comm) -> Callable[[], None] | None:
+    """``check_pass`` in two halves: launch the comparison now and return what reads its verdict (and
+    raises), or ``None`` when there is nothing to read (no collective since the last check; on CUDA, where
+    the verdict is read at the next check anyway). A root nested in another's forward reads it at the end of
+    the backward (``queue_callback``), so its backward need not wait for the other ranks there.
+
+    Example:
+        >>> finish = start_pass_check(params.plan.comm)     # doctest: +SKIP
+        >>> if finish is not None: finish()                 # doctest: +SKIP
+    """
     guard = comm.guard
     if comm.dp_world == 1 or comm.groups.simulated:
         guard.digest = guard.missing = 0
@@ -43,7 +60,7 @@ def check_pass(comm: Comm) -> None:
         refusal, guard.refusal = guard.refusal, None
         if refusal is not None:
             raise refusal
-        return
+        return None
     digest, guard.digest = guard.digest, 0
     refusal, guard.refusal = guard.refusal, None
     missing, guard.missing = guard.missing, 0
@@ -54,22 +71,27 @@ def check_pass(comm: Comm) -> None:
         event.synchronize()
         _verdict(comm, host.tolist(), None, [])
     if digest == 0 and refusal is None:
-        return  # no collective since the last check (on every rank, unless they diverged before it)
+        return None  # no collective since the last check (on every rank, unless they diverged before it)
     with comm.untracked():
         values = [digest, digest * digest, refusal is not None, missing, missing * missing]
         sums = torch.tensor(values, dtype=torch.int64, device=comm.groups.device)
         handle = comm.all_reduce_sum(sums, label=_LABEL)
-        handle.wait()  # CPU: the sums are ready; CUDA: the current stream waits, the host does not
-        if sums.device.type == "cuda":
-            host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
-            host.copy_(sums, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            guard.pending_check = (event, host)
-            if refusal is not None:  # this rank knows now; the others at their next check
-                raise refusal
-            return
+    if sums.device.type == "cuda":
+        handle.wait()  # the current stream waits, the host does not
+        host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
+        host.copy_(sums, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        guard.pending_check = (event, host)
+        if refusal is not None:  # this rank knows now; the others at their next check
+            raise refusal
+        return None
+
+    def finish() -> None:
+        handle.wait()
         _verdict(comm, sums.tolist(), refusal, names)
+
+    return finish
 
 
 def _verdict(comm: Comm, sums: list[int], refusal: BaseException | None, names: list[str]) -> None:
