@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--callers", default=None, help="also list the callers of the functions this regex matches (pstats)")
     p.add_argument("--sort", choices=["cumtime", "tottime"], default="cumtime")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--min-bucket-bytes", type=_bucket_bytes, default="auto",
@@ -81,7 +82,10 @@ def main(argv: list[str] | None = None) -> None:
         where = f"rank 0 of a fake world of {world}" if args.fake_world else f"world {world}"
         print(f"{args.variant} on {args.model} ({args.device}, {args.dtype}), {where}: {plain * 1e3:.2f} ms/step plain, {profiled * 1e3:.2f} ms/step "
               f"under cProfile ({args.steps} steps, {torch.get_num_threads()} threads; rank 0's profile)")
-        pstats.Stats(prof).strip_dirs().sort_stats(args.sort).print_stats(args.top)
+        stats = pstats.Stats(prof).strip_dirs().sort_stats(args.sort)
+        stats.print_stats(args.top)
+        if args.callers:
+            stats.print_callers(args.callers)
     dist.destroy_process_group()
 
 

@@ -151,6 +151,42 @@ def test_hsdp_reduce_scatters_then_all_reduces_over_replicas():
         assert (rs, ar) == (1, 1)
 
 
+def _one_replica_reduce(shape):
+    import torch.distributed as dist
+
+    from fsdpfn.layout import BucketLayout, ShardSpec
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = Comm(fsdpfn.init_mesh(shape))
+    assert comm.groups.replicate_group is None and comm.groups.replicas == 1  # 1-D, or one replica
+    full = torch.ones(world, 3, dtype=torch.float64) * (rank + 1)  # the shard world is every rank in both
+    got = comm.reduce_scatter(full, scale=1.0 / world).wait()
+    comm.exchange_min_bytes = 0  # the direct exchanges even for this small bucket
+    direct = []
+    exchange = comm.reduce_exchange
+    real = exchange.reduce_direct
+    exchange.reduce_direct = lambda *a: direct.append(1) or real(*a)
+    layout = BucketLayout.build(("w",), (ShardSpec((6, 2), world),), torch.float32)
+    shard = comm.reduce_bucket(layout, [torch.arange(12.0).reshape(6, 2) * (rank + 1)], scale=1.0 / world).wait()
+    return got, layout.unpack_shards(shard, rank)[0], comm.stats.all_reduces, len(direct)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_replicate_dim_of_one_rank_is_no_all_reduce(world):
+    """A 2-D mesh whose replicate dim holds one rank (torchtitan's meshes keep such dims) reduces as its 1-D
+    mesh does: the same means, no all-reduce over the one replica, and the direct reduce-scatter (a
+    replicate group of one made every reduction take the packed path and an all-reduce)."""
+    flat = spmd(world, _one_replica_reduce, (world,))
+    one = spmd(world, _one_replica_reduce, (1, world))
+    for rank, (mine, theirs) in enumerate(zip(one, flat)):
+        assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1])
+        assert torch.allclose(mine[0], torch.full((3,), (world + 1) / 2, dtype=torch.float64))
+        want = fsdpfn.shard_tensor(torch.arange(12.0).reshape(6, 2) * (world + 1) / 2, fsdpfn.ShardSpec((6, 2), world), rank)
+        assert torch.allclose(mine[1], want)
+        assert mine[2:] == theirs[2:] and mine[2] == 0, (mine[2:], theirs[2:])
+        assert mine[3] == (world == 2)  # at world 2 this bucket goes direct (at 3 its rows are packed anyway)
+
+
 def _live_bytes():
     comm = Comm(fsdpfn.init_mesh())
     stats = comm.stats

@@ -131,7 +131,7 @@ class MeshGroups:
     """The groups fsdpfn communicates over for a mesh: shard group (last dim) and replicate group."""
 
     shard_group: dist.ProcessGroup | None  # None: replicate-only (DDP), every rank holds everything
-    replicate_group: dist.ProcessGroup | None
+    replicate_group: dist.ProcessGroup | None  # None: no replicas (1-D, or a replicate dim of one rank)
     rank: int
     world: int
     replicas: int
@@ -185,7 +185,9 @@ def mesh_groups(mesh: DeviceMesh, *, replicate_only: bool = False) -> MeshGroups
         group = mesh.get_group(0)
         return MeshGroups(None, group, 0, 1, dist.get_world_size(group), mesh.device_type)
     shard_group = mesh.get_group(mesh.ndim - 1)
-    replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+    # a replicate dim of one rank (torchtitan's meshes keep such dims) has nothing to all-reduce: without
+    # its group a reduction skips the all-reduce and keeps the direct exchanges (FSDP2 runs it anyway)
+    replicate_group = mesh.get_group(0) if mesh.ndim == 2 and mesh.size(0) > 1 else None
     return MeshGroups(
         shard_group=shard_group,
         replicate_group=replicate_group,
