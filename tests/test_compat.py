@@ -935,19 +935,23 @@ def test_unshard_handle_wait_reshard_and_forward_after_unshard():
 
 # ---- 5. gradient accumulation without sync --------------------------------------------------------------
 @_worker
-def _w_nosync(reshard):
+def _w_nosync(reshard, when="forward"):
+    """``when``: the knob is switched before each forward, or between a forward and its backward (as a
+    pipeline schedule does; FSDP2 reads it when the backward runs)."""
     world = _world()
     mesh = _mesh()
     want = _math_grads(world, steps=(0, 1, 2))
     res = {}
     for name in LIBS:
         lib = _lib(name)
-        tag = f"{_tag(lib)} reshard_after_forward={reshard}"
+        tag = f"{_tag(lib)} reshard_after_forward={reshard} switched before {when}"
         model = _build(lib, mesh, reshard_after_forward=reshard)
         model.set_is_last_backward(False)
-        model.set_requires_gradient_sync(False)
+        if when == "forward":
+            model.set_requires_gradient_sync(False)
         for step in (0, 1):
             y = model(_x(_rank(), step))
+            model.set_requires_gradient_sync(False)
             if name == COMPAT:
                 stats = _stats(model)
                 before = _counts(stats)
@@ -959,17 +963,21 @@ def _w_nosync(reshard):
                     assert ag == 0, f"{tag}: no-sync backward all-gathered {ag} times"
             for n, p in model.named_parameters():
                 assert p.grad is None, f"{tag}: {n}.grad set during accumulation"
-        model.set_requires_gradient_sync(True)
         model.set_is_last_backward(True)
-        _step(model, 2)
+        if when == "forward":
+            model.set_requires_gradient_sync(True)
+        y = model(_x(_rank(), 2))
+        model.set_requires_gradient_sync(True)
+        _loss(y).backward()
         res[name] = _grads(model)
         _close(res[name], want, f"{tag} accumulated grads vs math")
-    _close(res[COMPAT], res[TORCH], f"reshard_after_forward={reshard}: vs torch")
+    _close(res[COMPAT], res[TORCH], f"reshard_after_forward={reshard}, switched before {when}: vs torch")
 
 
 @pytest.mark.parametrize("reshard", [None, False])
-def test_requires_gradient_sync_false_communicates_nothing_then_reduces_the_sum(reshard):
-    spmd(2, _w_nosync, reshard, timeout=TIMEOUT)
+@pytest.mark.parametrize("when", ["forward", "backward"])
+def test_requires_gradient_sync_false_communicates_nothing_then_reduces_the_sum(reshard, when):
+    spmd(2, _w_nosync, reshard, when, timeout=TIMEOUT)
 
 
 # ---- 6. policies, ignored params, meta init, dtype conversion --------------------------------------------

@@ -8,6 +8,7 @@ off one process under the zero-bubble schedules here (probe, torch 2.13); compat
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -116,3 +117,48 @@ def test_compat_stages_under_pipelining_schedules_equal_one_process(
         assert got.keys() <= want.keys() and got
         for k, v in got.items():
             torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {k}: {m}")
+
+
+def _reductions(schedule, microbatches):
+    """Reduce-scatters issued over two steps by this rank's stage roots, and what torch sees of the stage."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from fsdpfn.compat.state import state_of
+
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdpfn.compat import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
+    n_stages = 2 * SCHEDULES[schedule]
+    mine = _stages_of(mesh["pp"].get_local_rank(), n_stages, schedule)
+    widths = [3, 5, 4, 6, 2][: n_stages + 1]
+    modules = _stage_modules(widths, 0)
+    stages = []
+    for i in mine:
+        fully_shard(modules[i][0], mesh=mesh["dp"])
+        fully_shard(modules[i], mesh=mesh["dp"])
+        stages.append(pipelining.PipelineStage(modules[i], i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
+    sched = getattr(pipelining, schedule)(stages if len(stages) > 1 else stages[0], n_microbatches=microbatches, loss_fn=_loss)
+    for step in range(2):
+        args = (_batch(mesh["dp"].get_local_rank(), step, widths[0]),) if 0 in mine else ()
+        kwargs = dict(target=torch.full((8, widths[-1]), 0.3), losses=[]) if n_stages - 1 in mine else {}
+        sched.step(*args, **kwargs)
+        for m in (modules[i] for i in mine):
+            assert all(p.grad is not None for p in m.parameters())
+            m.zero_grad()
+    seen_as_fsdp = all(isinstance(modules[i], TorchFSDPModule) for i in mine)
+    return sum(state_of(modules[i]).root.comm.stats.reduce_scatters for i in mine), seen_as_fsdp
+
+
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "ScheduleZBVZeroBubble"])
+def test_a_stage_reduces_once_per_step_not_once_per_microbatch(schedule):
+    """The schedule sees a compat stage as FSDP-sharded (fsdpfn's ``FSDPModule`` derives from torch's) and
+    defers its reduction to the end of the step as with FSDP2: the same reduce-scatters with 4 microbatches
+    as with 1 (before, each microbatch's backward reduced: 4x as many)."""
+    one, four = spmd(4, _reductions, schedule, 1), spmd(4, _reductions, schedule, 4)  # dp of 2 per stage
+    for (n1, fsdp1), (n4, fsdp4) in zip(one, four):
+        assert fsdp1 and fsdp4
+        assert n1 == n4 > 0, (n1, n4)

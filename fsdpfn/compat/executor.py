@@ -6,15 +6,17 @@ flight), units that span several modules, and ``LocalShards``, the one autograd 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.distributed.tensor import DTensor
 
 from fsdpfn.compat.explicit_unshard import stale_unshards
-from fsdpfn.core import Comm
+from fsdpfn.compat.stranded import reduce_stranded
 from fsdpfn.core.pass_check import start_pass_check
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
@@ -39,38 +41,63 @@ class LocalShards(torch.autograd.Function):
     spec."""
 
     @staticmethod
-    def forward(ctx: Any, specs: tuple[Any, ...], fqns: tuple[str, ...], deferred: DeferredReductions, comm: Comm,
-                stranded: Callable[[], dict[str, torch.Tensor]], nested: bool, *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, specs: tuple[Any, ...], fqns: tuple[str, ...], deferred: DeferredReductions, root: RootContext,
+                *params: DTensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.specs = specs
-        ctx.comm = comm
-        ctx.nested = nested
-        ctx.stranded = stranded
+        ctx.root = root
         ctx.fqns = fqns
         ctx.deferred = deferred
         ctx.set_materialize_grads(False)
         # fresh tensor objects: autograd metadata must not land on the DTensors' own local tensors
         out = tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
         ctx.mark_non_differentiable(*(o for o, p in zip(out, params) if not p.requires_grad))
+        ctx.trainable = next((p for p in params if p.requires_grad), None)  # asked in backward: is it autograd.grad
+        ctx.local = tuple((o.shape, o.dtype) for o in out)
         return out
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         deferred: DeferredReductions = ctx.deferred
+        root: RootContext = ctx.root
         deferred.wait()  # the units' reduce-scatters, left in flight by their backward; then their results
         # every rank reduced the same units (else they were mixed): known before any use of the gradients. A
         # root nested in another's forward reads the verdict at the end of the backward (its backward is
         # one unit's), so the rest of the backward need not wait for the other ranks here
-        verdict = start_pass_check(ctx.comm)
+        verdict = start_pass_check(root.comm)
         if verdict is not None:
-            if ctx.nested:
+            if root.state.outer is not None:
                 torch.autograd.Variable._execution_engine.queue_callback(verdict)
             else:
                 verdict()
         grads = tuple(deferred.add_to(f, g) for f, g in zip(ctx.fqns, grads))
         # accumulated gradients of units this backward did not run (compat/stranded.py)
-        grads = add_by_name(ctx.fqns, grads, ctx.stranded())
+        grads = add_by_name(ctx.fqns, grads, reduce_stranded(root))
+        if root.acc and _capturing(ctx.trainable):
+            # torch.autograd.grad with gradient sync off (a pipeline schedule's weight pass): the gradients
+            # wait unreduced in the accumulator for the next sync, which adds them to .grad; the call gets
+            # zeros for them (adding those to .grad, as the schedule does, changes nothing)
+            device = root.comm.groups.device
+            grads = tuple(
+                torch.zeros(shape, dtype=dtype, device=device) if g is None and f in root.acc else g
+                for f, g, (shape, dtype) in zip(ctx.fqns, grads, ctx.local)
+            )
         graph = torch.is_grad_enabled()  # create_graph: the DTensor gradients stay differentiable (a MAML step)
-        return (None, None, None, None, None, None, *(None if g is None else _as_dtensor(g, s, graph) for g, s in zip(grads, ctx.specs)))
+        return (None, None, None, None, *(None if g is None else _as_dtensor(g, s, graph) for g, s in zip(grads, ctx.specs)))
+
+
+def _capturing(param: DTensor | None) -> bool:
+    """Whether the running backward is ``torch.autograd.grad`` (it returns gradients instead of accumulating
+    them into ``.grad``), asked of ``param``'s gradient accumulator: autograd refuses to say whether it
+    will run one there."""
+    if param is None:
+        return False
+    with torch.enable_grad():
+        node = get_gradient_edge(param).node
+    try:
+        torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True
+    return False
 
 
 def _as_dtensor(g: torch.Tensor, spec: Any, graph: bool) -> DTensor:
@@ -91,13 +118,17 @@ class CompatCall(Call):
         return self.ctx.collective(unit)
 
     def info(self, name: str) -> CallInfo:
+        return CallInfo(self.pending.pop(name, None), resolve=functools.partial(self._reduction, name))
+
+    def _reduction(self, name: str) -> CallInfo:
+        """How unit or group ``name``'s backward reduces, from its knobs when that backward runs (FSDP2
+        reads gradient sync in its post-backward): sync off keeps the full gradients in the accumulator."""
         st = self.ctx.knobs(name)
-        pending = self.pending.pop(name, None)
         keep_none = not st.reduce_scatter_unused
         if self.ctx.defers(name):
             self.ctx.accumulating = True
-            return CallInfo(pending, sink=st.acc, sink_dtypes=_reduce_dtypes(self.plan), keep_none=keep_none)
-        return CallInfo(pending, carry=st.acc if st.acc else None, keep_none=keep_none, deferred=self.deferred)
+            return CallInfo(sink=st.acc, sink_dtypes=_reduce_dtypes(self.plan), keep_none=keep_none)
+        return CallInfo(carry=st.acc if st.acc else None, keep_none=keep_none, deferred=self.deferred)
 
 
 class CompatApply(Apply):

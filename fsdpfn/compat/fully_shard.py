@@ -21,6 +21,7 @@ from fsdpfn.compat.anomaly import allow_anomaly_checks
 from fsdpfn.compat.checks import check_mesh, check_modules, check_not_scalar, check_reshard, shard_dim_of
 from fsdpfn.compat.explicit_unshard import discard_unshard
 from fsdpfn.compat.module import FSDPModule, _unimplemented_deepcopy
+from fsdpfn.compat.pipelining import register_pipeline_state
 from fsdpfn.compat.replaced_params import watch_optimizer_steps
 from fsdpfn.compat.state import ManagedParam, UnitState, mark_sharded, set_state, sharded_as, state_of
 from fsdpfn.compat.tp import SpmdMesh, spmd_layout, tp_param
@@ -202,6 +203,7 @@ def _shard(
             made = type(f"{prefix}{cls.__name__}", (wrapper, cls), {"__deepcopy__": _unimplemented_deepcopy})
             new_cls = _CLASSES.setdefault(key, made)  # rank-threads racing here all get the same class
         mod.__class__ = new_cls
+        register_pipeline_state(mod)  # what torch.distributed.pipelining reads of FSDP2's state
     return module
 
 

@@ -12,6 +12,7 @@ from typing import Any, Literal, NoReturn
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from fsdpfn.compat.hooks import check_all_gather, check_reduce_scatter, update_custom
 from fsdpfn.compat.dispatch import dispatch, unit_state
@@ -74,8 +75,11 @@ def _unimplemented_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
     )
 
 
-class FSDPModule:
+class FSDPModule(TorchFSDPModule):
     """The mixin ``fully_shard`` adds (class name ``FSDP<Original>``): FSDP2's ``FSDPModule`` API.
+
+    It derives from torch's ``FSDPModule``, so torch code that asks whether a module is FSDP-sharded (a
+    pipeline schedule: ``fsdpfn/compat/pipelining.py``) sees it as one; every method is fsdpfn's own.
 
     Example:
         >>> model = fully_shard(model)                            # doctest: +SKIP
@@ -83,7 +87,14 @@ class FSDPModule:
         >>> model.set_requires_gradient_sync(False)                # gradient accumulation  # doctest: +SKIP
     """
 
-    _orig_cls_mro_index: int = 2
+    _orig_cls_mro_index: int = 3  # FSDP<Original>, this class, torch's FSDPModule, Original
+
+    def _get_fsdp_state(self) -> NoReturn:
+        raise NotImplementedError(
+            f"{type(self).__name__} is sharded by fsdpfn.compat.fully_shard, which keeps no torch FSDP2 state: "
+            "torch code that reads FSDP2's internals (torch.distributed._tools.FSDPMemTracker) does not apply to "
+            "it; use torch.distributed._tools.mem_tracker.MemTracker"
+        )
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Containers that build a new instance of their own class (Sequential slicing) get the original.
@@ -371,7 +382,7 @@ class FSDPModule:
         st = unit_state(self)
         if st.unsharded is not None:
             drop_unsharded(st)
-        out = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        out = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # the module's own (past torch's FSDP2 one)
         for m in st.managed:
             mod, attr = m.slots[0]
             current = mod._parameters.get(attr)

@@ -23,7 +23,7 @@ __all__ = ["ReplicateModule", "replicate"]
 class ReplicateModule(FSDPModule):
     """The mixin ``replicate`` adds (class name ``Replicate<Original>``); the ``FSDPModule`` methods apply."""
 
-    _orig_cls_mro_index: int = 3
+    _orig_cls_mro_index: int = 4  # Replicate<Original>, this class, FSDPModule, torch's, Original
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Not applicable: ``replicate`` never shards, so there is nothing to reshard."""

@@ -13,7 +13,6 @@ plans again when it changes (dtypes, which parameters require a gradient, the mo
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +26,6 @@ from fsdpfn.compat.executor import CompatApply, LocalShards
 from fsdpfn.compat.planned import PlannedGroups, plans_groups
 from fsdpfn.compat.replaced_params import note_replacement
 from fsdpfn.compat.state import UnitState, drop_unsharded
-from fsdpfn.compat.stranded import reduce_stranded
 from fsdpfn.compat.tree import ModuleTree, check_managed, unmanaged_parameter_error
 from fsdpfn.compat.unreduced_step import watch_unreduced
 from fsdpfn.core import Comm, link_of
@@ -288,7 +286,7 @@ class RootContext:
         params = [m.param for m in self.managed.values()]
         local = LocalShards.apply(
             tuple(p._spec for p in params), self.managed_fqns, deferred if deferred is not None else DeferredReductions(),
-            self.comm, functools.partial(reduce_stranded, self), self.state.outer is not None, *params,
+            self, *params,
         )  # fmt: skip
         return Sharded._from_children(list(local), self.plan)
 

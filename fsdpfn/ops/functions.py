@@ -10,6 +10,7 @@ before the first is waited for, so the buckets overlap each other.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,9 @@ class CallInfo:
     # gradients to add (by FQN), taken when the backward runs: a reentrant checkpoint inside the unit left
     # them on its recompute's values, outside autograd's reach (see fsdpfn.transform.recompute)
     extra: Callable[[], dict[str, torch.Tensor]] | None = None
+    # the owner's sink/carry/keep_none/deferred, asked when the backward runs (compat reads gradient sync
+    # then, as FSDP2 does: a pipeline schedule turns it off between a microbatch's forward and backward)
+    resolve: Callable[[], CallInfo] | None = None
 
 
 def add_by_name(
@@ -100,6 +104,8 @@ class _BucketCollective(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         b: Buckets = ctx.buckets
         info: CallInfo = ctx.info
+        if info.resolve is not None:
+            info = dataclasses.replace(info.resolve(), extra=info.extra, in_graph_backward=info.in_graph_backward)
         # A reduction made by a create_graph backward, differentiated now. Its own scale is exact (it is
         # the derivative of the average), but when a scaled reduction already ran in this backward, that
         # one took the mean over ranks of this backward's loss, and the gather backward this path reaches
