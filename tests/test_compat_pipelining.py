@@ -119,11 +119,21 @@ def test_compat_stages_under_pipelining_schedules_equal_one_process(
             torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {k}: {m}")
 
 
-def _reductions(schedule, microbatches):
-    """Reduce-scatters issued over two steps by this rank's stage roots, and what torch sees of the stage."""
+def _reductions(schedule, microbatches, keep=True):
+    """Reduce-scatters issued over two steps by this rank's stage roots, what torch sees of the stage, and
+    the all-gathers (``keep=False``: the schedule's ``set_reshard_after_backward(False)`` ignored)."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
+    from fsdpfn.compat import FSDPModule
     from fsdpfn.compat.state import state_of
+
+    if not keep:
+        real = FSDPModule.set_reshard_after_backward
+        FSDPModule.set_reshard_after_backward = lambda self, value, **kw: real(self, True, **kw)
+        try:
+            return _reductions(schedule, microbatches)
+        finally:
+            FSDPModule.set_reshard_after_backward = real
 
     import torch.distributed as dist
     from torch.distributed import pipelining
@@ -150,15 +160,20 @@ def _reductions(schedule, microbatches):
             assert all(p.grad is not None for p in m.parameters())
             m.zero_grad()
     seen_as_fsdp = all(isinstance(modules[i], TorchFSDPModule) for i in mine)
-    return sum(state_of(modules[i]).root.comm.stats.reduce_scatters for i in mine), seen_as_fsdp
+    stats = [state_of(modules[i]).root.comm.stats for i in mine]
+    return sum(s.reduce_scatters for s in stats), seen_as_fsdp, sum(s.all_gathers for s in stats)
 
 
 @pytest.mark.parametrize("schedule", ["ScheduleGPipe", "ScheduleZBVZeroBubble"])
-def test_a_stage_reduces_once_per_step_not_once_per_microbatch(schedule):
+def test_a_stage_reduces_once_per_step_and_gathers_once_per_backward_phase(schedule):
     """The schedule sees a compat stage as FSDP-sharded (fsdpfn's ``FSDPModule`` derives from torch's) and
     defers its reduction to the end of the step as with FSDP2: the same reduce-scatters with 4 microbatches
-    as with 1 (before, each microbatch's backward reduced: 4x as many)."""
+    as with 1 (before, each microbatch's backward reduced: 4x as many). Its units keep what a backward
+    gathered for the next microbatches' backwards (``set_reshard_after_backward(False)``): fewer all-gathers
+    than with the knob ignored."""
     one, four = spmd(4, _reductions, schedule, 1), spmd(4, _reductions, schedule, 4)  # dp of 2 per stage
-    for (n1, fsdp1), (n4, fsdp4) in zip(one, four):
+    unkept = spmd(4, _reductions, schedule, 4, False)
+    for (n1, fsdp1, _), (n4, fsdp4, g4), (_, _, g4_unkept) in zip(one, four, unkept):
         assert fsdp1 and fsdp4
         assert n1 == n4 > 0, (n1, n4)
+        assert g4 < g4_unkept, (g4, g4_unkept)

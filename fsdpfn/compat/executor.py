@@ -117,6 +117,30 @@ class CompatCall(Call):
     def _collective(self, unit: Any) -> Buckets:
         return self.ctx.collective(unit)
 
+    # --- copies kept after backward (set_reshard_after_backward(False), compat/kept.py) -----------------
+    def gather(self, name: str) -> dict[str, torch.Tensor]:
+        self.ctx.kept.drop({name})  # gathered anew by this forward: one copy at a time
+        return super().gather(name)
+
+    def regather(self, name: str) -> dict[str, torch.Tensor]:
+        if name not in self.regathered:
+            kept = self.ctx.kept.get(self.ctx, name)
+            if kept is not None:
+                self._finish_deferred_reductions()
+                self.regathered[name] = kept
+                if not self._prefetch_at_release:
+                    self._prefetch_backward(name)
+                return kept
+        full = super().regather(name)
+        self.ctx.kept.keep(self.ctx, name, full)
+        return full
+
+    def _prefetch_backward(self, name: str) -> None:
+        for prev in self.backward_prefetch(name):
+            if prev in self.packed_units and prev not in self.regathered and prev not in self.pending_back:
+                if self.ctx.kept.get(self.ctx, prev) is None:
+                    self.pending_back[prev] = self._launch(prev)
+
     def info(self, name: str) -> CallInfo:
         return CallInfo(self.pending.pop(name, None), resolve=functools.partial(self._reduction, name))
 

@@ -148,6 +148,7 @@ class FSDPModule(TorchFSDPModule):
             s.acc.clear()
         for root in roots:
             root.running = False
+            root.kept.drop()
             root.apply.leave_failed_backward()  # gathered values a backward that raised left registered
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -205,9 +206,15 @@ class FSDPModule(TorchFSDPModule):
             unit_state(m).reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """Accepted for compatibility: fsdpfn always frees gathered parameters when a unit's gradient
-        reduction starts (a later forward gathers again, so no stale copy can be used)."""
-        _check_bool(reshard_after_backward, "reshard_after_backward")
+        """``False``: a unit keeps the parameters its backward gathered, and its next backward (another
+        microbatch's, as a pipeline schedule runs them) gathers nothing; ``True`` frees them (see
+        ``fsdpfn/compat/kept.py``)."""
+        value = _check_bool(reshard_after_backward, "reshard_after_backward")
+        for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
+            st = unit_state(m)
+            st.reshard_after_backward = value
+            if value and st.root is not None:
+                st.root.kept.drop()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Accepted for compatibility: fsdpfn re-gathers a unit in backward only when a saved tensor

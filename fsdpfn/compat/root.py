@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from fsdpfn.compat.checks import check_materialized, explain_sharded_read, state_name
 from fsdpfn.compat.collect import collect_params, collect_units, follow_moved
 from fsdpfn.compat.executor import CompatApply, LocalShards
+from fsdpfn.compat.kept import KeptCopies
 from fsdpfn.compat.planned import PlannedGroups, plans_groups
 from fsdpfn.compat.replaced_params import note_replacement
 from fsdpfn.compat.state import UnitState, drop_unsharded
@@ -63,6 +64,7 @@ class RootContext:
         self.planning = False  # the first forward's fusion planner is running the module on fake tensors
         self.ignored: frozenset[str] = frozenset()  # FQNs of the parameters left unmanaged (ignored_params)
         self._plan_for_grads: dict[tuple[bool, ...], ShardPlan] = {}  # see _replan_for_grads
+        self.kept = KeptCopies()  # gathered copies kept after backward (set_reshard_after_backward(False))
         self._build()
         self.apply = CompatApply(self)
         watch_unreduced(self)  # an optimizer step before the accumulated gradients are reduced is refused
@@ -71,6 +73,7 @@ class RootContext:
     def _build(self) -> None:
         """Collect the states below the root and make one plan over them."""
         self.planned.note(getattr(self, "plan", None))
+        self.kept.drop()  # kept by the old plan's group names
         if len(self.state.modules) > 1:
             raise RuntimeError(
                 f"{state_name(self.state.kind)} requires a single root module but got {self.state.modules}\n"

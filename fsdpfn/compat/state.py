@@ -64,6 +64,7 @@ class UnitState:
     # knobs (FSDPModule.set_*)
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
+    reshard_after_backward: bool = True  # False: keep the copy a backward gathered (compat/kept.py)
     divide_factor: float | None = None
     reduce_scatter_unused: bool = False
     forward_prefetch: list[UnitState] | None = None
