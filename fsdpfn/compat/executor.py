@@ -30,7 +30,7 @@ from fsdpfn.transform.eager import eager_frame
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
 
-__all__ = ["CompatApply", "CompatCall", "LocalShards"]
+__all__ = ["CompatApply", "CompatCall", "LocalShards", "dtensor_gradient"]
 
 
 class LocalShards(torch.autograd.Function):
@@ -51,8 +51,6 @@ class LocalShards(torch.autograd.Function):
         # fresh tensor objects: autograd metadata must not land on the DTensors' own local tensors
         out = tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
         ctx.mark_non_differentiable(*(o for o, p in zip(out, params) if not p.requires_grad))
-        ctx.trainable = next((p for p in params if p.requires_grad), None)  # asked in backward: is it autograd.grad
-        ctx.local = tuple((o.shape, o.dtype) for o in out)
         return out
 
     @staticmethod
@@ -72,23 +70,23 @@ class LocalShards(torch.autograd.Function):
         grads = tuple(deferred.add_to(f, g) for f, g in zip(ctx.fqns, grads))
         # accumulated gradients of units this backward did not run (compat/stranded.py)
         grads = add_by_name(ctx.fqns, grads, reduce_stranded(root))
-        if root.acc and _capturing(ctx.trainable):
+        if root.acc and _capturing(root):
             # torch.autograd.grad with gradient sync off (a pipeline schedule's weight pass): the gradients
             # wait unreduced in the accumulator for the next sync, which adds them to .grad; the call gets
             # zeros for them (adding those to .grad, as the schedule does, changes nothing)
-            device = root.comm.groups.device
             grads = tuple(
-                torch.zeros(shape, dtype=dtype, device=device) if g is None and f in root.acc else g
-                for f, g, (shape, dtype) in zip(ctx.fqns, grads, ctx.local)
+                torch.zeros_like(root.managed[f].param._local_tensor) if g is None and f in root.acc else g
+                for f, g in zip(ctx.fqns, grads)
             )
         graph = torch.is_grad_enabled()  # create_graph: the DTensor gradients stay differentiable (a MAML step)
-        return (None, None, None, None, *(None if g is None else _as_dtensor(g, s, graph) for g, s in zip(grads, ctx.specs)))
+        return (None, None, None, None, *(None if g is None else dtensor_gradient(g, s, graph) for g, s in zip(grads, ctx.specs)))
 
 
-def _capturing(param: DTensor | None) -> bool:
+def _capturing(root: RootContext) -> bool:
     """Whether the running backward is ``torch.autograd.grad`` (it returns gradients instead of accumulating
-    them into ``.grad``), asked of ``param``'s gradient accumulator: autograd refuses to say whether it
-    will run one there."""
+    them into ``.grad``), asked of a trainable parameter's gradient accumulator: autograd refuses to say
+    whether it will run one there."""
+    param = next((m.param for m in root.managed.values() if m.param.requires_grad), None)
     if param is None:
         return False
     with torch.enable_grad():
@@ -100,7 +98,13 @@ def _capturing(param: DTensor | None) -> bool:
     return False
 
 
-def _as_dtensor(g: torch.Tensor, spec: Any, graph: bool) -> DTensor:
+def dtensor_gradient(g: torch.Tensor, spec: Any, graph: bool) -> DTensor:
+    """Shard gradient ``g`` as the ``DTensor`` gradient of the parameter whose spec is ``spec``; ``graph``:
+    differentiable (a backward with ``create_graph=True``).
+
+    Example:
+        >>> p.grad = dtensor_gradient(local_grad, p._spec, False)      # doctest: +SKIP
+    """
     if graph:
         return DTensor.from_local(g.contiguous(), spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
     return DTensor(g.contiguous(), spec, requires_grad=False)
@@ -135,11 +139,8 @@ class CompatCall(Call):
         self.ctx.kept.keep(self.ctx, name, full)
         return full
 
-    def _prefetch_backward(self, name: str) -> None:
-        for prev in self.backward_prefetch(name):
-            if prev in self.packed_units and prev not in self.regathered and prev not in self.pending_back:
-                if self.ctx.kept.get(self.ctx, prev) is None:
-                    self.pending_back[prev] = self._launch(prev)
+    def _kept(self, name: str) -> bool:
+        return self.ctx.kept.get(self.ctx, name) is not None
 
     def info(self, name: str) -> CallInfo:
         return CallInfo(self.pending.pop(name, None), resolve=functools.partial(self._reduction, name))

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from fsdpfn.compat.executor import dtensor_gradient
 from fsdpfn.compat.state import state_of
 from fsdpfn.compat.stranded import reduce_stranded
 
@@ -60,7 +60,7 @@ class PipelineState:
 def _add_to_grads(root: RootContext, reduced: dict[str, torch.Tensor]) -> None:
     for fqn, g in reduced.items():
         p = root.managed[fqn].param
-        grad = DTensor(g.to(p.dtype).contiguous(), p._spec, requires_grad=False)
+        grad = dtensor_gradient(g.to(p.dtype), p._spec, False)
         p.grad = grad if p.grad is None else p.grad + grad
         for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
             hook(p)  # as after autograd's accumulation (optimizer-in-backward, FSDP2 calls them too)

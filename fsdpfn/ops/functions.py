@@ -9,8 +9,8 @@ before the first is waited for, so the buckets overlap each other.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 

@@ -334,8 +334,13 @@ class Call:
 
     def _prefetch_backward(self, name: str) -> None:
         for prev in self.backward_prefetch(name):
-            if prev in self.packed_units and prev not in self.regathered and prev not in self.pending_back:
+            if prev in self.packed_units and prev not in self.regathered and prev not in self.pending_back and not self._kept(prev):
                 self.pending_back[prev] = self._launch(prev)
+
+    def _kept(self, name: str) -> bool:
+        """Whether group ``name``'s parameters are kept gathered outside this call (compat's
+        ``set_reshard_after_backward(False)``): its re-gather in backward moves nothing."""
+        return False
 
     def _release(self, name: str) -> None:
         # The unit's gradient reduction is starting: every use of its parameters in backward is done.
