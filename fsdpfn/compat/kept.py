@@ -55,6 +55,3 @@ class KeptCopies:
         else:
             for name in names & self._copies.keys():
                 del self._copies[name]
-
-    def __bool__(self) -> bool:
-        return bool(self._copies)

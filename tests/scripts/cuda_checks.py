@@ -144,6 +144,29 @@ def checkpoint_world1() -> None:
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"reshard={reshard} {n}: {m}")
 
 
+def _train_sharded(model: torch.nn.Module, width: int, steps: int = 4) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """AdamW steps of a ``fully_shard``ed model (fsdpfn's or torch's) on seeded batches of ``width``
+    features: its losses and full weights."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x = torch.randn(8, width, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
+        loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def _assert_same_training(got: tuple[torch.Tensor, dict], want: tuple[torch.Tensor, dict], bf16: bool) -> None:
+    """Two ``_train_sharded`` results equal, within bf16 rounding where the parameters were bf16."""
+    tol = dict(rtol=2e-2, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[0], want[0], **tol)
+    for n, p in want[1].items():
+        torch.testing.assert_close(got[1][n], p, **tol, msg=lambda m: f"bf16={bf16} {n}: {m}")
+
+
 def compat_world1() -> None:
     """fsdpfn.compat.fully_shard and torch's fully_shard train the same model to the same losses and
     weights on CUDA (fp32, then bf16 parameters with fp32 reduction)."""
@@ -167,20 +190,8 @@ def compat_world1() -> None:
             for block in model:
                 shard_fn(block, **kw)
             shard_fn(model, **kw)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            losses = []
-            for step in range(4):
-                x = torch.randn(8, 32, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
-                loss = model(x).float().square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.detach())
-            runs[name] = (torch.stack(losses), {n: p.full_tensor() for n, p in model.named_parameters()})
-        tol = dict(rtol=2e-2, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(runs["fsdpfn"][0], runs["torch"][0], **tol)
-        for n, p in runs["torch"][1].items():
-            torch.testing.assert_close(runs["fsdpfn"][1][n], p, **tol, msg=lambda m: f"bf16={bf16} {n}: {m}")
+            runs[name] = _train_sharded(model, 32)
+        _assert_same_training(runs["fsdpfn"], runs["torch"], bf16)
 
 
 class _MoEBlock(torch.nn.Module):
@@ -226,22 +237,10 @@ def nested_root_world1() -> None:
             shard_fn(model, mesh=blocks_mesh, **kw)
             for block, nxt in zip(blocks, blocks[1:]):  # torchtitan's lists under EP: the next block and its experts
                 block.set_modules_to_forward_prefetch([nxt, nxt.experts])
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            losses = []
-            for step in range(4):
-                x = torch.randn(8, 16, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
-                loss = model(x).float().square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.detach())
+            runs[name] = _train_sharded(model, 16)
             if name == "fsdpfn":
                 assert state_of(blocks[0].experts).root is not state_of(model).root, "the experts root no plan"
-            runs[name] = (torch.stack(losses), {n: p.full_tensor() for n, p in model.named_parameters()})
-        tol = dict(rtol=2e-2, atol=2e-3) if bf16 else dict(rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(runs["fsdpfn"][0], runs["torch"][0], **tol)
-        for n, p in runs["torch"][1].items():
-            torch.testing.assert_close(runs["fsdpfn"][1][n], p, **tol, msg=lambda m: f"bf16={bf16} {n}: {m}")
+        _assert_same_training(runs["fsdpfn"], runs["torch"], bf16)
 
 
 def compiled_blocks_world1() -> None:
@@ -278,16 +277,7 @@ def compiled_blocks_world1() -> None:
                 block.compile(backend=backend, fullgraph=True)
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(3):
-            x = torch.randn(8, 32, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(step))
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        return torch.stack(losses), {n: p.full_tensor() for n, p in model.named_parameters()}
+        return _train_sharded(model, 32, steps=3)
 
     for name, train in (("functional", functional), ("compat", compat)):
         torch._dynamo.reset()
