@@ -140,7 +140,7 @@ def test_the_planned_groups_never_raise_the_peak_above_torchs(width, hidden, cou
 def _accumulate(impl, width, count, batch, micro):
     """Gradient accumulation as FSDP2 recipes write it: ``micro`` backwards per step, gradient sync off
     for all but the last; returns the losses and, for compat, the groups seen at every backward, then the
-    groups after ``set_reshard_after_forward(False)`` on every unit."""
+    groups after ``set_reshard_after_forward(False)`` on every unit, and how many plans the backwards saw."""
     import importlib
 
     fully_shard = importlib.import_module(impl).fully_shard
@@ -148,7 +148,7 @@ def _accumulate(impl, width, count, batch, micro):
     _shard_blocks(fully_shard, model, None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     xs = _batch(width, batch)
-    losses, seen = [], []
+    losses, seen, plans = [], [], set()
 
     def groups():
         if impl != "fsdpfn.compat":
@@ -157,6 +157,7 @@ def _accumulate(impl, width, count, batch, micro):
         from fsdpfn.layout.plan import FORWARD_SPANS_MEMO
 
         plan = state_of(model).root.plan
+        plans.add(id(plan))
         return [g.name for g in plan.groups if g.name], plan.memo.get(FORWARD_SPANS_MEMO, ())
 
     for step in range(2):
@@ -168,9 +169,10 @@ def _accumulate(impl, width, count, batch, micro):
             seen.append(groups())
         opt.step()
         opt.zero_grad()
+    planned = len(plans)
     model.set_reshard_after_forward(False)
     model(xs[0]).square().mean().backward()
-    return losses, seen, groups()
+    return losses, seen, groups(), planned
 
 
 @settings(max_examples=min(settings().max_examples, 3), deadline=None)
@@ -183,9 +185,10 @@ def test_gradient_accumulation_keeps_the_planned_groups(count, micro, world):
     with torch.device("meta"):
         spans = fsdpfn.memory.group_sizes_within(_blocks(256, 1024, count), world, torch.zeros(2, 256),
                                                  units=[str(i) for i in range(count)], optimizer="none").forward_spans
-    for (losses, seen, after), (ref, _, _) in zip(ours, theirs):
+    for (losses, seen, after, plans), (ref, _, _, _) in zip(ours, theirs):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
         assert all(got == (want, spans) for got in seen), (seen, want, spans)  # toggling sync keeps groups and spans
+        assert plans == 1, plans  # toggled on every unit alike, the switches do not even rebuild the plan
         # another knob (what the grouping was priced with) changed: "auto"'s groups, one unit each here, no spans
         assert after == ([str(i) for i in range(count)], ())
 

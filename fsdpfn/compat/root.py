@@ -161,13 +161,19 @@ class RootContext:
         return link_of(self.comm)
 
     def fuse_keys(self) -> dict[str, Any]:
-        """Each unit's ``UnitState.fuse_key`` as the current plan was built with: units fuse only where
-        their keys agree."""
+        """Each unit's key as the current plan was built with (``UnitState.fuse_key``, less the sync
+        switches when every unit has the same): units fuse only where their keys agree."""
         assert self._fusion is not None
         return self._fusion[1]
 
     def _fusion_inputs(self, states: dict[str, UnitState]) -> tuple[int | None, dict[str, Any]]:
-        return self.state.min_bucket_bytes, {n: st.fuse_key(self.is_root(st)) for n, st in states.items()}
+        # Units that sync gradients differently never share a group. When all sync alike (gradient
+        # accumulation and pipeline schedules toggle every unit at once) the switches separate nothing:
+        # left out, toggling them keeps the plan (and the copies kept after backward) instead of rebuilding.
+        keys = {n: st.plan_key(self.is_root(st)) for n, st in states.items()}
+        if len({st.sync_key() for st in states.values()}) > 1:
+            keys = {n: (*k, *states[n].sync_key()) for n, k in keys.items()}
+        return self.state.min_bucket_bytes, keys
 
     def is_root(self, st: UnitState) -> bool:
         """Whether ``st`` is FSDP's root: this root's own state, unless this root is nested in another

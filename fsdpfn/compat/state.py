@@ -91,7 +91,12 @@ class UnitState:
 
     def fuse_key(self, is_root: bool) -> tuple[Any, ...]:
         """Units fuse only with neighbours that agree on every knob a collective group shares."""
-        return (*self.plan_key(is_root), self.requires_gradient_sync, self.requires_all_reduce)
+        return (*self.plan_key(is_root), *self.sync_key())
+
+    def sync_key(self) -> tuple[bool, bool]:
+        """The gradient-sync switches: ``fuse_key``'s part that gradient accumulation and pipeline schedules
+        toggle, on every unit alike."""
+        return (self.requires_gradient_sync, self.requires_all_reduce)
 
     def plan_key(self, is_root: bool) -> tuple[Any, ...]:
         """``fuse_key`` without the gradient-sync switches: the knobs a planned grouping was priced with.
