@@ -68,6 +68,10 @@ class LocalShards(torch.autograd.Function):
             else:
                 verdict()
         grads = tuple(deferred.add_to(f, g) for f, g in zip(ctx.fqns, grads))
+        # copies kept gathered for units that reshard after backward go on every rank, whether or not the
+        # unit's backward ran here (FSDP2's final callback reshards every group): a forward's gathers
+        # then do not depend on which units a rank's loss reached
+        root.kept.drop_resharded(root)
         # accumulated gradients of units this backward did not run (compat/stranded.py)
         grads = add_by_name(ctx.fqns, grads, reduce_stranded(root))
         if root.acc and _capturing(root):
@@ -123,8 +127,9 @@ class CompatCall(Call):
 
     # --- copies kept after backward (set_reshard_after_backward(False), compat/kept.py) -----------------
     def gather(self, name: str) -> dict[str, torch.Tensor]:
-        self.ctx.kept.drop({name})  # gathered anew by this forward: one copy at a time
-        return super().gather(name)
+        full = super().gather(name)
+        self.ctx.kept.drop({name})  # gathered anew (a prefetch was in flight) or taken: one copy at a time
+        return full
 
     def regather(self, name: str) -> dict[str, torch.Tensor]:
         if name not in self.regathered:
@@ -142,8 +147,21 @@ class CompatCall(Call):
     def _kept(self, name: str) -> bool:
         return self.ctx.kept.get(self.ctx, name) is not None
 
+    def _take_kept(self, name: str) -> dict[str, torch.Tensor] | None:
+        return self.ctx.kept.take(self.ctx, name)
+
+    def finish_forward(self) -> None:
+        super().finish_forward()
+        for name, full in self.gathered.items():  # not resharded after forward: FSDP2 keeps these unsharded
+            self.ctx.kept.hold(self.ctx, name, full)  # until a backward reshards them; the next forward's too
+
+    def _release(self, name: str) -> None:
+        if name not in self.regathered and name in self.gathered:  # its forward's copy served the backward
+            self.ctx.kept.keep(self.ctx, name, self.gathered[name])
+        super()._release(name)
+
     def info(self, name: str) -> CallInfo:
-        return CallInfo(self.pending.pop(name, None), resolve=functools.partial(self._reduction, name))
+        return CallInfo(pending=self.pending.pop(name, None), resolve=functools.partial(self._reduction, name))
 
     def _reduction(self, name: str) -> CallInfo:
         """How unit or group ``name``'s backward reduces, from its knobs when that backward runs (FSDP2

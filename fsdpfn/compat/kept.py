@@ -3,10 +3,12 @@
 A pipeline schedule runs several microbatches' backwards in a row and, for an ``FSDPModule`` stage, turns
 resharding after backward off meanwhile (and on again before the step's reduction): FSDP2 then leaves the
 unsharded parameters in memory after a unit's backward, so the next microbatch's backward gathers nothing.
-fsdpfn keeps the copy a backward re-gathered (``KeptCopies``, one per root, by unit or group name) and the
-next backward of that unit, in any forward's graph, uses it. The copy is dropped when the knob turns on
-again, when a forward gathers the unit anew (one copy at a time, as FSDP2's forward reuses its own), or
-when the shards changed since (an optimizer step: their version counters moved).
+fsdpfn keeps the copy a backward used (``KeptCopies``, one per root, by unit or group name: the re-gathered
+one, or the forward's own when the unit does not reshard after forward); the next gather of that unit uses
+it, in a backward of any forward's graph or in the next forward (as FSDP2's forward reuses its unsharded
+parameters: one gather less per microbatch under 1F1B), which takes it over and drops it as it drops its
+own. The copy is dropped when the knob turns on again, when a forward gathers the unit anew (one copy at a
+time), or when the shards changed since (an optimizer step: their version counters moved).
 
 Example:
     >>> stage.set_reshard_after_backward(False)       # a schedule does this per microbatch   # doctest: +SKIP
@@ -43,10 +45,29 @@ class KeptCopies:
             return None
         return full
 
+    def take(self, root: RootContext, name: str) -> dict[str, torch.Tensor] | None:
+        """``get``, for a forward's gather: the copy leaves the kept set (that forward owns it now)."""
+        full = self.get(root, name)
+        if full is not None:
+            del self._copies[name]
+        return full
+
     def keep(self, root: RootContext, name: str, full: dict[str, torch.Tensor]) -> None:
-        """Keep ``full`` (what a backward re-gathered for ``name``) if the unit does not reshard after backward."""
-        if not root.knobs(name).reshard_after_backward:
-            self._copies[name] = (full, shard_versions(root, full))
+        """At the start of ``name``'s reduction: keep ``full`` (what its backward used) if the unit does not
+        reshard after backward, else drop what is kept (FSDP2 reshards there)."""
+        if root.knobs(name).reshard_after_backward:
+            self._copies.pop(name, None)
+        else:
+            self.hold(root, name, full)
+
+    def hold(self, root: RootContext, name: str, full: dict[str, torch.Tensor]) -> None:
+        """Keep ``full`` (detached aliases: no graph) for the next gather of ``name``."""
+        self._copies[name] = ({f: t.detach() for f, t in full.items()}, shard_versions(root, full))
+
+    def drop_resharded(self, root: RootContext) -> None:
+        """Free the kept copies of the units that reshard after backward (at the end of a backward)."""
+        for name in [n for n in self._copies if root.knobs(n).reshard_after_backward]:
+            del self._copies[name]
 
     def drop(self, names: set[str] | None = None) -> None:
         """Free the kept copies of ``names`` (of every unit: ``None``)."""

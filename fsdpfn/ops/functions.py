@@ -27,7 +27,8 @@ __all__ = ["CallInfo", "ReduceFunction", "UnshardFunction", "add_by_name", "appl
 class CallInfo:
     """Per-call extras of a bucket collective (not part of the cached ``Buckets``).
 
-    ``pending``: handles of this very collective launched earlier (prefetch). ``sink``: when set, the
+    ``pending``: handles of this very collective launched earlier (prefetch). ``ready``: its results,
+    gathered earlier (compat: a copy kept after a backward); the forward returns aliases of them. ``sink``: when set, the
     backward does not reduce: it adds the incoming full gradients into ``sink[fqn]`` (in ``sink_dtypes``)
     and passes no gradient to the shards (deferred reduction). ``carry``: full gradients accumulated
     earlier into a sink; the backward adds (and removes) them before it reduces. ``keep_none``: a member
@@ -51,6 +52,7 @@ class CallInfo:
     # the owner's sink/carry/keep_none/deferred, asked when the backward runs (compat reads gradient sync
     # then, as FSDP2 does: a pipeline schedule turns it off between a microbatch's forward and backward)
     resolve: Callable[[], CallInfo] | None = None
+    ready: Sequence[torch.Tensor] | None = None
 
 
 def add_by_name(
@@ -76,6 +78,9 @@ class _BucketCollective(torch.autograd.Function):
 
     @staticmethod
     def forward(b: Buckets, info: CallInfo | None, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        if info is not None and info.ready is not None:
+            ready, info.ready = info.ready, None  # ctx keeps info until backward: not the values
+            return tuple(t.detach() for t in ready)
         if b.in_place:
             return tuple(b.run_in_place(tensors))
         pending = info.pending if info is not None else None

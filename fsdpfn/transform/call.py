@@ -30,7 +30,7 @@ from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.functions import CallInfo, apply_buckets
 from fsdpfn.ops.shared import launch_shared, shares_gather
-from fsdpfn.transform.eager import eager
+from fsdpfn.transform.eager import eager, functorch_active
 from fsdpfn.transform.validate import contents_moved, versions_moved
 
 __all__ = ["Call", "GradMode", "OpenCall", "Packed", "without_autograd"]
@@ -156,9 +156,12 @@ class Call:
         unit = self.plan.group(name)
         b = self._collective(unit)
         shards = self._shards(b)
-        if name not in self.pending and name not in self.gathered:
+        ready = None if name in self.pending or functorch_active() else self._take_kept(name)
+        if ready is None and name not in self.pending and name not in self.gathered:
             self._launch_span(name)  # the first group of a forward span (not prefetched): its span now
         info = self.info(name)
+        if ready is not None:
+            info.ready = [ready[f] for f in b.fqns]
         if info.deferred is not None and self.deferral_needs_leaves and any(t.grad_fn is not None for t in shards):
             info.deferred = None  # shards computed from the leaves: their gradient must flow on through autograd
         info.extra = functools.partial(self.extra_grads.pop, name, None)
@@ -198,9 +201,9 @@ class Call:
     def info(self, name: str) -> CallInfo:
         """The per-call extras of unit ``name``'s gather: its prefetched handles, the deferral sink."""
         return CallInfo(
-            self.pending.pop(name, None),
-            self.sink,
-            _reduce_dtypes(self.plan) if self.sink is not None else None,
+            pending=self.pending.pop(name, None),
+            sink=self.sink,
+            sink_dtypes=_reduce_dtypes(self.plan) if self.sink is not None else None,
             deferred=self.deferred if self.sink is None else None,
         )
 
@@ -219,7 +222,7 @@ class Call:
 
     def _prefetch_forward(self, name: str) -> None:
         for nxt in self.forward_prefetch(name):
-            if nxt not in self.pending and nxt not in self.gathered and not self._launch_span(nxt):
+            if nxt not in self.pending and nxt not in self.gathered and not self._kept(nxt) and not self._launch_span(nxt):
                 self.pending[nxt] = self._launch(nxt)
 
     def _launch_span(self, name: str) -> bool:
@@ -227,7 +230,7 @@ class Call:
         when none of its groups was launched or has run in this call yet (a unit run twice gathers alone
         the second time) and each can share it; whether it did."""
         span = self.schedule.forward_span(name)
-        if len(span) < 2 or not self.in_forward or any(n in self.pending or n in self.gathered or n in self.order for n in span):
+        if len(span) < 2 or not self.in_forward or any(n in self.pending or n in self.gathered or n in self.order or self._kept(n) for n in span):
             return False
         bs = [self._collective(self.plan.group(n)) for n in span]
         if not all(shares_gather(b) for b in bs) or len({b.layouts[0].dtype for b in bs}) != 1:
@@ -339,8 +342,13 @@ class Call:
 
     def _kept(self, name: str) -> bool:
         """Whether group ``name``'s parameters are kept gathered outside this call (compat's
-        ``set_reshard_after_backward(False)``): its re-gather in backward moves nothing."""
+        ``set_reshard_after_backward(False)``): its gather, in forward or backward, moves nothing."""
         return False
+
+    def _take_kept(self, name: str) -> dict[str, torch.Tensor] | None:
+        """Group ``name``'s copy kept gathered outside this call, handed to this forward's gather (which
+        then owns it), or ``None``."""
+        return None
 
     def _release(self, name: str) -> None:
         # The unit's gradient reduction is starting: every use of its parameters in backward is done.
