@@ -115,7 +115,7 @@ def test_kept_copies_train_as_one_process_and_gather_no_more_than_fsdp2(world, p
         assert gathers <= torch_gathers + slack, (rank, gathers, torch_gathers, slack)
 
 
-def _eval_gathers(forwards: int) -> int:
+def _eval_gathers(forwards: int, reshard_between: bool = False) -> int:
     from fsdpfn.compat import fully_shard
     from fsdpfn.compat.state import state_of
 
@@ -126,10 +126,15 @@ def _eval_gathers(forwards: int) -> int:
     with torch.no_grad():
         for i in range(forwards):
             model(TanhStack.batch(dist.get_rank(), i))
+            if reshard_between:
+                for m in [*model.blocks, model]:
+                    m.reshard()
     return state_of(model).root.comm.stats.all_gathers
 
 
-def test_forwards_in_a_row_gather_a_unit_that_does_not_reshard_once():
-    """Ten evaluation forwards gather what one does (each gathered anew before: 10x)."""
+def test_forwards_in_a_row_gather_a_unit_that_does_not_reshard_once_until_reshard():
+    """Ten evaluation forwards gather what one does (each gathered anew before: 10x); ``reshard()`` on
+    every module frees the copies, as FSDP2's does, so each forward after one gathers again."""
     one, ten = spmd(2, _eval_gathers, 1), spmd(2, _eval_gathers, 10)
     assert one == ten and one[0] > 0, (one, ten)
+    assert spmd(2, _eval_gathers, 10, True) == [10 * g for g in one]

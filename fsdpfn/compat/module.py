@@ -126,11 +126,13 @@ class FSDPModule(TorchFSDPModule):
         return None
 
     def reshard(self) -> None:
-        """Drop the unsharded parameters (of an explicit ``unshard``) and register the sharded ones
-        again (not recursive)."""
+        """Drop the unsharded parameters (of an explicit ``unshard``, or kept gathered since a forward or
+        backward: ``fsdpfn/compat/kept.py``) and register the sharded ones again (not recursive)."""
         st = unit_state(self)
         if st.unsharded is not None:
             drop_unsharded(st)
+        if st.root is not None and getattr(st.root, "plan", None) is not None:
+            st.root.kept.drop({st.root.plan.group_of.get(st.name, st.name)})
 
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward: forget the iteration's in-flight state (explicit
