@@ -1,5 +1,6 @@
-"""Smoke test of the step benchmark (bench/step.py): it runs, checks the losses, and writes the documented
-JSON. Tiny model, world 1, a few steps; no timing assertions (performance is a benchmark, not a test)."""
+"""Smoke tests of the benchmarks (bench/step.py, bench/pipeline_step.py and the tools beside them): they run,
+check the losses, and write the documented JSON. Tiny models, a few steps; no timing assertions
+(performance is a benchmark, not a test)."""
 
 from __future__ import annotations
 
@@ -206,3 +207,20 @@ def test_the_cpu_floor_counts_each_variants_own_optimizer_update(monkeypatch):
     add_ratios(untimed, ("functional",), cores_per_rank=1.0)
     assert untimed["functional"]["cpu_floor_compute_s"] == pytest.approx(0.10)
     assert untimed["functional"]["cpu_floor_s"] == pytest.approx(0.14)
+
+
+def test_pipeline_benchmark_runs_both_libraries_and_counts_their_gathers(tmp_path):
+    # bench/pipeline_step.py at pp 2 x dp 2 on a tiny stage: both libraries step, and the JSON says how
+    # often each gathers (compat keeps copies as FSDP2 keeps unsharded parameters: never more often)
+    out = tmp_path / "pp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", str(ROOT / "bench" / "pipeline_step.py"),
+           "--blocks", "2", "--width", "8", "--steps", "1", "--warmup", "1", "--microbatches", "2",
+           "--schedules", "Schedule1F1B", "--reshard", "false,true", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [(r["schedule"], r["reshard"]) for r in results] == [("Schedule1F1B", "false"), ("Schedule1F1B", "true")]
+    for r in results:
+        assert r["torch_ms"] > 0 and r["compat_ms"] > 0
+        assert 0 < r["compat_all_gathers_per_step"] <= r["torch_all_gathers_per_step"], r
+        assert r["compat_reduce_scatters_per_step"] > 0

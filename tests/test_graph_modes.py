@@ -91,6 +91,7 @@ def _functional(width: int, seed: int, reshard: bool, pattern: str) -> dict[str,
     reshard=st.booleans(),
 )
 @example(world=2, width=3, seed=0, case="functional-inside_inference", reshard=True)
+@example(world=2, width=1, seed=0, case="compat-inference", reshard=False)  # a copy kept from an inference forward
 def test_inference_mode_forwards_and_retained_graphs_match_one_process(world, width, seed, case, reshard):
     layer, pattern = case.split("-")
     want = _reference(world, width, seed, pattern)

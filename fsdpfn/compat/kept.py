@@ -61,7 +61,11 @@ class KeptCopies:
             self.hold(root, name, full)
 
     def hold(self, root: RootContext, name: str, full: dict[str, torch.Tensor]) -> None:
-        """Keep ``full`` (detached aliases: no graph) for the next gather of ``name``."""
+        """Keep ``full`` (detached aliases: no graph) for the next gather of ``name``; not a copy made under
+        ``inference_mode`` (autograd refuses to save inference tensors for a later training forward)."""
+        if any(t.is_inference() for t in full.values()):
+            self._copies.pop(name, None)
+            return
         self._copies[name] = ({f: t.detach() for f, t in full.items()}, shard_versions(root, full))
 
     def drop_resharded(self, root: RootContext) -> None:
