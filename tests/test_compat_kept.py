@@ -140,3 +140,28 @@ def test_forwards_in_a_row_gather_a_unit_that_does_not_reshard_once_until_reshar
     one, ten = spmd(2, _eval_gathers, 1), spmd(2, _eval_gathers, 10)
     assert one == ten and one[0] > 0, (one, ten)
     assert spmd(2, _eval_gathers, 10, True) == [10 * g for g in one]
+
+
+def _unshard_after_eval() -> tuple[int, int, bool]:
+    from fsdpfn.compat import fully_shard
+    from fsdpfn.compat.state import state_of
+
+    model = TanhStack(seed=0)
+    for b in model.blocks:
+        fully_shard(b, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    x = TanhStack.batch(dist.get_rank(), 0)
+    with torch.no_grad():
+        want = model(x)
+        once = state_of(model).root.comm.stats.all_gathers
+        for b in model.blocks:
+            b.unshard()
+        got = model(x)
+    return once, state_of(model).root.comm.stats.all_gathers, bool(torch.equal(got, want))
+
+
+def test_unshard_of_a_unit_kept_gathered_moves_nothing():
+    """``unshard()`` of a module whose parameters are kept gathered is a no-op, as FSDP2's on an unsharded
+    module (before, it gathered them again)."""
+    for once, after, same in spmd(2, _unshard_after_eval):
+        assert once == after > 0 and same, (once, after, same)

@@ -190,9 +190,20 @@ class CompatApply(Apply):
         if functorch:  # torch.func transforms: no deferred reductions
             call.deferred = None
         stale = stale_unshards(self.ctx)  # gathered by unshard() before an update changed the shards: again
+        plan = self.ctx.plan
         for name, st in self.ctx.states.items():  # an explicit unshard() already launched the gather
-            if st.unsharded is not None and name not in stale:
+            if st.unsharded is not None and name not in stale and plan.group_of.get(name, name) == name:
                 call.pending[name] = st.unsharded[0]
+        for group in {plan.group_of[n] for n in self.ctx.states if n in plan.group_of} - set(self.ctx.states):
+            members = [self.ctx.states.get(u) for u in plan.members(group)]
+            if all(m is not None and m.unsharded is not None and m.name not in stale for m in members):
+                # a fused group whose every unit was unshard()ed (a pipeline schedule's UNSHARD action): its
+                # forward takes their results as a kept copy instead of gathering the group again
+                full: dict[str, torch.Tensor] = {}
+                for m in members:
+                    handles, done, b, _ = m.unsharded  # type: ignore[misc]  # checked above
+                    full.update(done if done is not None else zip(b.fqns, b.finish(handles)))
+                self.ctx.kept.hold(self.ctx, group, full)
         return call
 
     def _validate(self, plan: Any) -> None:

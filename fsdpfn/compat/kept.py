@@ -8,7 +8,9 @@ one, or the forward's own when the unit does not reshard after forward); the nex
 it, in a backward of any forward's graph or in the next forward (as FSDP2's forward reuses its unsharded
 parameters: one gather less per microbatch under 1F1B), which takes it over and drops it as it drops its
 own. The copy is dropped when the knob turns on again, when a forward gathers the unit anew (one copy at a
-time), or when the shards changed since (an optimizer step: their version counters moved).
+time), or when the shards changed since (an optimizer step: their version counters moved). ``unshard()``
+of a unit kept gathered moves nothing; the ``unshard()`` results of every unit of a fused group become the
+group's kept copy (``CompatApply.new_call``).
 
 Example:
     >>> stage.set_reshard_after_backward(False)       # a schedule does this per microbatch   # doctest: +SKIP

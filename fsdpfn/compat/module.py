@@ -115,7 +115,8 @@ class FSDPModule(TorchFSDPModule):
         st = unit_state(self)
         top = st.top()
         ctx = lazy_root(top, top.modules[0])
-        if st.unsharded is None and any(u.name == st.name for u in ctx.plan.units):
+        kept = ctx.kept.get(ctx, ctx.plan.group_of.get(st.name, st.name)) is not None  # unsharded already
+        if st.unsharded is None and not kept and any(u.name == st.name for u in ctx.plan.units):
             params = ctx.params()
             b = ctx.collective(ctx.plan.unit(st.name))
             st.unsharded = (b.launch([params[f].detach() for f in b.fqns]), None, b, shard_versions(ctx, b.fqns))
