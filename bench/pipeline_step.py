@@ -35,24 +35,6 @@ def _stage_indices(pp_rank: int, schedule: str) -> tuple[list[int], int]:
     return [pp_rank, pp_rank + 2], 4
 
 
-class _TorchGathers:
-    """Counts torch's FSDP2 all-gathers (one per parameter group unsharded) while installed."""
-
-    def __init__(self) -> None:
-        import torch.distributed.fsdp._fully_shard._fsdp_param_group as groups
-
-        self.groups, self.real, self.count = groups, groups.foreach_all_gather, 0
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.count += 1
-            return self.real(*args, **kwargs)
-
-        groups.foreach_all_gather = counted
-
-    def close(self) -> None:
-        self.groups.foreach_all_gather = self.real
-
-
 class _Run:
     """One library's stages of one case, stepped on demand."""
 
@@ -71,14 +53,18 @@ class _Run:
         self.modules, stages = [], []
         for i in self.mine:
             torch.manual_seed(i)
-            module = nn.Sequential(*[nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)) for _ in range(args.blocks)])
+            blocks = [nn.Sequential(nn.Linear(w, 4 * w), nn.GELU(), nn.Linear(4 * w, w)) for _ in range(args.blocks)]
+            module = nn.Sequential(*blocks)
             for block in module:
                 fully_shard(block, mesh=mesh["dp"], **kw)
             fully_shard(module, mesh=mesh["dp"], **kw)
             self.modules.append(module)
-            stages.append(pipelining.PipelineStage(module, i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
+            group = mesh["pp"].get_group()
+            stages.append(pipelining.PipelineStage(module, i, n_stages, torch.device("cpu"), group=group))
         self.schedule = getattr(pipelining, schedule)(
-            stages if len(stages) > 1 else stages[0], n_microbatches=args.microbatches, loss_fn=lambda o, t: (o - t).pow(2).mean()
+            stages if len(stages) > 1 else stages[0],
+            n_microbatches=args.microbatches,
+            loss_fn=lambda o, t: (o - t).pow(2).mean(),
         )
         self.opt = torch.optim.AdamW([p for m in self.modules for p in m.parameters()], lr=1e-4)
         self.rows = args.rows * args.microbatches
@@ -107,8 +93,9 @@ class _Run:
 
 
 def _case(schedule: str, reshard: str, args: argparse.Namespace, mesh: Any) -> dict[str, Any]:
-    counter = _TorchGathers()
-    try:
+    from fsdpfn.testing import fsdp2_all_gathers
+
+    with fsdp2_all_gathers() as counter:
         runs = {impl: _Run(impl, schedule, reshard, args, mesh) for impl in ("torch", "compat")}
         times: dict[str, list[float]] = {impl: [] for impl in runs}
         for impl, run in runs.items():
@@ -127,8 +114,6 @@ def _case(schedule: str, reshard: str, args: argparse.Namespace, mesh: Any) -> d
             compat_all_gathers_per_step=(ag - ag_before) / args.steps,
             compat_reduce_scatters_per_step=(rs - rs_before) / args.steps,
         )  # fmt: skip
-    finally:
-        counter.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,22 +134,25 @@ def main(argv: list[str] | None = None) -> None:
 
     world = dist.get_world_size()
     if world < 2 or world % 2:
-        raise SystemExit(f"pipeline_step.py: run it under torchrun with an even number of ranks (2 pp stages x dp), not {world}")
+        raise SystemExit(f"pipeline_step.py: run it under torchrun with an even number of ranks (2 pp x dp), not {world}")
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
     results = []
     for schedule in args.schedules.split(","):
         for reshard in args.reshard.split(","):
             results.append(_case(schedule, reshard, args, mesh))
     if dist.get_rank() == 0:
-        print(f"pp 2 x dp {world // 2}, {args.microbatches} microbatches, {args.blocks} blocks of {args.width} per stage, "
-              f"torch {torch.__version__}, {args.steps} steps after {args.warmup} warm-up (rank 0)")
-        print(f"{'schedule':<26} {'reshard':>8} {'torch ms':>9} {'compat ms':>9} {'compat/torch':>12} {'all-gathers torch/compat':>25} {'reduce-scatters':>15}")
+        print(f"pp 2 x dp {world // 2}, {args.microbatches} microbatches, {args.blocks} blocks of {args.width} per "
+              f"stage, torch {torch.__version__}, {args.steps} steps after {args.warmup} warm-up (rank 0)")
+        print(f"{'schedule':<26} {'reshard':>8} {'torch ms':>9} {'compat ms':>9} {'compat/torch':>12} "
+              f"{'all-gathers torch/compat':>25} {'reduce-scatters':>15}")
         for r in results:
-            print(f"{r['schedule']:<26} {r['reshard']:>8} {r['torch_ms']:9.1f} {r['compat_ms']:9.1f} {r['compat_vs_torch']:12.3f} "
-                  f"{r['torch_all_gathers_per_step']:12.1f} / {r['compat_all_gathers_per_step']:<10.1f} {r['compat_reduce_scatters_per_step']:15.1f}")
+            print(f"{r['schedule']:<26} {r['reshard']:>8} {r['torch_ms']:9.1f} {r['compat_ms']:9.1f} "
+                  f"{r['compat_vs_torch']:12.3f} {r['torch_all_gathers_per_step']:12.1f} / "
+                  f"{r['compat_all_gathers_per_step']:<10.1f} {r['compat_reduce_scatters_per_step']:15.1f}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(world=world, torch_version=torch.__version__, args=vars(args), results=results), f, indent=1)
+                record = dict(world=world, torch_version=torch.__version__, args=vars(args), results=results)
+                json.dump(record, f, indent=1)
     dist.destroy_process_group()
 
 

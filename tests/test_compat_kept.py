@@ -14,24 +14,10 @@ import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fsdpfn.testing import spmd
+from fsdpfn.testing import fsdp2_all_gathers, spmd
 from fsdpfn.testing.models import TanhStack
 
 PHASES = ["train", "eval", "dpo", "grad_eval"]
-
-
-def _counting_torch_gathers():
-    """torch's ``fully_shard`` and a counter of its all-gathers (one per parameter group unsharded)."""
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as torch_groups
-
-    count, real = [0], torch_groups.foreach_all_gather
-
-    def counted(*args, **kwargs):
-        count[0] += 1
-        return real(*args, **kwargs)
-
-    torch_groups.foreach_all_gather = counted
-    return count, lambda: setattr(torch_groups, "foreach_all_gather", real)
 
 
 def _run(impl: str, phases: list[list[str]], reshard, seed: int, world_batches: int | None = None):
@@ -39,25 +25,21 @@ def _run(impl: str, phases: list[list[str]], reshard, seed: int, world_batches: 
     ``impl`` "one": one process on every rank's batch (``world_batches`` ranks). Returns the parameters,
     the evaluation outputs and the all-gathers."""
     model = TanhStack(seed=seed)
-    restore = None
     if impl == "one":
         ranks, scale = range(world_batches), 1.0 / world_batches
     else:
         if impl == "torch":
             from torch.distributed.fsdp import fully_shard
-
-            count, restore = _counting_torch_gathers()
         else:
             from fsdpfn.compat import fully_shard
-            from fsdpfn.compat.state import state_of
         kw = {} if reshard is None else dict(reshard_after_forward=reshard)
         for b in model.blocks:
             fully_shard(b, **kw)
         fully_shard(model, **kw)
         ranks, scale = [dist.get_rank()], 1.0
-    try:
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-        evals = []
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    evals = []
+    with fsdp2_all_gathers() as torch_gathers:
         for step, todo in enumerate(phases):
             for i, phase in enumerate(todo):
                 xs = [TanhStack.batch(r, 100 * step + i) for r in ranks]
@@ -73,21 +55,16 @@ def _run(impl: str, phases: list[list[str]], reshard, seed: int, world_batches: 
                     (sum(model(x) for x in xs) * scale).backward()
             opt.step()
             opt.zero_grad()
-        if evals and impl != "one":
-            got = torch.stack(evals)
-            dist.all_reduce(got)
-            evals = list(got / dist.get_world_size())
-        params = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach() for k, v in model.state_dict().items()}
-        if impl == "one":
-            gathers = 0
-        elif impl == "torch":
-            gathers = count[0]
-        else:
-            gathers = state_of(model).root.comm.stats.all_gathers
-        return params, [float(e) for e in evals], gathers
-    finally:
-        if restore is not None:
-            restore()
+    if evals and impl != "one":
+        got = torch.stack(evals)
+        dist.all_reduce(got)
+        evals = list(got / dist.get_world_size())
+    params = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach() for k, v in model.state_dict().items()}
+    if impl == "compat":
+        from fsdpfn.compat.state import state_of
+
+        return params, [float(e) for e in evals], state_of(model).root.comm.stats.all_gathers
+    return params, [float(e) for e in evals], torch_gathers.count
 
 
 @settings(max_examples=8, deadline=None)

@@ -119,12 +119,43 @@ def test_compat_stages_under_pipelining_schedules_equal_one_process(
             torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {k}: {m}")
 
 
+def _two_steps(fully_shard, schedule, microbatches, reshard=None):
+    """This rank's stage modules after two steps of ``schedule`` on stages sharded by ``fully_shard`` over
+    the dp sub-mesh (``reshard``: the units' ``reshard_after_forward``; ``None``: the default)."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
+    n_stages = 2 * SCHEDULES[schedule]
+    mine = _stages_of(mesh["pp"].get_local_rank(), n_stages, schedule)
+    widths = [3, 5, 4, 6, 2][: n_stages + 1]
+    modules = _stage_modules(widths, 0)
+    kw = {} if reshard is None else dict(reshard_after_forward=reshard)
+    stages = []
+    for i in mine:
+        fully_shard(modules[i][0], mesh=mesh["dp"], **kw)
+        fully_shard(modules[i], mesh=mesh["dp"], **kw)
+        group = mesh["pp"].get_group()
+        stages.append(pipelining.PipelineStage(modules[i], i, n_stages, torch.device("cpu"), group=group))
+    run = getattr(pipelining, schedule)
+    sched = run(stages if len(stages) > 1 else stages[0], n_microbatches=microbatches, loss_fn=_loss)
+    for step in range(2):
+        args = (_batch(mesh["dp"].get_local_rank(), step, widths[0]),) if 0 in mine else ()
+        kwargs = dict(target=torch.full((8, widths[-1]), 0.3), losses=[]) if n_stages - 1 in mine else {}
+        sched.step(*args, **kwargs)
+        for m in (modules[i] for i in mine):
+            assert all(p.grad is not None for p in m.parameters())
+            m.zero_grad()
+    return [modules[i] for i in mine]
+
+
 def _reductions(schedule, microbatches, keep=True):
     """Reduce-scatters issued over two steps by this rank's stage roots, what torch sees of the stage, and
     the all-gathers (``keep=False``: the schedule's ``set_reshard_after_backward(False)`` ignored)."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-    from fsdpfn.compat import FSDPModule
+    from fsdpfn.compat import FSDPModule, fully_shard
     from fsdpfn.compat.state import state_of
 
     if not keep:
@@ -135,32 +166,9 @@ def _reductions(schedule, microbatches, keep=True):
         finally:
             FSDPModule.set_reshard_after_backward = real
 
-    import torch.distributed as dist
-    from torch.distributed import pipelining
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from fsdpfn.compat import fully_shard
-
-    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
-    n_stages = 2 * SCHEDULES[schedule]
-    mine = _stages_of(mesh["pp"].get_local_rank(), n_stages, schedule)
-    widths = [3, 5, 4, 6, 2][: n_stages + 1]
-    modules = _stage_modules(widths, 0)
-    stages = []
-    for i in mine:
-        fully_shard(modules[i][0], mesh=mesh["dp"])
-        fully_shard(modules[i], mesh=mesh["dp"])
-        stages.append(pipelining.PipelineStage(modules[i], i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
-    sched = getattr(pipelining, schedule)(stages if len(stages) > 1 else stages[0], n_microbatches=microbatches, loss_fn=_loss)
-    for step in range(2):
-        args = (_batch(mesh["dp"].get_local_rank(), step, widths[0]),) if 0 in mine else ()
-        kwargs = dict(target=torch.full((8, widths[-1]), 0.3), losses=[]) if n_stages - 1 in mine else {}
-        sched.step(*args, **kwargs)
-        for m in (modules[i] for i in mine):
-            assert all(p.grad is not None for p in m.parameters())
-            m.zero_grad()
-    seen_as_fsdp = all(isinstance(modules[i], TorchFSDPModule) for i in mine)
-    stats = [state_of(modules[i]).root.comm.stats for i in mine]
+    modules = _two_steps(fully_shard, schedule, microbatches)
+    seen_as_fsdp = all(isinstance(m, TorchFSDPModule) for m in modules)
+    stats = [state_of(m).root.comm.stats for m in modules]
     return sum(s.reduce_scatters for s in stats), seen_as_fsdp, sum(s.all_gathers for s in stats)
 
 
@@ -182,49 +190,18 @@ def test_a_stage_reduces_once_per_step_and_gathers_once_per_backward_phase(sched
 def _gathers(impl, schedule, microbatches, reshard):
     """All-gathers over two steps of this rank's stages under ``impl``'s ``fully_shard`` (``reshard``: the
     units' ``reshard_after_forward``; ``None``: the default), counted per collective group."""
-    import torch.distributed as dist
-    from torch.distributed import pipelining
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if impl == "torch":
-        import torch.distributed.fsdp._fully_shard._fsdp_param_group as torch_groups
-        from torch.distributed.fsdp import fully_shard
-
-        count, real = [0], torch_groups.foreach_all_gather
-
-        def counted(*args, **kwargs):
-            count[0] += 1
-            return real(*args, **kwargs)
-
-        torch_groups.foreach_all_gather = counted
-    else:
+    if impl != "torch":
         from fsdpfn.compat import fully_shard
         from fsdpfn.compat.state import state_of
-    try:
-        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
-        n_stages = 2 * SCHEDULES[schedule]
-        mine = _stages_of(mesh["pp"].get_local_rank(), n_stages, schedule)
-        widths = [3, 5, 4, 6, 2][: n_stages + 1]
-        modules = _stage_modules(widths, 0)
-        kw = {} if reshard is None else dict(reshard_after_forward=reshard)
-        stages = []
-        for i in mine:
-            fully_shard(modules[i][0], mesh=mesh["dp"], **kw)
-            fully_shard(modules[i], mesh=mesh["dp"], **kw)
-            stages.append(pipelining.PipelineStage(modules[i], i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()))
-        sched = getattr(pipelining, schedule)(stages if len(stages) > 1 else stages[0], n_microbatches=microbatches, loss_fn=_loss)
-        for step in range(2):
-            args = (_batch(mesh["dp"].get_local_rank(), step, widths[0]),) if 0 in mine else ()
-            kwargs = dict(target=torch.full((8, widths[-1]), 0.3), losses=[]) if n_stages - 1 in mine else {}
-            sched.step(*args, **kwargs)
-            for m in (modules[i] for i in mine):
-                m.zero_grad()
-        if impl == "torch":
-            return count[0]
-        return sum(state_of(modules[i]).root.comm.stats.all_gathers for i in mine)
-    finally:
-        if impl == "torch":
-            torch_groups.foreach_all_gather = real
+
+        return sum(state_of(m).root.comm.stats.all_gathers for m in _two_steps(fully_shard, schedule, microbatches, reshard))
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdpfn.testing import fsdp2_all_gathers
+
+    with fsdp2_all_gathers() as gathers:
+        _two_steps(fully_shard, schedule, microbatches, reshard)
+    return gathers.count
 
 
 @pytest.mark.parametrize("reshard", [None, True, False])

@@ -125,7 +125,7 @@ class CompatCall(Call):
     def _collective(self, unit: Any) -> Buckets:
         return self.ctx.collective(unit)
 
-    # --- copies kept after backward (set_reshard_after_backward(False), compat/kept.py) -----------------
+    # --- copies kept gathered between forwards and backwards (compat/kept.py) ---------------------------
     def gather(self, name: str) -> dict[str, torch.Tensor]:
         full = super().gather(name)
         self.ctx.kept.drop({name})  # gathered anew (a prefetch was in flight) or taken: one copy at a time

@@ -31,7 +31,8 @@ __all__ = ["KeptCopies"]
 
 
 class KeptCopies:
-    """The gathered parameters a root's units keep after backward (``set_reshard_after_backward(False)``)."""
+    """The gathered parameters a root's units keep between gathers: after a backward
+    (``set_reshard_after_backward(False)``), or after a forward that does not reshard."""
 
     def __init__(self) -> None:
         self._copies: dict[str, tuple[dict[str, torch.Tensor], Any]] = {}

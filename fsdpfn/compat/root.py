@@ -64,7 +64,7 @@ class RootContext:
         self.planning = False  # the first forward's fusion planner is running the module on fake tensors
         self.ignored: frozenset[str] = frozenset()  # FQNs of the parameters left unmanaged (ignored_params)
         self._plan_for_grads: dict[tuple[bool, ...], ShardPlan] = {}  # see _replan_for_grads
-        self.kept = KeptCopies()  # gathered copies kept after backward (set_reshard_after_backward(False))
+        self.kept = KeptCopies()  # gathered copies kept between gathers (compat/kept.py)
         self._build()
         self.apply = CompatApply(self)
         watch_unreduced(self)  # an optimizer step before the accumulated gradients are reduced is refused
@@ -169,7 +169,7 @@ class RootContext:
     def _fusion_inputs(self, states: dict[str, UnitState]) -> tuple[int | None, dict[str, Any]]:
         # Units that sync gradients differently never share a group. When all sync alike (gradient
         # accumulation and pipeline schedules toggle every unit at once) the switches separate nothing:
-        # left out, toggling them keeps the plan (and the copies kept after backward) instead of rebuilding.
+        # left out, toggling them keeps the plan (and the kept gathered copies) instead of rebuilding.
         keys = {n: st.plan_key(self.is_root(st)) for n, st in states.items()}
         if len({st.sync_key() for st in states.values()}) > 1:
             keys = {n: (*k, *states[n].sync_key()) for n, k in keys.items()}

@@ -28,7 +28,7 @@ class CallInfo:
     """Per-call extras of a bucket collective (not part of the cached ``Buckets``).
 
     ``pending``: handles of this very collective launched earlier (prefetch). ``ready``: its results,
-    gathered earlier (compat: a copy kept after a backward); the forward returns aliases of them. ``sink``: when set, the
+    gathered earlier (compat: a kept copy); the forward returns aliases of them. ``sink``: when set, the
     backward does not reduce: it adds the incoming full gradients into ``sink[fqn]`` (in ``sink_dtypes``)
     and passes no gradient to the shards (deferred reduction). ``carry``: full gradients accumulated
     earlier into a sink; the backward adds (and removes) them before it reduces. ``keep_none``: a member

@@ -5,11 +5,12 @@
   (needs the ``test`` extra: ``pip install fsdpfn[test]``).
 - ``models``: picklable, seedable model recipes (``ModelRecipe``, ``ParamTree``).
 - ``fsdp2_has(name)``/``fsdp2_lacks(name)``/``torch_version()``: what this torch's FSDP2 offers, for tests
-  that compare with it on every supported torch (2.11 lacks some of FSDP2's newer API).
+  that compare with it on every supported torch (2.11 lacks some of FSDP2's newer API);
+  ``fsdp2_all_gathers()`` counts torch's FSDP2 all-gathers, to compare collective counts with it.
 """
 
 from fsdpfn.testing import models, strategies
 from fsdpfn.testing.pool import SpmdError, SpmdTimeout, shutdown_pools, spmd
-from fsdpfn.testing.torch_api import fsdp2_has, fsdp2_lacks, torch_version
+from fsdpfn.testing.torch_api import GatherCount, fsdp2_all_gathers, fsdp2_has, fsdp2_lacks, torch_version
 
-__all__ = ["SpmdError", "SpmdTimeout", "fsdp2_has", "fsdp2_lacks", "models", "shutdown_pools", "spmd", "strategies", "torch_version"]
+__all__ = ["GatherCount", "SpmdError", "SpmdTimeout", "fsdp2_all_gathers", "fsdp2_has", "fsdp2_lacks", "models", "shutdown_pools", "spmd", "strategies", "torch_version"]
