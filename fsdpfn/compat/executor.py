@@ -131,21 +131,11 @@ class CompatCall(Call):
         self.ctx.kept.drop({name})  # gathered anew (a prefetch was in flight) or taken: one copy at a time
         return full
 
-    def regather(self, name: str) -> dict[str, torch.Tensor]:
-        if name not in self.regathered:
-            kept = self.ctx.kept.get(self.ctx, name)
-            if kept is not None:
-                self._finish_deferred_reductions()
-                self.regathered[name] = kept
-                if not self._prefetch_at_release:
-                    self._prefetch_backward(name)
-                return kept
-        full = super().regather(name)
+    def _gathered_again(self, name: str, full: dict[str, torch.Tensor]) -> None:
         self.ctx.kept.keep(self.ctx, name, full)
-        return full
 
-    def _kept(self, name: str) -> bool:
-        return self.ctx.kept.get(self.ctx, name) is not None
+    def _kept_copy(self, name: str) -> dict[str, torch.Tensor] | None:
+        return self.ctx.kept.get(self.ctx, name)
 
     def _take_kept(self, name: str) -> dict[str, torch.Tensor] | None:
         return self.ctx.kept.take(self.ctx, name)
@@ -190,18 +180,17 @@ class CompatApply(Apply):
         if functorch:  # torch.func transforms: no deferred reductions
             call.deferred = None
         stale = stale_unshards(self.ctx)  # gathered by unshard() before an update changed the shards: again
+        launched = {n: st for n, st in self.ctx.states.items() if st.unsharded is not None and n not in stale}
         plan = self.ctx.plan
-        for name, st in self.ctx.states.items():  # an explicit unshard() already launched the gather
-            if st.unsharded is not None and name not in stale and plan.group_of.get(name, name) == name:
-                call.pending[name] = st.unsharded[0]
-        for group in {plan.group_of[n] for n in self.ctx.states if n in plan.group_of} - set(self.ctx.states):
-            members = [self.ctx.states.get(u) for u in plan.members(group)]
-            if all(m is not None and m.unsharded is not None and m.name not in stale for m in members):
+        for group in {plan.group_of.get(n, n) for n in launched}:  # an explicit unshard() launched the gather
+            if group in launched:  # a unit of its own: its forward waits for that gather
+                call.pending[group] = launched[group].unsharded[0]  # type: ignore[index]  # launched: set
+            elif all(u in launched for u in plan.members(group)):
                 # a fused group whose every unit was unshard()ed (a pipeline schedule's UNSHARD action): its
                 # forward takes their results as a kept copy instead of gathering the group again
                 full: dict[str, torch.Tensor] = {}
-                for m in members:
-                    handles, done, b, _ = m.unsharded  # type: ignore[misc]  # checked above
+                for u in plan.members(group):
+                    handles, done, b, _ = launched[u].unsharded  # type: ignore[misc]  # launched: set
                     full.update(done if done is not None else zip(b.fqns, b.finish(handles)))
                 self.ctx.kept.hold(self.ctx, group, full)
         return call

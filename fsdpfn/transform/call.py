@@ -222,7 +222,7 @@ class Call:
 
     def _prefetch_forward(self, name: str) -> None:
         for nxt in self.forward_prefetch(name):
-            if nxt not in self.pending and nxt not in self.gathered and not self._kept(nxt) and not self._launch_span(nxt):
+            if nxt not in self.pending and nxt not in self.gathered and self._kept_copy(nxt) is None and not self._launch_span(nxt):
                 self.pending[nxt] = self._launch(nxt)
 
     def _launch_span(self, name: str) -> bool:
@@ -230,7 +230,7 @@ class Call:
         when none of its groups was launched or has run in this call yet (a unit run twice gathers alone
         the second time) and each can share it; whether it did."""
         span = self.schedule.forward_span(name)
-        if len(span) < 2 or not self.in_forward or any(n in self.pending or n in self.gathered or n in self.order or self._kept(n) for n in span):
+        if len(span) < 2 or not self.in_forward or any(n in self.pending or n in self.gathered or n in self.order or self._kept_copy(n) is not None for n in span):
             return False
         bs = [self._collective(self.plan.group(n)) for n in span]
         if not all(shares_gather(b) for b in bs) or len({b.layouts[0].dtype for b in bs}) != 1:
@@ -317,12 +317,16 @@ class Call:
         full = self.regathered.get(name)
         if full is None:
             self._finish_deferred_reductions()
-            b = self._collective(self.plan.group(name))
-            if b.in_place:
-                outs = b.run_in_place([t.detach() for t in self._shards(b)])
-            else:
-                outs = b.finish(self.pending_back.pop(name, None) or self._launch(name))
-            full = self.regathered[name] = dict(zip(b.fqns, outs))
+            full = self._kept_copy(name)
+            if full is None:
+                b = self._collective(self.plan.group(name))
+                if b.in_place:
+                    outs = b.run_in_place([t.detach() for t in self._shards(b)])
+                else:
+                    outs = b.finish(self.pending_back.pop(name, None) or self._launch(name))
+                full = dict(zip(b.fqns, outs))
+                self._gathered_again(name, full)
+            self.regathered[name] = full
             if not self._prefetch_at_release:
                 self._prefetch_backward(name)
         return full
@@ -337,13 +341,16 @@ class Call:
 
     def _prefetch_backward(self, name: str) -> None:
         for prev in self.backward_prefetch(name):
-            if prev in self.packed_units and prev not in self.regathered and prev not in self.pending_back and not self._kept(prev):
+            if prev in self.packed_units and prev not in self.regathered and prev not in self.pending_back and self._kept_copy(prev) is None:
                 self.pending_back[prev] = self._launch(prev)
 
-    def _kept(self, name: str) -> bool:
-        """Whether group ``name``'s parameters are kept gathered outside this call (compat's
-        ``set_reshard_after_backward(False)``): its gather, in forward or backward, moves nothing."""
-        return False
+    def _kept_copy(self, name: str) -> dict[str, torch.Tensor] | None:
+        """Group ``name``'s parameters if they are kept gathered outside this call (compat's
+        ``fsdpfn/compat/kept.py``): its gather, in forward or backward, then moves nothing."""
+        return None
+
+    def _gathered_again(self, name: str, full: dict[str, torch.Tensor]) -> None:
+        """Group ``name`` was just re-gathered for backward (compat may keep the copy)."""
 
     def _take_kept(self, name: str) -> dict[str, torch.Tensor] | None:
         """Group ``name``'s copy kept gathered outside this call, handed to this forward's gather (which
