@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdpfn.compat.state import state_of
 from fsdpfn.messages import listing, torch_text
 from fsdpfn.ops.placement import check_placement, check_placement_type
-from fsdpfn.ops.shard import never_called
+from fsdpfn.ops.units import never_called
 
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext

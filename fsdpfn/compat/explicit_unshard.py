@@ -1,5 +1,5 @@
-"""What an explicit ``unshard()`` gathered, when the shards change after it: a forward gathers again, and
-``state_dict``/``load_state_dict`` drop it first.
+"""An explicit ``unshard()``: its launch and ``UnshardHandle``, and what it gathered when the shards change
+after it: a forward gathers again, and ``state_dict``/``load_state_dict`` drop it first.
 
 ``FSDPModule.unshard(async_op=True)`` launches a unit's all-gather ahead of its forward. Launched before
 the optimizer step (to overlap the gather with the update), the gathered copy holds the weights from
@@ -23,6 +23,8 @@ import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from torch import nn
+
 from fsdpfn.compat.state import UnitState, drop_unsharded
 from fsdpfn.core import tally
 from fsdpfn.messages import user_stacklevel
@@ -30,7 +32,46 @@ from fsdpfn.messages import user_stacklevel
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
 
-__all__ = ["discard_unshard", "shard_versions", "stale_unshards"]
+__all__ = ["UnshardHandle", "discard_unshard", "launch_unshard", "shard_versions", "stale_unshards"]
+
+
+class UnshardHandle:
+    """A handle on an ``FSDPModule.unshard(async_op=True)``; ``wait()`` (idempotent) registers the
+    unsharded parameters on the module.
+
+    Example:
+        >>> handle = model.layers[1].unshard(async_op=True)     # doctest: +SKIP
+        >>> handle.wait()                                        # doctest: +SKIP
+    """
+
+    def __init__(self, state: UnitState | None = None):
+        self._state = state
+
+    def wait(self) -> None:
+        """Wait for the all-gather and register the full parameters on the module (once)."""
+        st, self._state = self._state, None
+        if st is None or st.unsharded is None or st.unsharded[1] is not None:
+            return
+        handles, _, b, versions = st.unsharded
+        full = dict(zip(b.fqns, b.finish(handles)))
+        st.unsharded = (handles, full, b, versions)
+        for fqn, m in st.root.managed.items():
+            if fqn in full:
+                value = full[fqn] if m.tp is None else m.tp.wrap(full[fqn])
+                unsharded = nn.Parameter(value, requires_grad=m.param.requires_grad)
+                for mod, attr in m.slots:
+                    mod._parameters[attr] = unsharded
+
+def launch_unshard(ctx: RootContext, st: UnitState) -> UnshardHandle:
+    """Launch the all-gather of ``st``'s unit for ``FSDPModule.unshard`` (nothing when an unshard is already
+    pending, or the unit's copy is kept gathered since a forward or backward, or it owns no parameter) and
+    return the handle that registers the result."""
+    kept = ctx.kept.get(ctx, ctx.plan.group_of.get(st.name, st.name)) is not None  # unsharded already
+    if st.unsharded is None and not kept and any(u.name == st.name for u in ctx.plan.units):
+        params = ctx.params()
+        b = ctx.collective(ctx.plan.unit(st.name))
+        st.unsharded = (b.launch([params[f].detach() for f in b.fqns]), None, b, shard_versions(ctx, b.fqns))
+    return UnshardHandle(st if st.unsharded is not None else None)
 
 
 def shard_versions(ctx: RootContext, fqns: Iterable[str]) -> tuple[tuple[int, int, int], ...]:

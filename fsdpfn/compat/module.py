@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from fsdpfn.compat.hooks import check_all_gather, check_reduce_scatter, update_custom
 from fsdpfn.compat.dispatch import dispatch, unit_state
 from fsdpfn.compat.root import lazy_root
-from fsdpfn.compat.explicit_unshard import shard_versions
+from fsdpfn.compat.explicit_unshard import UnshardHandle, launch_unshard
 from fsdpfn.compat.replaced_params import note_replacement
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
 from fsdpfn.layout.plan import is_byte_count
@@ -35,34 +35,6 @@ def _check_bool(value: Any, what: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{what} must be a bool, got {value!r}")
     return value
-
-
-class UnshardHandle:
-    """A handle on an ``FSDPModule.unshard(async_op=True)``; ``wait()`` (idempotent) registers the
-    unsharded parameters on the module.
-
-    Example:
-        >>> handle = model.layers[1].unshard(async_op=True)     # doctest: +SKIP
-        >>> handle.wait()                                        # doctest: +SKIP
-    """
-
-    def __init__(self, state: UnitState | None = None):
-        self._state = state
-
-    def wait(self) -> None:
-        """Wait for the all-gather and register the full parameters on the module (once)."""
-        st, self._state = self._state, None
-        if st is None or st.unsharded is None or st.unsharded[1] is not None:
-            return
-        handles, _, b, versions = st.unsharded
-        full = dict(zip(b.fqns, b.finish(handles)))
-        st.unsharded = (handles, full, b, versions)
-        for fqn, m in st.root.managed.items():
-            if fqn in full:
-                value = full[fqn] if m.tp is None else m.tp.wrap(full[fqn])
-                unsharded = nn.Parameter(value, requires_grad=m.param.requires_grad)
-                for mod, attr in m.slots:
-                    mod._parameters[attr] = unsharded
 
 
 def _unimplemented_deepcopy(*args: Any, **kwargs: Any) -> NoReturn:
@@ -114,13 +86,7 @@ class FSDPModule(TorchFSDPModule):
         """
         st = unit_state(self)
         top = st.top()
-        ctx = lazy_root(top, top.modules[0])
-        kept = ctx.kept.get(ctx, ctx.plan.group_of.get(st.name, st.name)) is not None  # unsharded already
-        if st.unsharded is None and not kept and any(u.name == st.name for u in ctx.plan.units):
-            params = ctx.params()
-            b = ctx.collective(ctx.plan.unit(st.name))
-            st.unsharded = (b.launch([params[f].detach() for f in b.fqns]), None, b, shard_versions(ctx, b.fqns))
-        handle = UnshardHandle(st if st.unsharded is not None else None)
+        handle = launch_unshard(lazy_root(top, top.modules[0]), st)
         if async_op:
             return handle
         handle.wait()

@@ -21,7 +21,7 @@ from fsdpfn.layout.autobucket import FUSED_DEVICES, LinkCost
 from fsdpfn.memory.activations import forward_cost
 from fsdpfn.memory.rank import rank_phases
 from fsdpfn.memory.result import PHASES, MemoryEstimate
-from fsdpfn.ops.shard import Units, recompute_reads_values, resolve_units
+from fsdpfn.ops.units import Units, owning_unit, recompute_reads_values, resolve_units
 from fsdpfn.policy import MixedPrecisionPolicy, as_mp_policy
 
 __all__ = ["OPTIMIZERS", "estimate"]
@@ -328,14 +328,12 @@ def _check_worlds(world: Any) -> list[int]:
 def _infos(model: nn.Module, unit_names: Sequence[str]) -> tuple[list[ParamInfo], int]:
     """One ``ParamInfo`` per distinct parameter (tied ones once, owned as ``shard`` decides) and the bytes
     of the buffers every rank keeps whole."""
-    from fsdpfn.ops.shard import _owner
-
     owners: dict[int, list[str]] = {}
     found: dict[int, nn.Parameter] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(fqn)
         found[id(p)] = p
-    infos = [ParamInfo(names[0], tuple(found[k].shape), found[k].dtype, found[k].requires_grad, _owner(names, unit_names))
+    infos = [ParamInfo(names[0], tuple(found[k].shape), found[k].dtype, found[k].requires_grad, owning_unit(names, unit_names))
              for k, names in owners.items()]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return infos, buffers

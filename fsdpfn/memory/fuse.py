@@ -33,7 +33,7 @@ from fsdpfn.layout import ShardPlan, build_plan
 from fsdpfn.layout.plan import FUSED
 from fsdpfn.memory.estimate import OPTIMIZERS, _infos, step_estimator
 from fsdpfn.memory.keep import check_world_and_budget
-from fsdpfn.ops.shard import Units, resolve_units
+from fsdpfn.ops.units import Units, resolve_units
 from fsdpfn.policy import MixedPrecisionPolicy, as_mp_policy
 
 __all__ = ["FusionChoice", "GroupSizes", "budget_margin", "first_call_fuses", "fuse_within", "group_sizes_within"]

@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from fsdpfn.memory.estimate import estimate
-from fsdpfn.ops.shard import Units, resolve_units
+from fsdpfn.ops.units import Units, resolve_units
 
 __all__ = ["ReshardRule", "keep_gathered"]
 

@@ -3,6 +3,7 @@
 from fsdpfn.ops.api import accumulate, reduce, reduce_scale, reshard, unshard
 from fsdpfn.ops.extension import AllGatherTransform
 from fsdpfn.ops.functions import ReduceFunction, UnshardFunction
-from fsdpfn.ops.shard import resolve_units, shard
+from fsdpfn.ops.shard import shard
+from fsdpfn.ops.units import resolve_units
 
 __all__ = ["AllGatherTransform", "ReduceFunction", "accumulate", "UnshardFunction", "reduce", "reduce_scale", "reshard", "resolve_units", "shard", "unshard"]

@@ -23,7 +23,9 @@ from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import reduce_scale
-from fsdpfn.transform.call import Call, OpenCall, checkpoint_region, outer_saved_hooks
+from fsdpfn.transform.call import Call
+from fsdpfn.transform.open_call import OpenCall
+from fsdpfn.transform.saved import checkpoint_region, outer_saved_hooks
 from fsdpfn.transform.casting import cast_inputs, cast_output, copy_shard_views
 from fsdpfn.transform.eager import caller_frame, eager, functorch_active, in_backward, on_stack, under_compile
 from fsdpfn.transform.fusion import plan_fusion

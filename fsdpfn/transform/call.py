@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from types import FrameType
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,9 +30,10 @@ from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.functions import CallInfo, apply_buckets
 from fsdpfn.ops.shared import launch_shared, shares_gather
 from fsdpfn.transform.eager import eager, functorch_active
+from fsdpfn.transform.saved import OuterSaved, Packed
 from fsdpfn.transform.validate import contents_moved, versions_moved
 
-__all__ = ["Call", "GradMode", "OpenCall", "Packed", "without_autograd"]
+__all__ = ["Call", "GradMode", "group_done", "without_autograd"]
 
 
 @dataclass(frozen=True)
@@ -48,38 +48,6 @@ class GradMode:
     deferred: DeferredReductions | None = None  # reductions value_and_grad waits for and adds after autograd.grad
     traced: bool = False  # the whole step is being traced into one graph (fsdpfn.compile_step)
     collectives: Collectives = "native"  # how the traced step writes its collectives
-
-
-@dataclass(frozen=True)
-class Packed:
-    """A saved tensor replaced by where it lives in a unit's gathered parameters."""
-
-    unit: str
-    fqn: str
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    spec: Any = None  # a saved DTensor's spec (its local tensor is what aliases the unit's buffer)
-
-
-@dataclass(frozen=True)
-class OuterSaved:
-    """A saved tensor handed to the ``saved_tensors_hooks`` that were active around the ``apply`` call
-    (``torch.autograd.graph.save_on_cpu()``, a user's compression): what their pack returned."""
-
-    value: Any
-
-
-def outer_saved_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
-    """The ``(pack, unpack)`` saved-tensor hooks active now (``None``: none, or a torch without the query)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top(False) if top is not None else None
-
-
-def checkpoint_region(hooks: tuple[Callable[[torch.Tensor], Any], Any] | None) -> bool:
-    """Whether ``hooks`` (``outer_saved_hooks()``) are a non-reentrant activation checkpoint's forward
-    hooks: the call begins inside its region."""
-    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
 
 
 class Call:
@@ -427,21 +395,3 @@ def _reduce_dtypes(plan: Any) -> dict[str, torch.dtype]:
     if got is None:
         got = plan.memo[("reduce_dtypes",)] = {f: lay.dtype for u in plan.units for lay in u.reduce for f in lay.fqns}
     return got
-
-
-@dataclass(eq=False)
-class OpenCall:
-    """One ``apply`` call between ``begin`` and ``end``: what ``close`` must undo.
-
-    ``anchor`` (calls begun from compiled code only) is the frame that began the call; once it is off
-    the stack without the call having ended, the forward raised inside compiled code and the call is
-    stale."""
-
-    call: Any  # a Call, or the traced executor's TracedCall
-    anchor: FrameType | None = None
-    swapped: list[tuple[dict[str, Any], str, Any]] = field(default_factory=list)
-    overridden: list[tuple[Any, bool, Any]] = field(default_factory=list)
-    hooks: Any = None  # the entered saved_tensors_hooks context
-    closed: bool = False
-    traced: bool = False  # run by the traced executor (inside one compiled graph)
-    thread: int | None = None  # the thread that began it (fsdpfn.transform.occupancy); None: not recorded

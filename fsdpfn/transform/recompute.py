@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import fsdpfn.trees as trees
-from fsdpfn.ops.shard import recompute_reads_values
+from fsdpfn.ops.units import recompute_reads_values
 from fsdpfn.transform.eager import eager
 from fsdpfn.transform.reentrant import in_reentrant_recompute, is_reentrant_node, reentrant_error, took_gradients, untracked
 

@@ -24,7 +24,8 @@ from fsdpfn.transform.traced import enter_unit, exit_unit
 if TYPE_CHECKING:
     import weakref
 
-    from fsdpfn.transform.call import Call, OpenCall
+    from fsdpfn.transform.call import Call
+    from fsdpfn.transform.open_call import OpenCall
     from fsdpfn.transform.recompute import BackwardSwaps
 
 __all__ = ["Swap", "UnitHooks"]
