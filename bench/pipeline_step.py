@@ -15,6 +15,7 @@ all-gathers and reduce-scatters a step issues on rank 0 (torch's counted at its 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.json, "w") as f:
                 record = dict(world=world, torch_version=torch.__version__, args=vars(args), results=results)
                 json.dump(record, f, indent=1)
+    gc.collect()  # the stages' reference cycles first: freed after the group, at exit, torch can abort
     dist.destroy_process_group()
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib
 import json
 import os
@@ -414,5 +415,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     if dist.is_initialized():
+        gc.collect()  # the variants' reference cycles first: freed after the group, at exit, torch can abort
         dist.destroy_process_group()
     sys.exit(code)

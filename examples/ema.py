@@ -8,6 +8,7 @@ is saved and restored with them (at any world size) and gathered only when it is
 
 from __future__ import annotations
 
+import gc
 import tempfile
 
 import torch
@@ -54,4 +55,5 @@ def main(steps: int = 20, decay: float = 0.9, ckpt: str | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # the model's reference cycles first: freed after the group, at exit, torch can abort
     dist.destroy_process_group()

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 
@@ -44,4 +46,5 @@ def main() -> list[str]:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # the model's reference cycles first: freed after the group, at exit, torch can abort
     dist.destroy_process_group()

@@ -12,6 +12,7 @@ bf16 (fp32 master shards, fp32 gradient reduction). ``--save-every N`` writes an
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -232,4 +233,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # the model's reference cycles first: freed after the group, at exit, torch can abort
     dist.destroy_process_group()

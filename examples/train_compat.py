@@ -17,6 +17,7 @@ the same process and prints the two loss curves side by side.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -163,4 +164,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # the model's reference cycles first: freed after the group, at exit, torch can abort
     dist.destroy_process_group()
