@@ -2,12 +2,16 @@
 
     torchrun --nproc-per-node 2 bench/recipe_step.py                          # every recipe, the default GPT
     torchrun --nproc-per-node 2 bench/recipe_step.py --recipes lora,accum --optimizer fused --json out.json
+    torchrun --nproc-per-node 4 bench/recipe_step.py --replicas 2 --recipes plain,accum     # HSDP 2 x 2
 
 Both libraries shard a copy of one ``bench_models`` model (``--model``, as ``bench/step.py --model``; a GPT)
-the way an FSDP2 user does (every block, then the root) and train it with ``torch.optim.AdamW`` (torch's
-default kernel, or ``--optimizer fused``) on the same batches. A recipe changes the model or the step:
+the way an FSDP2 user does (every block, then the root; with ``--replicas R``, HSDP on an ``(R, world / R)``
+mesh) and train it with ``torch.optim.AdamW`` (torch's default kernel, or ``--optimizer fused``) on the
+same batches. A recipe changes the model or the step:
 
 - ``plain``: forward, backward, step;
+- ``titan``: torchtitan's resharding: every block but the last reshards after forward (backward begins with
+  the last, so it stays gathered);
 - ``ac``: every block wrapped in ``checkpoint_wrapper`` (non-reentrant activation checkpointing) first;
 - ``lora``: the blocks' linear weights and biases, the embeddings and the head frozen, rank-8 adapters beside
   every block linear (the only trained weights besides the norms);
@@ -42,7 +46,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import build_model, make_batch, spec_for  # noqa: E402
 
-RECIPES = ("plain", "ac", "lora", "bf16", "eval", "accum")
+RECIPES = ("plain", "titan", "ac", "lora", "bf16", "eval", "accum")
 MICROBATCHES = 4  # of the accum recipe
 
 
@@ -84,11 +88,13 @@ class _Run:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         else:
             from fsdpfn.compat import MixedPrecisionPolicy, fully_shard
-        self.recipe, self.spec, self.rank = recipe, spec, mesh.get_local_rank()
+        self.recipe, self.spec, self.rank = recipe, spec, dist.get_rank()
         self.model = _prepare(copy.deepcopy(base), recipe)
         kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if recipe == "bf16" else {}
-        for block in self.model.blocks:
-            fully_shard(block, mesh=mesh, **kw)
+        last = len(self.model.blocks) - 1
+        for i, block in enumerate(self.model.blocks):
+            keep = {"reshard_after_forward": i < last} if recipe == "titan" else {}
+            fully_shard(block, mesh=mesh, **kw, **keep)
         fully_shard(self.model, mesh=mesh, **kw)
         trained = [p for p in self.model.parameters() if p.requires_grad]
         kernel = {"fused": True} if args.optimizer == "fused" else {}
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="gpt:blocks=6,width=192,heads=4,seq=32,vocab=2000,batch=8", help="a GPT shape (bench/step.py --model)")
     p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma list of {', '.join(RECIPES)}")
     p.add_argument("--optimizer", choices=["default", "fused"], default="default", help="torch.optim.AdamW's kernel")
+    p.add_argument("--replicas", type=int, default=1, help="HSDP: a (replicas, world / replicas) mesh (default 1: FSDP)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rtol", type=float, default=None, help="largest relative loss difference (1e-4 fp32, 2e-2 bf16)")
@@ -190,12 +197,15 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    if args.replicas < 1 or world % args.replicas:
+        raise SystemExit(f"recipe_step.py: --replicas must divide the world ({world}), got {args.replicas}")
+    shape = (world,) if args.replicas == 1 else (args.replicas, world // args.replicas)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp",) if len(shape) == 1 else ("replicate", "shard"))
     base = build_model(spec, 0)
     results = [_case(recipe, base, spec, args, mesh) for recipe in recipes]
     bad = [r for r in results if r["loss_rel_diff"] > (args.rtol or (2e-2 if r["recipe"] == "bf16" else 1e-4))]
     if dist.get_rank() == 0:
-        print(f"{args.model}, world {world}, torch {torch.__version__}, AdamW {args.optimizer} kernel, {args.steps} steps "
+        print(f"{args.model}, world {world}{f' (HSDP {shape[0]} x {shape[1]})' if len(shape) == 2 else ''}, torch {torch.__version__}, AdamW {args.optimizer} kernel, {args.steps} steps "
               f"after {args.warmup} warm-up (rank 0; peaks: the largest rank's)")
         print(f"{'recipe':<7} {'torch ms':>9} {'compat ms':>9} {'compat/torch':>12} {'peak MiB torch':>14} "
               f"{'compat':>7} {'peak ratio':>10} {'loss diff':>10}")

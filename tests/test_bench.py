@@ -237,7 +237,7 @@ def test_recipe_benchmark_runs_every_recipe_and_checks_the_losses(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(out.read_text())["results"]
-    assert [r["recipe"] for r in results] == ["plain", "ac", "lora", "bf16", "eval", "accum"]
+    assert [r["recipe"] for r in results] == ["plain", "titan", "ac", "lora", "bf16", "eval", "accum"]
     for r in results:
         assert r["torch_ms"] > 0 and r["compat_ms"] > 0 and r["torch_peak_mib"] > 0 and r["compat_peak_mib"] > 0, r
         assert r["loss_rel_diff"] <= (2e-2 if r["recipe"] == "bf16" else 1e-4), r

@@ -62,6 +62,7 @@ class UnshardHandle:
                 for mod, attr in m.slots:
                     mod._parameters[attr] = unsharded
 
+
 def launch_unshard(ctx: RootContext, st: UnitState) -> UnshardHandle:
     """Launch the all-gather of ``st``'s unit for ``FSDPModule.unshard`` (nothing when an unshard is already
     pending, or the unit's copy is kept gathered since a forward or backward, or it owns no parameter) and
