@@ -17,7 +17,9 @@ same batches. A recipe changes the model or the step:
   every block linear (the only trained weights besides the norms);
 - ``bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
 - ``eval``: an evaluation forward under ``no_grad`` before every training step;
-- ``accum``: four microbatches a step, gradient sync only in the last (``set_requires_gradient_sync``).
+- ``accum``: four microbatches a step, gradient sync only in the last (``set_requires_gradient_sync``);
+- ``accum_rs``: four microbatches, each reduce-scattered, the all-reduce over the replicas only in the last
+  (``set_requires_all_reduce``: HSDP's accumulation; under FSDP the same as ``plain`` with four microbatches).
 
 For each recipe the libraries step alternately (A B A B ...) after ``--warmup`` untimed steps, so machine noise
 hits both alike; reported: the median step (ms, rank 0), compat / torch, the peak of one step (``MemTracker``,
@@ -46,7 +48,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import build_model, make_batch, spec_for  # noqa: E402
 
-RECIPES = ("plain", "titan", "ac", "lora", "bf16", "eval", "accum")
+RECIPES = ("plain", "titan", "ac", "lora", "bf16", "eval", "accum", "accum_rs")
 MICROBATCHES = 4  # of the accum recipe
 
 
@@ -113,9 +115,12 @@ class _Run:
         if self.recipe == "eval":
             with torch.no_grad():
                 self._loss(1, k)
-        if self.recipe == "accum":
+        if self.recipe in ("accum", "accum_rs"):
             for mb in range(MICROBATCHES):
-                self.model.set_requires_gradient_sync(mb == MICROBATCHES - 1)
+                if self.recipe == "accum":
+                    self.model.set_requires_gradient_sync(mb == MICROBATCHES - 1)
+                else:  # HSDP: reduce-scatter every microbatch, all-reduce over the replicas in the last only
+                    self.model.set_requires_all_reduce(mb == MICROBATCHES - 1)
                 loss = self._loss(0, k * MICROBATCHES + mb) / MICROBATCHES
                 loss.backward()
         else:

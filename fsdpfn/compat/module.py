@@ -160,9 +160,10 @@ class FSDPModule(TorchFSDPModule):
             unit_state(m).requires_gradient_sync = value
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: ``False`` skips the all-reduce over replicas. fsdpfn then defers the whole reduction
-        (as with ``set_requires_gradient_sync(False)``) until a backward with the all-reduce enabled;
-        the gradients are the same, see docs/compat.md."""
+        """HSDP: ``False`` lets FSDP2 skip the all-reduce over replicas in the backwards of all but the last
+        microbatch, keeping their reduce-scattered (shard-size) gradients. fsdpfn reduces every such backward
+        fully (reduce-scatter and all-reduce) into ``.grad``, which holds as little (the same gradients after
+        the last microbatch; one all-reduce of a shard per unit and microbatch more): see docs/compat.md."""
         value = _check_bool(requires_all_reduce, "requires_all_reduce")
         for m in _fsdp_modules(self, recurse):  # type: ignore[arg-type]
             unit_state(m).requires_all_reduce = value

@@ -236,9 +236,10 @@ class RootContext:
 
     def defers(self, name: str) -> bool:
         """Whether unit or group ``name``'s backward keeps its gradients unreduced (``acc``) for now:
-        gradient sync off, or (HSDP) the all-reduce over replicas off."""
+        gradient sync off. (HSDP's all-reduce over replicas off does not defer: see
+        ``FSDPModule.set_requires_all_reduce``.)"""
         st = self.knobs(name)
-        return not st.requires_gradient_sync or (not st.requires_all_reduce and self.plan.replicas > 1)
+        return not st.requires_gradient_sync
 
     def scale(self, name: str) -> float:
         st = self.knobs(name)

@@ -74,6 +74,5 @@ def unreduced_step_error(optimizer: Any, names: list[str], frozen: list[str] = (
         "accumulated with set_requires_gradient_sync(False) and are not reduced yet: .grad does not hold them, "
         f"so this step would skip them or use part of the batch.{why} Run the last microbatch's backward with "
         "set_requires_gradient_sync(True) (every rank's accumulated gradients are then reduced into .grad) "
-        "before optimizer.step(), or drop them with model.zero_grad(). (Under HSDP, set_requires_all_reduce(False) "
-        "defers the whole reduction the same way in fsdpfn.compat: turn it back on for the backward before a step)"
+        "before optimizer.step(), or drop them with model.zero_grad()"
     )
