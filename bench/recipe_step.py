@@ -6,8 +6,8 @@
 
 Both libraries shard a copy of one ``bench_models`` model (``--model``, as ``bench/step.py --model``; a GPT)
 the way an FSDP2 user does (every block, then the root; with ``--replicas R``, HSDP on an ``(R, world / R)``
-mesh) and train it with ``torch.optim.AdamW`` (torch's default kernel, or ``--optimizer fused``) on the
-same batches. A recipe changes the model or the step:
+mesh; ``--dtype bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``) and train it
+with ``torch.optim.AdamW`` (torch's default kernel, or ``--optimizer fused``) on the same batches. A recipe changes the model or the step:
 
 - ``plain``: forward, backward, step;
 - ``titan``: torchtitan's resharding: every block but the last reshards after forward (backward begins with
@@ -15,7 +15,6 @@ same batches. A recipe changes the model or the step:
 - ``ac``: every block wrapped in ``checkpoint_wrapper`` (non-reentrant activation checkpointing) first;
 - ``lora``: the blocks' linear weights and biases, the embeddings and the head frozen, rank-8 adapters beside
   every block linear (the only trained weights besides the norms);
-- ``bf16``: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``;
 - ``eval``: an evaluation forward under ``no_grad`` before every training step;
 - ``accum``: four microbatches a step, gradient sync only in the last (``set_requires_gradient_sync``);
 - ``accum_rs``: four microbatches, each reduce-scattered, the all-reduce over the replicas only in the last
@@ -48,7 +47,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_models import build_model, make_batch, spec_for  # noqa: E402
 
-RECIPES = ("plain", "titan", "ac", "lora", "bf16", "eval", "accum", "accum_rs")
+RECIPES = ("plain", "titan", "ac", "lora", "eval", "accum", "accum_rs")
 MICROBATCHES = 4  # of the accum recipe
 
 
@@ -92,7 +91,8 @@ class _Run:
             from fsdpfn.compat import MixedPrecisionPolicy, fully_shard
         self.recipe, self.spec, self.rank = recipe, spec, dist.get_rank()
         self.model = _prepare(copy.deepcopy(base), recipe)
-        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if recipe == "bf16" else {}
+        bf16 = args.dtype == "bf16"
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
         last = len(self.model.blocks) - 1
         for i, block in enumerate(self.model.blocks):
             keep = {"reshard_after_forward": i < last} if recipe == "titan" else {}
@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="gpt:blocks=6,width=192,heads=4,seq=32,vocab=2000,batch=8", help="a GPT shape (bench/step.py --model)")
     p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma list of {', '.join(RECIPES)}")
     p.add_argument("--optimizer", choices=["default", "fused"], default="default", help="torch.optim.AdamW's kernel")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: bf16 parameters, fp32 reduction")
     p.add_argument("--replicas", type=int, default=1, help="HSDP: a (replicas, world / replicas) mesh (default 1: FSDP)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -208,9 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp",) if len(shape) == 1 else ("replicate", "shard"))
     base = build_model(spec, 0)
     results = [_case(recipe, base, spec, args, mesh) for recipe in recipes]
-    bad = [r for r in results if r["loss_rel_diff"] > (args.rtol or (2e-2 if r["recipe"] == "bf16" else 1e-4))]
+    bad = [r for r in results if r["loss_rel_diff"] > (args.rtol or (2e-2 if args.dtype == "bf16" else 1e-4))]
     if dist.get_rank() == 0:
-        print(f"{args.model}, world {world}{f' (HSDP {shape[0]} x {shape[1]})' if len(shape) == 2 else ''}, torch {torch.__version__}, AdamW {args.optimizer} kernel, {args.steps} steps "
+        print(f"{args.model}, world {world}{f' (HSDP {shape[0]} x {shape[1]})' if len(shape) == 2 else ''}, torch {torch.__version__}, {args.dtype}, AdamW {args.optimizer} kernel, {args.steps} steps "
               f"after {args.warmup} warm-up (rank 0; peaks: the largest rank's)")
         print(f"{'recipe':<7} {'torch ms':>9} {'compat ms':>9} {'compat/torch':>12} {'peak MiB torch':>14} "
               f"{'compat':>7} {'peak ratio':>10} {'loss diff':>10}")

@@ -226,18 +226,20 @@ def test_pipeline_benchmark_runs_both_libraries_and_counts_their_gathers(tmp_pat
         assert r["compat_reduce_scatters_per_step"] > 0
 
 
-def test_recipe_benchmark_runs_every_recipe_and_checks_the_losses(tmp_path):
+@pytest.mark.parametrize("dtype, recipes", [("fp32", None), ("bf16", "accum_rs")])
+def test_recipe_benchmark_runs_every_recipe_and_checks_the_losses(tmp_path, dtype, recipes):
     # bench/recipe_step.py at world 2 on a tiny GPT: both libraries train under every recipe, their losses
     # agree (the script exits non-zero, naming the recipe, beyond its tolerance), peaks are measured, and it
     # exits cleanly (it frees the models before the process group: see its gc.collect())
     out = tmp_path / "recipes.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "bench" / "recipe_step.py"),
            "--model", "gpt:blocks=2,width=16,hidden=32,heads=2,seq=8,vocab=40,batch=2",
-           "--steps", "1", "--warmup", "1", "--json", str(out)]
+           "--steps", "1", "--warmup", "1", "--dtype", dtype, "--json", str(out)] + (["--recipes", recipes] if recipes else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(out.read_text())["results"]
-    assert [r["recipe"] for r in results] == ["plain", "titan", "ac", "lora", "bf16", "eval", "accum"]
+    want = recipes.split(",") if recipes else ["plain", "titan", "ac", "lora", "eval", "accum", "accum_rs"]
+    assert [r["recipe"] for r in results] == want
     for r in results:
         assert r["torch_ms"] > 0 and r["compat_ms"] > 0 and r["torch_peak_mib"] > 0 and r["compat_peak_mib"] > 0, r
-        assert r["loss_rel_diff"] <= (2e-2 if r["recipe"] == "bf16" else 1e-4), r
+        assert r["loss_rel_diff"] <= (2e-2 if dtype == "bf16" else 1e-4), r
