@@ -264,3 +264,26 @@ def test_torchtitans_recipe_is_planned_and_trains_as_torch_within_its_peak(vocab
         assert "+".join(groups) == "+".join(want) and groups[-1] == "norm"  # the same units, in order; the kept unit alone
         if (vocab, width, count, world) == (500, 256, 6, 2):
             assert len(groups) < len(want)  # fused where memory allows (before: one group per unit)
+
+
+def _evaluated_first(width, hidden, count, batch, mode):
+    from fsdpfn.compat import fully_shard
+    from fsdpfn.compat.state import state_of
+
+    model = _blocks(width, hidden, count)
+    _shard_blocks(fully_shard, model, None)
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        model(_batch(width, batch)[0])  # an evaluation is the first forward: it plans the groups
+    return [g.name for g in state_of(model).root.plan.groups if g.name]
+
+
+@settings(max_examples=min(settings().max_examples, 3), deadline=None)
+@given(width=st.sampled_from([64, 128]), hidden=st.sampled_from([256, 1024]), count=st.integers(5, 8),
+       batch=st.sampled_from([2, 8]), world=st.integers(2, 3), mode=st.sampled_from(["no_grad", "inference_mode"]))
+@example(width=128, hidden=1024, count=8, batch=8, world=2, mode="no_grad")  # no_grad pricing: 1, 2, 2, 3
+@example(width=64, hidden=256, count=8, batch=8, world=2, mode="inference_mode")  # ... 1 x 6, 2
+def test_an_evaluation_as_the_first_forward_plans_the_groups_a_training_step_needs(width, hidden, count, batch, world, mode):
+    # priced without the activations a training step saves, the groups were larger than training's
+    want = _planned(width, hidden, count, batch, world)
+    for groups in spmd(world, _evaluated_first, width, hidden, count, batch, mode):
+        assert groups == want

@@ -435,3 +435,28 @@ def test_a_simulated_world_plans_its_first_call_as_a_real_one():
     assert got["link"][0] >= 0 and got["link"][1] > 0
     assert got["planned"] != got["shard"], got  # (what makes this a test of the first call)
     assert got["first_call"] == got["planned"], got
+
+
+def _evaluated_first(widths, batch, mode):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _stack(widths)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(len(widths) - 1)])
+    apply = fsdpfn.fsdp(model)
+    x = torch.randn(batch * world, widths[0], generator=torch.Generator().manual_seed(2))[rank * batch : (rank + 1) * batch]
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        apply(params, x)  # an evaluation is the first call: it plans the groups
+    return [u.name for u in params.plan.groups if u.name]
+
+
+@settings(max_examples=min(settings().max_examples, 4), deadline=None)
+@given(widths=st.lists(st.sampled_from([32, 64]), min_size=7, max_size=17), batch=st.sampled_from([4, 32]),
+       world=st.integers(2, 3), mode=st.sampled_from(["no_grad", "inference_mode"]))
+@example(widths=[64] * 17, batch=32, world=2, mode="no_grad")  # no_grad pricing: (1, 1, 1, 1, 1, 2, 2, 3, 4)
+def test_an_evaluation_as_the_first_call_plans_the_groups_a_training_step_needs(widths, batch, world, mode):
+    # the groups serve every later call: priced without the activations a training step saves, they were
+    # larger and raised training's peak (bench/recipe_step.py eval, bf16: 1.008x torch's fully_shard)
+    want = _runs(_expected(widths, world, batch, None).sizes)
+    for groups in spmd(world, _evaluated_first, widths, batch, mode):
+        assert groups == want

@@ -25,6 +25,7 @@ import hashlib
 from collections.abc import Callable, Hashable
 from typing import Any, ContextManager
 
+import torch
 from torch import nn
 
 from fsdpfn.core import agree, link_of
@@ -70,7 +71,9 @@ def plan_fusion(
     spans: tuple[int, ...] = ()
     if batch is not None:
         try:
-            with planning():
+            # Priced for a training step even when the first call is an evaluation (no_grad, inference
+            # mode): the groups serve every later call, and a training step saves activations it does not.
+            with planning(), torch.inference_mode(False), torch.enable_grad():
                 choice = group_sizes_within(
                     module, plan.world, batch, units=units, optimizer=plan.memo.get(OPTIMIZER_MEMO, "none"),
                     mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
