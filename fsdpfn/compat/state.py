@@ -63,7 +63,7 @@ class UnitState:
     outer: UnitState | None = None
     # knobs (FSDPModule.set_*)
     requires_gradient_sync: bool = True
-    requires_all_reduce: bool = True
+    requires_all_reduce: bool = True  # recorded only: every backward with sync on reduces fully (module.py)
     reshard_after_backward: bool = True  # False: keep the copy a backward gathered (compat/kept.py)
     divide_factor: float | None = None
     reduce_scatter_unused: bool = False
@@ -93,10 +93,11 @@ class UnitState:
         """Units fuse only with neighbours that agree on every knob a collective group shares."""
         return (*self.plan_key(is_root), *self.sync_key())
 
-    def sync_key(self) -> tuple[bool, bool]:
-        """The gradient-sync switches: ``fuse_key``'s part that gradient accumulation and pipeline schedules
-        toggle, on every unit alike."""
-        return (self.requires_gradient_sync, self.requires_all_reduce)
+    def sync_key(self) -> tuple[bool]:
+        """The gradient-sync switch: ``fuse_key``'s part that gradient accumulation and pipeline schedules
+        toggle, on every unit alike (``requires_all_reduce`` changes no reduction: see
+        ``FSDPModule.set_requires_all_reduce``)."""
+        return (self.requires_gradient_sync,)
 
     def plan_key(self, is_root: bool) -> tuple[Any, ...]:
         """``fuse_key`` without the gradient-sync switches: the knobs a planned grouping was priced with.
