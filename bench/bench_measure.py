@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import statistics
 import threading
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from bench_variants import Coll, Variant
 
-__all__ = ["sync", "barrier", "timed_step", "thread_cpu", "peak_step", "timed_replay", "storage_bytes", "reduce_max", "reduce_mean", "format_table"]
+__all__ = ["sync", "barrier", "close_process_group", "write_cases", "timed_step", "thread_cpu", "peak_step", "timed_replay", "storage_bytes", "reduce_max", "reduce_mean", "format_table"]
 
 MiB = 2**20
 
@@ -264,3 +266,17 @@ def format_table(result: dict[str, Any]) -> str:
             f"{_fmt(r.get('step_vs_floor'), '10.3f'):>10} {_fmt(r.get('step_vs_cpu_floor'), '10.3f'):>10} {_by_thread(r):>13}  {r['final_loss']:.6g}"
         )
     return "\n".join(lines)
+
+
+def write_cases(path: str, world: int, args: Any, results: list[dict[str, Any]]) -> None:
+    """The JSON record of a benchmark that measures cases (``pipeline_step.py``, ``recipe_step.py``)."""
+    with open(path, "w") as f:
+        json.dump(dict(world=world, torch_version=torch.__version__, args=vars(args), results=results), f, indent=1)
+
+
+def close_process_group() -> None:
+    """Destroy the default process group once the benchmark's models are gone: a model still alive then,
+    in a reference cycle freed only at interpreter exit, can make a rank abort ("terminate called without
+    an active exception"; torch's ``fully_shard`` alike), so the cycles are collected first."""
+    gc.collect()
+    dist.destroy_process_group()

@@ -15,8 +15,6 @@ all-gathers and reduce-scatters a step issues on rank 0 (torch's counted at its 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import statistics
 import time
 from typing import Any
@@ -24,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from bench_measure import close_process_group, write_cases
 
 INTERLEAVED = ("ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
 
@@ -151,11 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r['compat_vs_torch']:12.3f} {r['torch_all_gathers_per_step']:12.1f} / "
                   f"{r['compat_all_gathers_per_step']:<10.1f} {r['compat_reduce_scatters_per_step']:15.1f}")
         if args.json:
-            with open(args.json, "w") as f:
-                record = dict(world=world, torch_version=torch.__version__, args=vars(args), results=results)
-                json.dump(record, f, indent=1)
-    gc.collect()  # the stages' reference cycles first: freed after the group, at exit, torch can abort
-    dist.destroy_process_group()
+            write_cases(args.json, world, args, results)
+    close_process_group()
 
 
 if __name__ == "__main__":

@@ -30,9 +30,7 @@ libraries' losses over the run (the run fails, naming the recipe, beyond ``--rto
 from __future__ import annotations
 
 import argparse
-import gc
 import copy
-import json
 import os
 import statistics
 import sys
@@ -46,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_measure import close_process_group, reduce_max, write_cases  # noqa: E402
 from bench_models import build_model, make_batch, spec_for  # noqa: E402
 
 RECIPES = ("plain", "titan", "ac", "lora", "eval", "accum", "accum_rs")
@@ -169,7 +168,8 @@ def _case(recipe: str, base: nn.Module, spec: Any, args: argparse.Namespace, mes
     if args.compile:  # compiled kernels allocate below the dispatcher, where MemTracker cannot see them
         peaks: dict[str, float | None] = {impl: None for impl in runs}
     else:
-        peaks = {impl: max(_gather_floats(_peak_mib(run, args.warmup + args.steps))) for impl, run in runs.items()}
+        mine = [_peak_mib(run, args.warmup + args.steps) for run in runs.values()]
+        peaks = dict(zip(runs, reduce_max(mine, dist.get_world_size())))  # the largest rank's
     ms = {impl: statistics.median(t) * 1e3 for impl, t in times.items()}
     diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(runs["compat"].losses, runs["torch"].losses))
     return dict(
@@ -178,12 +178,6 @@ def _case(recipe: str, base: nn.Module, spec: Any, args: argparse.Namespace, mes
         peak_vs_torch=None if peaks["torch"] is None else peaks["compat"] / peaks["torch"],  # type: ignore[operator]
         loss_rel_diff=diff, final_loss=runs["torch"].losses[-1],
     )  # fmt: skip
-
-
-def _gather_floats(value: float) -> list[float]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -228,11 +222,8 @@ def main(argv: list[str] | None = None) -> None:
                      else f"{'-':>14} {'-':>7} {'-':>10}")
             print(f"{r['recipe']:<7} {r['torch_ms']:9.1f} {r['compat_ms']:9.1f} {r['compat_vs_torch']:12.3f} {peaks} {r['loss_rel_diff']:10.1e}")
         if args.json:
-            with open(args.json, "w") as f:
-                record = dict(world=world, torch_version=torch.__version__, args=vars(args), results=results)
-                json.dump(record, f, indent=1)
-    gc.collect()  # the models' reference cycles first: freed after the group, at exit, torch can abort
-    dist.destroy_process_group()
+            write_cases(args.json, world, args, results)
+    close_process_group()
     if bad:
         raise SystemExit(f"recipe_step.py: compat's losses differ from torch's beyond tolerance in {[r['recipe'] for r in bad]}")
 

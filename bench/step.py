@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import importlib
 import json
 import os
@@ -48,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 import fsdpfn
-from bench_measure import add_ratios, format_table, peak_step, reduce_max, reduce_mean, summarize, sync, timed_replay, timed_step
+from bench_measure import add_ratios, close_process_group, format_table, peak_step, reduce_max, reduce_mean, summarize, sync, timed_replay, timed_step
 from bench_models import MODELS, count_params, make_batches, build_model, spec_for
 from bench_variants import ALL_VARIANTS, COMPILED, EXTRA, SHARDED, Functional, Variant, build_variant
 from emulate_link import LinkEmulator, parse_link
@@ -415,6 +414,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     code = main()
     if dist.is_initialized():
-        gc.collect()  # the variants' reference cycles first: freed after the group, at exit, torch can abort
-        dist.destroy_process_group()
+        close_process_group()
     sys.exit(code)
