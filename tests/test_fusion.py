@@ -460,3 +460,77 @@ def test_an_evaluation_as_the_first_call_plans_the_groups_a_training_step_needs(
     want = _runs(_expected(widths, world, batch, None).sizes)
     for groups in spmd(world, _evaluated_first, widths, batch, mode):
         assert groups == want
+
+
+def _grown(widths, first, batch, optimizer, hold, min_bucket_bytes="auto"):
+    """A first call on ``first`` rows (a shape check, autograd on; ``hold``: its graph kept alive over the
+    first training step), then three training steps on ``batch`` rows per rank: the groups each step ran
+    with, the losses, the first step's gradients and how many times the ranks asked to plan again."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _stack(widths)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(len(widths) - 1)],
+                          min_bucket_bytes=min_bucket_bytes)
+    opt = fsdpfn.optim.adamw(lr=1e-2) if optimizer == "adamw" else fsdpfn.optim.sgd(1e-2)
+    state = opt.init(params)
+    apply = fsdpfn.fsdp(model)
+    g = torch.Generator().manual_seed(3)
+    # held: a graph whose backward may still run (the shards as autograd leaves, as under value_and_grad)
+    leaves = torch.utils._pytree.tree_map(lambda t: t.detach().requires_grad_(), params) if hold else params
+    held = [apply(leaves, torch.randn(first, widths[0], generator=g))]
+    del leaves
+    groups, losses, first_grads = [], [], None
+    for step in range(3):
+        x = torch.randn(batch * world, widths[0], generator=g)[rank * batch : (rank + 1) * batch]
+        loss, grads = fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())(params)
+        groups.append([u.name for u in params.plan.groups if u.name])
+        losses.append(loss.item())
+        first_grads = first_grads if first_grads is not None else {k: v.clone() for k, v in grads.items() if v is not None}
+        params, state = opt.update(grads, state, params)
+        if step == 0:
+            held.clear()  # the shape check's graph goes: its backward can no longer run
+    return groups, losses, first_grads, params.plan.comm.guard.replans
+
+
+@settings(max_examples=min(settings().max_examples, 5), deadline=None)
+@given(widths=st.lists(st.sampled_from([32, 40, 64]), min_size=9, max_size=21), first=st.integers(1, 4),
+       batch=st.sampled_from([16, 32]), world=st.integers(2, 3), optimizer=st.sampled_from(["adamw", "sgd"]),
+       hold=st.booleans())
+@example(widths=[64] * 17, first=1, batch=16, world=2, optimizer="adamw", hold=False)  # (..., 2, 2, 2, 3) -> (..., 2, 1, 2)
+@example(widths=[64] * 17, first=1, batch=16, world=2, optimizer="sgd", hold=True)
+def test_a_training_batch_larger_than_the_first_calls_plans_the_groups_again(widths, first, batch, world, optimizer, hold):
+    # the first call's groups were priced for its batch: a shape check on one row planned groups that
+    # raised training's peak (compat, 8 LayerNorm-MLP blocks: 1.05x torch's fully_shard)
+    small = _runs(_expected(widths, world, first, optimizer).sizes)
+    want = _runs(_expected(widths, world, batch, optimizer).sizes)
+    ours = spmd(world, _grown, widths, first, batch, optimizer, hold)
+    plain = spmd(world, _grown, widths, first, batch, optimizer, hold, None)
+    for (groups, losses, grads, asked), (_, ref_losses, ref_grads, _) in zip(ours, plain):
+        # on CPU the request is read at the training step's own pass check: it plans at once, unless a
+        # call's backward may still run on the old groups (the shape check's, held): then one step later
+        assert groups == ([small] if hold else [want]) + [want, want], (groups, small, want)
+        assert asked == 1  # one request for the whole run: later steps are no larger than planned
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        assert grads.keys() == ref_grads.keys()
+        for k in grads:
+            torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6)
+
+
+def _same_batch(widths, batch):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _stack(widths)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(len(widths) - 1)])
+    apply = fsdpfn.fsdp(model)
+    x = torch.randn(batch * world, widths[0], generator=torch.Generator().manual_seed(2))[rank * batch : (rank + 1) * batch]
+    with torch.no_grad():
+        apply(params, torch.cat([x, x]))  # an evaluation on a larger batch asks nothing: it saves no activations
+    for _ in range(2):
+        fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())(params)
+    return params.plan.comm.guard.replans
+
+
+def test_batches_no_larger_than_the_planned_one_never_plan_again():
+    assert spmd(2, _same_batch, [64] * 17, 8) == [0, 0]

@@ -214,6 +214,11 @@ class CompatApply(Apply):
         finally:
             self.ctx.planning = False
 
+    def regrouped(self) -> None:
+        """The root's first forwards planned new groups: the copies kept gathered under the old groups'
+        names would never be taken again (a fused group's name is its members'), so they go."""
+        self.ctx.kept.drop()
+
     def schedule(self, plan: ShardPlan, *, functorch: bool = False) -> Schedule:
         """The schedule of a call: resharding and explicit prefetch lists from the units' knobs, read
         at every call (``set_reshard_after_forward`` & co. apply from the next forward)."""

@@ -11,7 +11,9 @@ gathered for the whole step (more than they hold, never less).
 A knob changed later rebuilds the root's plan. Gradient accumulation toggles
 ``set_requires_gradient_sync`` on every unit, every few steps: the rebuild then keeps the planned groups
 (``UnitState.plan_key``, the knobs they were priced with, is unchanged), and its forward spans when every
-unit's settings still agree; any other change leaves ``min_bucket_bytes="auto"``'s groups.
+unit's settings still agree; any other change leaves ``min_bucket_bytes="auto"``'s groups. The groups kept
+are the latest planned (a larger training batch plans again: ``fsdpfn.transform.fusion.note_batch``), and
+the rebuilt plan goes on planning again as the first one would have.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from fsdpfn.compat.state import UnitState
 from fsdpfn.layout import ShardPlan
-from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSION_PLANNED_MEMO
+from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSION_PLANNED_MEMO, PLANNED_BATCH_MEMO
 
 __all__ = ["PlannedGroups", "plans_groups"]
 
@@ -56,17 +58,19 @@ class PlannedGroups:
         self.keys: dict[str, Any] = {}  # each unit's plan_key when the first plan was made
         self.groups: tuple[list[str], tuple[int, ...]] | None = None  # (unit names, group sizes)
         self.spans: tuple[int, ...] = ()  # the forward spans planned over those groups
+        self.batch: Any = None  # what they were planned for (PLANNED_BATCH_MEMO)
 
     def start(self, root: UnitState, states: Mapping[str, UnitState]) -> None:
         """The first plan is about to be planned: remember the knobs it is priced with."""
         self.keys = {n: st.plan_key(st is root) for n, st in states.items()}
 
     def note(self, plan: ShardPlan | None) -> None:
-        """Before a rebuild: remember ``plan``'s groups if the first forward planned them."""
-        if self.groups is None and plan is not None and plan.auto_fusion and plan.memo.get(FUSION_PLANNED_MEMO):
+        """Before a rebuild: remember ``plan``'s groups if a forward planned them."""
+        if plan is not None and plan.auto_fusion and plan.memo.get(FUSION_PLANNED_MEMO):
             names = [u.name for u in plan.units if u.name]
             self.groups = (names, tuple(len(plan.members(g.name)) for g in plan.groups if g.name))
             self.spans = tuple(plan.memo.get(FORWARD_SPANS_MEMO, ()))
+            self.batch = plan.memo.get(PLANNED_BATCH_MEMO)
 
     def reapply(self, plan: ShardPlan, root: UnitState, states: Mapping[str, UnitState], keys: Mapping[str, Any]) -> bool:
         """Regroup the rebuilt ``plan`` as planned when its units are the same, every unit's ``plan_key``
@@ -86,4 +90,8 @@ class PlannedGroups:
         plan.regroup(sizes=sizes)
         if self.spans and len({keys[u] for u in names}) == 1:  # spans were planned with every unit alike
             plan.memo[FORWARD_SPANS_MEMO] = self.spans
+        object.__setattr__(plan, "auto_fusion", True)  # planned already: a larger batch plans again
+        plan.memo[FUSION_PLANNED_MEMO] = True
+        if self.batch is not None:
+            plan.memo[PLANNED_BATCH_MEMO] = self.batch
         return True

@@ -187,6 +187,12 @@ class Guard:
         # FSDP2's answer when no rank used them): equal on every rank unless some used them and some not
         self.missing = 0
         self.missing_names: list[str] = []
+        # this rank asks every rank to plan the fused groups again (fsdpfn.transform.fusion: a training batch
+        # larger than the one they were planned for); sent with the next pass check that runs
+        self.replan_asked = False
+        # the pass checks at which some rank asked (equal on every rank): a plan planned before the last
+        # of them plans again at its next call
+        self.replans = 0
 
     def note_missing(self, names: list[str]) -> None:
         """Fold parameters that got no gradient on this rank into ``missing`` (``check_pass`` compares it)."""

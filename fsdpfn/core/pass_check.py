@@ -12,7 +12,9 @@ sum counts the ranks that found an error only they can see (``Guard.refusal``: a
 ranks only): the others raise with them instead of waiting in their next collective. The last two
 compare, the same way, the digests of compat's parameters that got no gradient (``Guard.missing``): a
 parameter used on some ranks only, even with a reduced gradient of zeros, would be ``None`` on some ranks
-and zeros on others, so their optimizers would update the shards differently. On CUDA
+and zeros on others, so their optimizers would update the shards differently. The last sum counts the
+ranks that ask for the fused groups to be planned again (``Guard.replan_asked``): a decision every rank
+then reads alike (``Guard.replans``) at no collective of its own. On CUDA
 the sums are read at the next check, from pinned memory, so no step waits for the device (a divergence is
 then named one pass later).
 
@@ -58,6 +60,8 @@ def start_pass_check(comm: Comm) -> Callable[[], None] | None:
         guard.digest = guard.missing = 0
         guard.missing_names = []
         refusal, guard.refusal = guard.refusal, None
+        guard.replans += guard.replan_asked  # this rank is every rank
+        guard.replan_asked = False
         if refusal is not None:
             raise refusal
         return None
@@ -72,8 +76,9 @@ def start_pass_check(comm: Comm) -> Callable[[], None] | None:
         _verdict(comm, host.tolist(), None, [])
     if digest == 0 and refusal is None:
         return None  # no collective since the last check (on every rank, unless they diverged before it)
+    asked, guard.replan_asked = guard.replan_asked, False  # (else it waits for a check that runs)
     with comm.untracked():
-        values = [digest, digest * digest, refusal is not None, missing, missing * missing]
+        values = [digest, digest * digest, refusal is not None, missing, missing * missing, asked]
         sums = torch.tensor(values, dtype=torch.int64, device=comm.groups.device)
         handle = comm.all_reduce_sum(sums, label=_LABEL)
     if sums.device.type == "cuda":
@@ -95,7 +100,8 @@ def start_pass_check(comm: Comm) -> Callable[[], None] | None:
 
 
 def _verdict(comm: Comm, sums: list[int], refusal: BaseException | None, names: list[str]) -> None:
-    total, squares, refusing, missing, missing_squares = sums
+    total, squares, refusing, missing, missing_squares, asking = sums
+    comm.guard.replans += asking > 0
     if refusal is not None:
         raise refusal
     if refusing:

@@ -144,14 +144,16 @@ def measured_fsdp2_step_peak(
     repeats: int = 2,
     fully_shard: Callable[..., Any] | None = None,
     unit_options: Mapping[str, Mapping[str, Any]] | None = None,
+    first_input: Any = None,
 ) -> int:
     """The peak bytes one rank holds over a warm training step of ``model`` under torch's own
     ``fully_shard`` (each of ``units``, submodule FQNs, then the root; or the ``fully_shard`` given, e.g.
     ``fsdpfn.compat``'s) with ``torch.optim.AdamW`` as torch builds it by default, on the same loss
     (``output.square().mean()``) and counted as ``measured_step_peak`` counts fsdpfn's (parameters,
     optimizer state and ``x`` resident), so the two compare. ``unit_options[name]``: more keyword arguments
-    of that unit's ``fully_shard`` (``{"reshard_after_forward": False}``). Call it on every rank
-    (``spmd``); ``model`` is sharded here.
+    of that unit's ``fully_shard`` (``{"reshard_after_forward": False}``). ``first_input``: the input of a
+    forward before training (a shape check on a smaller batch), if any. Call it on every rank (``spmd``);
+    ``model`` is sharded here.
 
     Example:
         >>> spmd(2, _torch_step, recipe)      # a module-level fn that builds the model and calls this  # doctest: +SKIP
@@ -175,6 +177,8 @@ def measured_fsdp2_step_peak(
         opt.step()
         opt.zero_grad()
 
+    if first_input is not None:
+        model(first_input)
     step()  # warm: moments and counters exist
     peaks = []
     for _ in range(max(1, repeats)):

@@ -21,6 +21,7 @@ from torch import nn
 
 from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, ShardPlan
+from fsdpfn.layout.plan import LIVE_CALLS_MEMO
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import reduce_scale
 from fsdpfn.transform.call import Call
@@ -28,7 +29,7 @@ from fsdpfn.transform.open_call import OpenCall
 from fsdpfn.transform.saved import checkpoint_region, outer_saved_hooks
 from fsdpfn.transform.casting import cast_inputs, cast_output, copy_shard_views
 from fsdpfn.transform.eager import caller_frame, eager, functorch_active, in_backward, on_stack, under_compile
-from fsdpfn.transform.fusion import plan_fusion
+from fsdpfn.transform.fusion import note_batch, plan_fusion
 from fsdpfn.transform.occupancy import enter_module, leave_module
 from fsdpfn.transform.recompute import BackwardSwaps
 from fsdpfn.transform.remat import override_forwards
@@ -108,6 +109,10 @@ class Apply(UnitHooks):
         """The context the first call's fusion planner runs ``module``'s forward in (on fake tensors):
         nothing here; the compat layer turns its FSDP dispatch off there."""
         return contextlib.nullcontext()
+
+    def regrouped(self) -> None:
+        """The fusion planner just changed the plan's groups (between calls): nothing to do here; compat
+        drops the copies it kept gathered under the old groups' names."""
 
     def fusion_rules(self) -> tuple[bool | Callable[[str], bool], Callable[[str], Hashable] | None]:
         """What the first call's fusion planner is told of the units: which are resharded after forward,
@@ -222,14 +227,16 @@ class Apply(UnitHooks):
             functorch = functorch_active()
             eligible = not (functorch or traced or under_compile() or self._forward or in_backward())
             if eligible and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
+                note_batch(plan, args, kwargs)  # a batch past the planned one: asked with this check
                 check_pass(plan.comm)  # ranks that ran different units since the last forward: named, not mixed
             if plan.auto_fusion:
                 reshard_rule, fuse_key = self.fusion_rules()
                 plan_fusion(self.module, plan, args, kwargs, prefetch=self.prefetch, reshard_after_forward=reshard_rule, fuse_key=fuse_key,
-                            eligible=eligible, planning=self.planning)
+                            eligible=eligible, planning=self.planning, regrouped=self.regrouped)
             if functorch and (traced or under_compile()):
                 raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
             call = self.new_call(params, functorch)
+            plan.memo.setdefault(LIVE_CALLS_MEMO, weakref.WeakSet()).add(call)  # what a regroup waits for
             self._calls += 1
             call.serial = self._calls
             call.remat = self.reshard_after_forward is not False and functorch and _only_grad_transforms()

@@ -92,6 +92,9 @@ class Call:
         self.tracks_grad: dict[str, dict[str, bool]] = {}  # per group: which gathered tensors take a gradient
         self.packed_units: set[str] = set()  # units backward will have to re-gather
         self.members_done: dict[str, set[str]] = {}  # fused groups: units whose forward finished
+        # groups whose gather autograd recorded and whose backward has not started: while any is, the
+        # plan's groups must not change under this call (transform/fusion.py plans again only then)
+        self.awaiting_backward: set[str] = set()
         self.in_forward = True
         self.remat = False  # units run through fsdpfn.remat (torch.func gradient transforms)
         self.remat_units: frozenset[str] = frozenset()  # the outermost units routed through it
@@ -148,6 +151,7 @@ class Call:
         if grad_fn is not None:
             grad_fn.metadata["fsdpfn_call"] = self  # keeps the call alive exactly as long as the graph
             grad_fn.register_prehook(lambda _grads, _n=name: self._release(_n))
+            self.awaiting_backward.add(name)
         if self.reshards(name):
             for fqn, t in full.items():
                 if t.numel() and type(t) is torch.Tensor:  # a subclass (all-gather transform) has no storage to match
@@ -327,6 +331,7 @@ class Call:
 
     def _release(self, name: str) -> None:
         # The unit's gradient reduction is starting: every use of its parameters in backward is done.
+        self.awaiting_backward.discard(name)
         self.regathered.pop(name, None)
         self.gathered.pop(name, None)
         self._swap_out(name)

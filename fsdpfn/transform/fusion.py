@@ -15,7 +15,18 @@ the mesh's latency-bound size (``LinkCost.target_bytes``): a larger one only del
 waits for it (for gpt1b in a world of 8 the uncapped planner would gather up to four 1B-model blocks
 per group and twelve in a forward span; docs/memory.md).
 Every rank must choose alike (``fsdpfn.core.agree``); where they do not, or the planner cannot
-run the forward on fake tensors, the plan stays as ``shard`` made it. Once per plan.
+run the forward on fake tensors, the plan stays as ``shard`` made it.
+
+The groups are priced for the batch the planner saw, and activations grow with the batch: a shape check
+on one row before training (``model(x[:1])``) planned groups that raised training's peak past torch's
+(1.04-1.05x, 8 LayerNorm-MLP blocks, world 2), and even a batch 1.25x the planned one can pass it (by up
+to 0.9% in the planner's estimate, over 24 random MLP stacks). So a training forward (autograd on) whose
+batch has more elements than planned for asks every rank to plan again (``note_batch``); the request
+rides the next pass check's all-reduce (``fsdpfn.core.pass_check``), so every rank learns it alike, and
+the next call plans for its batch once no call on the plan has a backward still to run (a regroup under
+one would change the groups its backward gathers). The groups so follow the largest training batch: a
+batch whose size varies plans again at each new largest one (a fake forward and four small all-reduces
+each; a few times over a run, as new maxima of random sizes grow rare).
 """
 
 from __future__ import annotations
@@ -23,18 +34,53 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable, Hashable
-from typing import Any, ContextManager
+from typing import Any, ContextManager, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fsdpfn.core import agree, link_of
 from fsdpfn.layout import ShardPlan
 from fsdpfn.layout.autobucket import FUSED_DEVICES
-from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSION_PLANNED_MEMO, OPTIMIZER_MEMO
+from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSION_PLANNED_MEMO, LIVE_CALLS_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
 from fsdpfn.memory.fuse import first_call_fuses, group_sizes_within
 
-__all__ = ["plan_fusion"]
+__all__ = ["PlannedBatch", "note_batch", "plan_fusion"]
+
+
+class PlannedBatch(NamedTuple):
+    """What a plan's groups were last planned for (``plan.memo[PLANNED_BATCH_MEMO]``): the most ``elements``
+    of the batches planned so far on this rank, ``Guard.replans`` then, and the largest training batch
+    that asked to plan again since (``larger``: its arguments, tensors as ``meta`` ones of their shapes),
+    planned for when the call that plans has a smaller one (the request reaches the ranks one check later).
+
+    Example:
+        >>> PlannedBatch(elements=64, replans=0).larger is None
+        True
+    """
+
+    elements: int
+    replans: int
+    larger: tuple[tuple[Any, ...], dict[str, Any], int] | None = None
+
+
+def note_batch(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Before a forward's pass check: ask every rank to plan ``plan``'s groups again when this is a training
+    forward (autograd on) whose batch (``args``/``kwargs``) has more elements than its groups were planned
+    for. Communication-free: the request travels with the next pass check.
+
+    Example:
+        >>> note_batch(params.plan, (x,), {})     # doctest: +SKIP
+    """
+    planned: PlannedBatch | None = plan.memo.get(PLANNED_BATCH_MEMO)
+    if planned is None or plan.comm is None or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        return
+    elements = _elements(args, kwargs)
+    if elements > planned.elements and (planned.larger is None or elements > planned.larger[2]):  # (asked once)
+        plan.comm.guard.replan_asked = True
+        shapes = tree_map(lambda x: x.detach().to("meta") if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        plan.memo[PLANNED_BATCH_MEMO] = planned._replace(larger=(*shapes, elements))
 
 
 def plan_fusion(
@@ -48,16 +94,23 @@ def plan_fusion(
     fuse_key: Callable[[str], Hashable] | None = None,
     eligible: bool = True,
     planning: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    regrouped: Callable[[], None] = lambda: None,
 ) -> None:
     """On the first call on ``plan`` (an ``"auto"`` plan that ``first_call_fuses``), regroup its units as
     ``group_sizes_within`` chooses for this batch (``args``/``kwargs``, what ``module``'s forward takes). A
     collective on every rank; ``eligible=False`` (a call under ``torch.func`` or ``torch.compile``, where no
     fake forward can run) keeps the plan as it is. The planner runs ``module``'s forward on fake tensors
     inside ``planning()`` (compat: with its FSDP dispatch turned off); units whose ``fuse_key`` differ
-    never share a group (compat: units with different ``FSDPModule`` settings)."""
-    if not plan.auto_fusion or plan.memo.get(FUSION_PLANNED_MEMO):
+    never share a group (compat: units with different ``FSDPModule`` settings); ``regrouped()`` runs when
+    the groups changed (compat drops the copies it kept gathered under the old groups' names). Later calls
+    plan again when some rank's training batch outgrew the planned one (``note_batch``)."""
+    if not plan.auto_fusion:
         return
-    plan.memo[FUSION_PLANNED_MEMO] = True
+    if plan.memo.get(FUSION_PLANNED_MEMO):
+        if not eligible or not _plans_again(plan):
+            return
+    else:
+        plan.memo[FUSION_PLANNED_MEMO] = True
     units = [u.name for u in plan.units if u.name]
     if not eligible or plan.tp or plan.transforms or plan.comm is None or not first_call_fuses(plan.world, plan.replicas, len(units)):
         return  # the same on every rank: no agreement needed
@@ -66,10 +119,15 @@ def plan_fusion(
     # and each collective's synchronisation is the cost, so memory alone bounds the groups there.
     overlaps = plan.comm.groups.device_type not in FUSED_DEVICES
     max_group_bytes = link_of(plan.comm).target_bytes() if overlaps else None  # a collective, on every rank
+    planned: PlannedBatch = plan.memo.get(PLANNED_BATCH_MEMO, PlannedBatch(0, 0))
+    elements = _elements(args, kwargs)
+    if planned.larger is not None and planned.larger[2] > elements:
+        args, kwargs, elements = planned.larger  # the batch that asked: larger than this call's
     batch = args if not kwargs else kwargs if not args else None
     sizes: tuple[int, ...] | None = None  # nothing planned: shard's groups stay (on every rank, if any rank could not plan)
     spans: tuple[int, ...] = ()
     if batch is not None:
+        plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(max(planned.elements, elements), plan.comm.guard.replans)
         try:
             # Priced for a training step even when the first call is an evaluation (no_grad, inference
             # mode): the groups serve every later call, and a training step saves activations it does not.
@@ -85,9 +143,27 @@ def plan_fusion(
         except Exception:  # a forward fake tensors cannot run: every rank learns it below
             pass
     if agree(plan.comm, _code(sizes, spans)) and sizes is not None:
-        plan.regroup(sizes=sizes)  # a no-op where shard's groups are already the choice
+        if plan.regroup(sizes=sizes):  # a no-op where the current groups are already the choice
+            regrouped()
         if spans and sum(spans) == sum(1 for g in plan.groups if g.name):
             plan.memo[FORWARD_SPANS_MEMO] = spans  # (after regroup, which forgets the groups' derived memo)
+
+
+def _plans_again(plan: ShardPlan) -> bool:
+    """Whether a plan planned before should plan again now (a collective when some rank asked since: the
+    same on every rank, as ``Guard.replans`` is): every rank must be free of calls whose backward is
+    still to run, or the request waits for a later call."""
+    planned: PlannedBatch | None = plan.memo.get(PLANNED_BATCH_MEMO)
+    assert plan.comm is not None
+    if planned is None or planned.replans >= plan.comm.guard.replans:
+        return False
+    free = not any(c.awaiting_backward for c in plan.memo.get(LIVE_CALLS_MEMO, ()))
+    return agree(plan.comm, int(free)) and free
+
+
+def _elements(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The elements of the tensors in a call's arguments: how large its batch is."""
+    return sum(t.numel() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
 
 def _code(sizes: tuple[int, ...] | None, spans: tuple[int, ...] = ()) -> int:
