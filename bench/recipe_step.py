@@ -18,7 +18,10 @@ with ``torch.optim.AdamW`` (torch's default kernel, or ``--optimizer fused``) on
 - ``eval``: an evaluation forward under ``no_grad`` before every training step;
 - ``accum``: four microbatches a step, gradient sync only in the last (``set_requires_gradient_sync``);
 - ``accum_rs``: four microbatches, each reduce-scattered, the all-reduce over the replicas only in the last
-  (``set_requires_all_reduce``: HSDP's accumulation; under FSDP the same as ``plain`` with four microbatches).
+  (``set_requires_all_reduce``: HSDP's accumulation; under FSDP the same as ``plain`` with four microbatches);
+- ``shape_check``: ``plain`` after one forward on a single sequence (``model(x[:1])``, autograd on), the
+  check users run before training: the first forward plans compat's groups (for that batch, until a
+  larger training batch plans them again).
 
 For each recipe the libraries step alternately (A B A B ...) after ``--warmup`` untimed steps, so machine noise
 hits both alike; reported: the median step (ms, rank 0), compat / torch, the peak of one step (``MemTracker``,
@@ -47,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_measure import close_process_group, reduce_max, write_cases  # noqa: E402
 from bench_models import build_model, make_batch, spec_for  # noqa: E402
 
-RECIPES = ("plain", "titan", "ac", "lora", "eval", "accum", "accum_rs")
+RECIPES = ("plain", "titan", "ac", "lora", "eval", "accum", "accum_rs", "shape_check")
 MICROBATCHES = 4  # of the accum recipe
 
 
@@ -106,6 +109,8 @@ class _Run:
         self.opt = torch.optim.AdamW(trained, lr=1e-3, weight_decay=0.01, **kernel)
         self.losses: list[float] = []
         self.before_forward: Any = None  # MemTracker's reset_mod_stats while a peak is measured
+        if recipe == "shape_check":
+            self.model(make_batch(spec, 0, 0, self.rank)[0][:1])
 
 
     def _loss(self, seed: int, step: int) -> torch.Tensor:

@@ -176,4 +176,4 @@ class BucketCollectives:
                 result.mul_(scale)
             return result
 
-        return self._launch("reduce", fn, keep=(*fulls, extra), result=out, fp=fp, finish=finish)
+        return self._launch("reduce", fn, keep=(*fulls, extra), result=out, fp=fp, finish=finish, consumed=(extra,))

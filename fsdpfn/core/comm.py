@@ -136,18 +136,21 @@ class Comm(BucketCollectives):
         return stream
 
     def _launch(
-        self, name: str, fn: Any, *, keep: tuple, result: torch.Tensor, fp: Fingerprint, finish: Any = None
+        self, name: str, fn: Any, *, keep: tuple, result: torch.Tensor, fp: Fingerprint, finish: Any = None,
+        consumed: tuple = (),
     ) -> Handle:
-        """Run ``fn(async_op)`` on gloo's thread (CPU) or on the side stream ``name`` (CUDA)."""
+        """Run ``fn(async_op)`` on gloo's thread (CPU) or on the side stream ``name`` (CUDA). ``keep`` stays
+        alive until the collective is done; ``consumed`` (the core's own buffers among them, read by
+        nothing once it is finished) is freed by the handle's ``wait()`` on CPU."""
         try:
-            return self._launch_unguarded(name, fn, keep=keep, result=result, fp=fp, finish=finish)
+            return self._launch_unguarded(name, fn, keep=keep, result=result, fp=fp, finish=finish, consumed=consumed)
         except RuntimeError as e:
             if isinstance(e, CollectiveError):
                 raise
             raise CollectiveError(f"collective {fp.describe()} on rank {self.groups.rank} could not start: {e}") from e
 
     def _launch_unguarded(
-        self, name: str, fn: Any, *, keep: tuple, result: torch.Tensor, fp: Fingerprint, finish: Any
+        self, name: str, fn: Any, *, keep: tuple, result: torch.Tensor, fp: Fingerprint, finish: Any, consumed: tuple
     ) -> Handle:
         if result.device.type == "cuda":
             current = torch.cuda.current_stream()
@@ -160,7 +163,7 @@ class Comm(BucketCollectives):
                 event = stream.record_event()
             return Handle(result, event=event, keep=keep)
         work = fn(True)
-        handle = Handle(result, work=work, keep=keep, finish=finish, guard=self.guard, fp=fp)
+        handle = Handle(result, work=work, keep=keep, finish=finish, guard=self.guard, fp=fp, consumed=consumed)
         if keep and work is not None:
             _free_inputs_when_done(handle, work)
         return handle
@@ -230,7 +233,7 @@ class Comm(BucketCollectives):
         fp = self.guard.begin("reduce_scatter", label, full, group)
         if self.reduce_exchange is not None and full.device.type != "cuda":
             fn, add, extra = self.reduce_exchange.reduce_flat(full, out)
-            return self._launch("reduce", fn, keep=(full, extra), result=out, fp=fp, finish=_then(add, finish))
+            return self._launch("reduce", fn, keep=(full, extra), result=out, fp=fp, finish=_then(add, finish), consumed=(full, extra))
         send, recv = _as_reals(full).reshape(-1), _as_reals(out).reshape(-1)
         return self._launch(
             "reduce",
@@ -239,6 +242,7 @@ class Comm(BucketCollectives):
             result=out,
             fp=fp,
             finish=finish,
+            consumed=(full,),
         )
 
     def _all_reduce_replicas(self, out: torch.Tensor, label: str) -> None:

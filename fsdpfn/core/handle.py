@@ -14,7 +14,7 @@ __all__ = ["ColumnsHandle", "Handle"]
 class Handle:
     """An in-flight collective. ``wait()`` (idempotent) orders the caller after it and returns the result."""
 
-    __slots__ = ("_work", "_event", "_keep", "_finish", "_result", "_done", "_guard", "_fp", "direct", "__weakref__")
+    __slots__ = ("_work", "_event", "_keep", "_consumed", "_finish", "_result", "_done", "_guard", "_fp", "direct", "__weakref__")
 
     def __init__(
         self,
@@ -26,11 +26,17 @@ class Handle:
         finish: Any = None,
         guard: Guard | None = None,
         fp: Fingerprint | None = None,
+        consumed: tuple = (),
     ):
         self._result = result
         self._work = work
         self._event = event
         self._keep = keep
+        # CPU buffers of the core's own that nothing reads once the collective is finished (a reduce-scatter's
+        # packed input): ``wait()`` frees their memory itself. Left to the references, it went whenever gloo's
+        # thread let go of its work, racing this thread's next allocations (a full-size input alive or not
+        # at the next unit's backward: peaks that moved by a unit's gradients from run to run).
+        self._consumed = consumed
         self._finish = finish
         self._done = False
         self._guard = guard
@@ -52,7 +58,25 @@ class Handle:
                 self._result = self._finish(self._result)
             self._work = self._event = self._finish = None
             self._keep = ()
+            for t in self._consumed:
+                t.untyped_storage().resize_(0)
+            self._consumed = ()
         return self._result
+
+    def release(self) -> None:
+        """The caller copied what it needs out of the (waited) result: free the result's memory now on CPU,
+        where gloo's thread may still hold the finished work, and with it the buffer, for a while (its
+        release raced this thread's next allocations). The result must not be read again; nothing on CUDA,
+        whose buffers the caching allocator reuses in stream order.
+
+        Example:
+            >>> h = Handle(torch.zeros(2, 3)); _ = h.wait().clone(); h.release()
+            >>> h.wait().untyped_storage().nbytes()
+            0
+        """
+        assert self._done, "release() before wait()"
+        if self._result.device.type == "cpu":
+            self._result.untyped_storage().resize_(0)
 
     def keep_also(self, tensors: tuple) -> None:
         """Keep ``tensors`` alive until ``wait()`` as well: side-stream work of this collective reads them."""

@@ -157,6 +157,12 @@ class Buckets:
                         copies = {id(b): b for b in (o if o._base is None else o._base for o in outs)}
                         for b in copies.values():
                             self.comm.stats.track(b)
+                    # nothing reads the gathered buffer once copied out (a shared gather's columns excepted:
+                    # the other buckets still read theirs; torch.func's wrapped tensors show no storage)
+                    if type(handle) is Handle and not any(_wrapped(t) for t in (buf, *outs)):
+                        ptr = buf.untyped_storage().data_ptr()
+                        if all(o.untyped_storage().data_ptr() != ptr for o in outs):
+                            handle.release()
                 if self.scale != 1.0:
                     outs = [o * self.scale for o in outs]
             else:
@@ -193,6 +199,11 @@ class Buckets:
             results.update(zip(layout.fqns, layout.unpack_shards(handle.peek(), self.rank)))
         into.extend(pending)
         return [results[f] for f in self.fqns]
+
+
+def _wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is not a plain tensor with a storage of its own (torch.func's wrappers, subclasses)."""
+    return type(t) is not torch.Tensor or torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def collective_pair(
