@@ -496,7 +496,7 @@ def _released_gather(exchange_min_bytes):
     params.plan.comm.exchange_min_bytes = exchange_min_bytes
     b = gather_collective(params.plan, params.plan.units, 1.0)
     pending = b.launch([params[f] for f in b.fqns])
-    outs = dict(zip(b.fqns, b.finish(pending)))
+    outs = dict(zip(b.fqns, b.finish(pending, release=True)))
     freed = [h.wait().untyped_storage().nbytes() == 0 for h in pending]
     return freed, [bool(getattr(h, "direct", False)) for h in pending], all(torch.equal(outs[k], v) for k, v in want.items())
 

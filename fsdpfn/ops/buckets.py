@@ -140,8 +140,10 @@ class Buckets:
             got = self._memo["plain"] = self.extension.other_layouts(self.layouts)
         return got
 
-    def finish(self, pending: Sequence[Handle]) -> list[torch.Tensor]:
-        """Wait for launched collectives and unpack them into results in ``fqns`` order."""
+    def finish(self, pending: Sequence[Handle], *, release: bool = False) -> list[torch.Tensor]:
+        """Wait for launched collectives and unpack them into results in ``fqns`` order. ``release``: no one
+        else reads ``pending`` (an explicit ``unshard()``'s handles are finished twice), so a gathered
+        buffer its members were copied out of is freed at once (``Handle.release``)."""
         results: dict[str, torch.Tensor] = {}
         layouts = self._plain_layouts()
         if self.extension is not None:
@@ -159,7 +161,7 @@ class Buckets:
                             self.comm.stats.track(b)
                     # nothing reads the gathered buffer once copied out (a shared gather's columns excepted:
                     # the other buckets still read theirs; torch.func's wrapped tensors show no storage)
-                    if type(handle) is Handle and not any(_wrapped(t) for t in (buf, *outs)):
+                    if release and type(handle) is Handle and not any(_wrapped(t) for t in (buf, *outs)):
                         ptr = buf.untyped_storage().data_ptr()
                         if all(o.untyped_storage().data_ptr() != ptr for o in outs):
                             handle.release()
@@ -175,7 +177,7 @@ class Buckets:
         """Launch every bucket's collective, then wait for each and unpack (no autograd)."""
         if self.in_place:
             return self.run_in_place(tensors)
-        return self.finish(self.launch(tensors))
+        return self.finish(self.launch(tensors), release=True)
 
     def run_deferred(self, tensors: Sequence[torch.Tensor | None], into: list[Handle]) -> list[torch.Tensor]:
         """A reduce whose wait is left to the caller: launch, wait for the reductions already in ``into``,
@@ -193,7 +195,7 @@ class Buckets:
         out_dtype = dict(zip(self.fqns, self.out_dtypes))
         exact = self.kind == "reduce" and not self.batch_ndim and all(out_dtype[f] == lay.dtype for lay in self.layouts for f in lay.fqns)
         if not exact:
-            return self.finish(pending)
+            return self.finish(pending, release=True)
         results: dict[str, torch.Tensor] = {}
         for layout, handle in zip(self.layouts, pending):
             results.update(zip(layout.fqns, layout.unpack_shards(handle.peek(), self.rank)))

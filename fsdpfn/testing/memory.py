@@ -101,8 +101,9 @@ def measured_step_peak(
     backward of ``output.square().mean()``, ``fsdpfn.optim.adamw`` update), measured by ``MemTracker``
     with the shards, the optimizer state and ``x`` counted as resident. Call it on every rank (``spmd``);
     ``model`` is sharded here (its parameters are donated). The smallest peak of ``repeats`` steps is
-    reported: gloo's completion callbacks free collective inputs at times that vary from run to run, and
-    a late one only ever adds to a step's peak. Also returns the collective groups and the fusion size
+    reported: gloo's thread lets go of finished work (and of the gradients a direct exchange sent from)
+    at times that vary from run to run, and a late one only ever adds to a step's peak (the core frees
+    the buffers of its own at the wait: ``Handle``). Also returns the collective groups and the fusion size
     ``shard`` chose, so a prediction can be made for the same plan.
 
     Example:

@@ -295,7 +295,7 @@ class Call:
                 if b.in_place:
                     outs = b.run_in_place([t.detach() for t in self._shards(b)])
                 else:
-                    outs = b.finish(self.pending_back.pop(name, None) or self._launch(name))
+                    outs = b.finish(self.pending_back.pop(name, None) or self._launch(name), release=True)
                 full = dict(zip(b.fqns, outs))
                 self._gathered_again(name, full)
             self.regathered[name] = full
