@@ -490,7 +490,9 @@ def _grown(widths, first, batch, optimizer, hold, min_bucket_bytes="auto"):
         params, state = opt.update(grads, state, params)
         if step == 0:
             held.clear()  # the shape check's graph goes: its backward can no longer run
-    return groups, losses, first_grads, params.plan.comm.guard.replans
+    from fsdpfn.layout.plan import FORWARD_SPANS_MEMO
+
+    return groups, losses, first_grads, params.plan.comm.guard.replans, params.plan.memo.get(FORWARD_SPANS_MEMO, ())
 
 
 @settings(max_examples=min(settings().max_examples, 5), deadline=None)
@@ -503,10 +505,12 @@ def test_a_training_batch_larger_than_the_first_calls_plans_the_groups_again(wid
     # the first call's groups were priced for its batch: a shape check on one row planned groups that
     # raised training's peak (compat, 8 LayerNorm-MLP blocks: 1.05x torch's fully_shard)
     small = _runs(_expected(widths, world, first, optimizer).sizes)
-    want = _runs(_expected(widths, world, batch, optimizer).sizes)
+    choice = _expected(widths, world, batch, optimizer)
+    want = _runs(choice.sizes)
     ours = spmd(world, _grown, widths, first, batch, optimizer, hold)
     plain = spmd(world, _grown, widths, first, batch, optimizer, hold, None)
-    for (groups, losses, grads, asked), (_, ref_losses, ref_grads, _) in zip(ours, plain):
+    for (groups, losses, grads, asked, spans), (_, ref_losses, ref_grads, _, _) in zip(ours, plain):
+        assert spans == choice.forward_spans  # the check's spans do not outlive its groups
         # on CPU the request is read at the training step's own pass check: it plans at once, unless a
         # call's backward may still run on the old groups (the shape check's, held): then one step later
         assert groups == ([small] if hold else [want]) + [want, want], (groups, small, want)

@@ -137,9 +137,31 @@ class ShardPlan:
         object.__setattr__(self, "bucket_bytes", min_bucket_bytes or (max(g.gathered_bytes(self.world) for g in groups) if sizes else None))
         self._by_group.clear()
         self._by_group.update({g.name: g for g in groups})
-        for key in [k for k in self.memo if k[0] not in _PLAN_STATE]:
-            del self.memo[key]  # derived from the old groups (collectives, schedules, members, orders)
+        self._forget_derived()  # derived from the old groups (collectives, schedules, members, orders)
         return True
+
+    def set_forward_spans(self, spans: Sequence[int] | None) -> None:
+        """Gather runs of ``spans`` consecutive named groups (sizes, in plan order) in one forward collective
+        each (``None``: every group on its own), forgetting the schedules built otherwise. Every rank alike,
+        between calls.
+
+        Example:
+            >>> infos = [ParamInfo(f"b{i}.w", (4, 4), torch.float32, True, f"b{i}") for i in range(4)]
+            >>> plan = build_plan(infos, [], [f"b{i}" for i in range(4)], rank=0, world=2)
+            >>> plan.set_forward_spans((2, 2)); plan.memo[FORWARD_SPANS_MEMO]
+            (2, 2)
+        """
+        if spans is not None and sum(spans) != sum(1 for g in self.groups if g.name):
+            raise ValueError(f"set_forward_spans: spans {tuple(spans)} do not cover the plan's named groups")
+        if self.memo.get(FORWARD_SPANS_MEMO) == (None if spans is None else tuple(spans)):
+            return
+        self._forget_derived()
+        if spans is not None:
+            self.memo[FORWARD_SPANS_MEMO] = tuple(spans)
+
+    def _forget_derived(self) -> None:
+        for key in [k for k in self.memo if k[0] not in _PLAN_STATE]:
+            del self.memo[key]
 
     def members(self, group: str) -> tuple[str, ...]:
         """The unit names fused into group ``group`` (just ``(group,)`` for an unfused unit)."""

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from fsdpfn.core import agree, link_of
 from fsdpfn.layout import ShardPlan
 from fsdpfn.layout.autobucket import FUSED_DEVICES
-from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSION_PLANNED_MEMO, LIVE_CALLS_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
+from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, LIVE_CALLS_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
 from fsdpfn.memory.fuse import first_call_fuses, group_sizes_within
 
 __all__ = ["PlannedBatch", "note_batch", "plan_fusion"]
@@ -145,8 +145,8 @@ def plan_fusion(
     if agree(plan.comm, _code(sizes, spans)) and sizes is not None:
         if plan.regroup(sizes=sizes):  # a no-op where the current groups are already the choice
             regrouped()
-        if spans and sum(spans) == sum(1 for g in plan.groups if g.name):
-            plan.memo[FORWARD_SPANS_MEMO] = spans  # (after regroup, which forgets the groups' derived memo)
+        # (after regroup, which forgets what was derived from the groups; planned again, the spans may go)
+        plan.set_forward_spans(spans if spans and sum(spans) == sum(1 for g in plan.groups if g.name) else None)
 
 
 def _plans_again(plan: ShardPlan) -> bool:
