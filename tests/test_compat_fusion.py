@@ -340,3 +340,34 @@ def test_a_training_batch_larger_than_the_first_forwards_plans_the_groups_again(
     for (losses, seen), (ref, _) in zip(ours, theirs):
         assert seen == [want] * 4, (seen, want)  # planned again at once, and kept by the rebuilds
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+
+
+def _shared_comm_requests(width, hidden, count):
+    """Two roots on one communication context (``share_comm_ctx``, as pipeline stages): ``b`` trains on 64
+    rows first (its groups planned for them); ``a`` plans for one row, then trains on 64 (it asks to plan
+    again); then ``b`` runs on 16 rows. Returns both roots' groups and whether they share the ``Comm``."""
+    from fsdpfn.compat import fully_shard, share_comm_ctx
+    from fsdpfn.compat.state import state_of
+
+    a, b = _blocks(width, hidden, count), _blocks(width, hidden, count)
+    _shard_blocks(fully_shard, a, None)
+    _shard_blocks(fully_shard, b, None)
+    share_comm_ctx([a, b])
+    x = _batch(width, 64)[0]
+    b(x).square().mean().backward()
+    a(x[:1])
+    a(x).square().mean().backward()
+    b(x[:16]).square().mean().backward()  # after a's request, which is not b's: b stays planned for 64
+    b(x[:16]).square().mean().backward()
+    roots = [state_of(m).root for m in (a, b)]
+    return [[g.name for g in r.plan.groups if g.name] for r in roots], roots[0].comm is roots[1].comm
+
+
+def test_a_request_to_plan_again_plans_only_the_root_whose_batch_grew():
+    # requests are counted per communication context, which several roots may share: a root that did not
+    # ask must not plan again, for a batch smaller than the one its groups serve
+    want = _planned(128, 1024, 8, 64, 2)
+    assert want != _planned(128, 1024, 8, 16, 2)  # (what makes this a test)
+    for groups, shared in spmd(2, _shared_comm_requests, 128, 1024, 8):
+        assert shared
+        assert groups == [want, want], (groups, want)

@@ -25,7 +25,7 @@ batch has more elements than planned for asks every rank to plan again (``note_b
 rides the next pass check's all-reduce (``fsdpfn.core.pass_check``), so every rank learns it alike, and
 the next call plans for its batch once no call on the plan has a backward still to run (a regroup under
 one would change the groups its backward gathers). The groups so follow the largest training batch: a
-batch whose size varies plans again at each new largest one (a fake forward and four small all-reduces
+batch whose size varies plans again at each new largest one (a fake forward and three small all-reduces
 each; a few times over a run, as new maxima of random sizes grow rare).
 """
 
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fsdpfn.core import agree, link_of
+from fsdpfn.core import agree, link_of, tally
 from fsdpfn.layout import ShardPlan
 from fsdpfn.layout.autobucket import FUSED_DEVICES
 from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, LIVE_CALLS_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
@@ -151,14 +151,20 @@ def plan_fusion(
 
 def _plans_again(plan: ShardPlan) -> bool:
     """Whether a plan planned before should plan again now (a collective when some rank asked since: the
-    same on every rank, as ``Guard.replans`` is): every rank must be free of calls whose backward is
-    still to run, or the request waits for a later call."""
+    same on every rank, as ``Guard.replans`` is). Only if this plan's batch asked on some rank (the ranks'
+    requests are one count per mesh, and several plans may share it: another plan's request must not
+    plan this one for a smaller batch), and no rank has a call on it whose backward is still to run (the
+    request then waits for a later call)."""
     planned: PlannedBatch | None = plan.memo.get(PLANNED_BATCH_MEMO)
     assert plan.comm is not None
     if planned is None or planned.replans >= plan.comm.guard.replans:
         return False
-    free = not any(c.awaiting_backward for c in plan.memo.get(LIVE_CALLS_MEMO, ()))
-    return agree(plan.comm, int(free)) and free
+    busy = any(c.awaiting_backward for c in plan.memo.get(LIVE_CALLS_MEMO, ()))
+    busy_ranks, asking_ranks = tally(plan.comm, [busy, planned.larger is not None])
+    if not asking_ranks:  # another plan's request: this one is planned for its batches still
+        plan.memo[PLANNED_BATCH_MEMO] = planned._replace(replans=plan.comm.guard.replans)
+        return False
+    return not busy_ranks
 
 
 def _elements(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
