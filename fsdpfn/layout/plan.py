@@ -190,9 +190,6 @@ FUSION_PLANNED_MEMO = ("fusion_planned",)
 # what the fusion planner last planned for: (this rank's batch elements, ``Guard.replans`` then); a training
 # batch past it asks every rank to plan again (transform/fusion.py)
 PLANNED_BATCH_MEMO = ("planned_batch",)
-# the calls on this plan that are alive (a WeakSet, transform/apply.py): the fusion planner regroups only
-# when none of them has a backward still to run
-LIVE_CALLS_MEMO = ("live_calls",)
 # the first call's fusion planner's forward spans (sizes over the named groups, in plan order): consecutive
 # groups gathered in one collective in forward (fsdpfn.layout.schedule); derived from the groups, so a
 # regroup forgets them
@@ -203,7 +200,7 @@ FORWARD_SPANS_MEMO = ("forward_spans",)
 # "requires_grad": the plans derived from this one for other trainable parameters (fsdpfn.freeze/unfreeze)
 _PLAN_STATE = frozenset(
     {"applies", "checkpoint.world_comm", "validated", "requires_grad", OPTIMIZER_MEMO[0], FUSION_PLANNED_MEMO[0],
-     PLANNED_BATCH_MEMO[0], LIVE_CALLS_MEMO[0]}
+     PLANNED_BATCH_MEMO[0]}
 )
 
 

@@ -21,7 +21,7 @@ from typing import TypeVar, Union
 import torch  # noqa: F401 - the doctests' namespace
 
 from fsdpfn.layout.grouping import FUSED, ParamInfo, UnitPlan, bucket_by_dtype, fuse_runs
-from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, LIVE_CALLS_MEMO, ShardPlan, _PLAN_STATE
+from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, ShardPlan, _PLAN_STATE
 from fsdpfn.layout.sharded import Sharded
 
 __all__ = ["Selection", "freeze", "same_origin", "select", "unfreeze", "with_requires_grad"]
@@ -34,10 +34,9 @@ as ``module.get_submodule(name).parameters()``), or a predicate on each paramete
 
 # origin.memo[(_DERIVED, flags)]: the plan derived for that requires_grad pattern (plan state: kept by regroup)
 _DERIVED = "requires_grad"
-# plan state that a derived plan shares with its origin's at derivation; "validated", "applies" and the
-# live calls are left out: apply checks the module against the new flags, registers itself on its first
-# call, and a derived plan's calls read its own groups
-_SHARED_STATE = (_PLAN_STATE - {"validated", "applies", _DERIVED, LIVE_CALLS_MEMO[0]}) | {FORWARD_SPANS_MEMO[0]}
+# plan state that a derived plan shares with its origin's at derivation; "validated" and "applies" are
+# left out: apply checks the module against the new flags, and registers itself on its first call
+_SHARED_STATE = (_PLAN_STATE - {"validated", "applies", _DERIVED}) | {FORWARD_SPANS_MEMO[0]}
 
 
 def freeze(tree: Sharded[T], which: Selection) -> Sharded[T]:

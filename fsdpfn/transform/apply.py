@@ -21,7 +21,6 @@ from torch import nn
 
 from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, ShardPlan
-from fsdpfn.layout.plan import LIVE_CALLS_MEMO
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import reduce_scale
 from fsdpfn.transform.call import Call
@@ -109,6 +108,11 @@ class Apply(UnitHooks):
         """The context the first call's fusion planner runs ``module``'s forward in (on fake tensors):
         nothing here; the compat layer turns its FSDP dispatch off there."""
         return contextlib.nullcontext()
+
+    def awaiting_backward(self, plan: ShardPlan) -> bool:
+        """Whether a call of this apply on ``plan`` is in its forward, or has a group whose backward is still
+        to run (``Call.awaiting_backward``): the fusion planner does not regroup ``plan`` under it."""
+        return any(o.call.plan is plan for o in self._forward) or any(c.awaiting_backward for c in self._backward if c.plan is plan)
 
     def regrouped(self) -> None:
         """The fusion planner just changed the plan's groups (between calls): nothing to do here; compat
@@ -236,7 +240,6 @@ class Apply(UnitHooks):
             if functorch and (traced or under_compile()):
                 raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
             call = self.new_call(params, functorch)
-            plan.memo.setdefault(LIVE_CALLS_MEMO, weakref.WeakSet()).add(call)  # what a regroup waits for
             self._calls += 1
             call.serial = self._calls
             call.remat = self.reshard_after_forward is not False and functorch and _only_grad_transforms()

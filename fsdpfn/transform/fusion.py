@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from fsdpfn.core import agree, link_of, tally
 from fsdpfn.layout import ShardPlan
 from fsdpfn.layout.autobucket import FUSED_DEVICES
-from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, LIVE_CALLS_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
+from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
 from fsdpfn.memory.fuse import first_call_fuses, group_sizes_within
 
 __all__ = ["PlannedBatch", "note_batch", "plan_fusion"]
@@ -159,7 +159,7 @@ def _plans_again(plan: ShardPlan) -> bool:
     assert plan.comm is not None
     if planned is None or planned.replans >= plan.comm.guard.replans:
         return False
-    busy = any(c.awaiting_backward for c in plan.memo.get(LIVE_CALLS_MEMO, ()))
+    busy = any(a.awaiting_backward(plan) for a in plan.memo.get(("applies",), ()))  # (every apply on it)
     busy_ranks, asking_ranks = tally(plan.comm, [busy, planned.larger is not None])
     if not asking_ranks:  # another plan's request: this one is planned for its batches still
         plan.memo[PLANNED_BATCH_MEMO] = planned._replace(replans=plan.comm.guard.replans)
