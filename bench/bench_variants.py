@@ -33,7 +33,7 @@ from bench_models import ModelSpec, loss_fn, make_batches
 __all__ = ["Coll", "Variant", "build_variant", "COMPILED", "EXTRA", "SHARDED", "ALL_VARIANTS"]
 
 COMPILED = ("torch_compiled", "compat_compiled", "functional_compiled", "functional_traced", "functional_traced_a2a")
-EXTRA = ("functional_kept", "compat_kept", "functional_fused", "compat_fused")  # measured when named in --variants
+EXTRA = ("functional_kept", "compat_kept", "functional_fused", "compat_fused", "functional_resharded")  # measured when named in --variants
 ALL_VARIANTS = ("torch", "functional", "local", "compat", *COMPILED, *EXTRA)
 SHARDED = ("torch", "functional", "compat", *COMPILED, *EXTRA)
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
@@ -234,6 +234,7 @@ class Functional(Variant):
     traced = False  # the whole step in one graph (fsdpfn.compile_step)
     collectives = "native"  # how the traced step writes its collectives (compile_step's collectives=)
     min_bucket_bytes: int | None = None  # fuse consecutive blocks (bench/step.py --min-bucket-bytes)
+    reshard_after_forward: Any = True  # fsdp's
 
     def __init__(self, *a: Any):
         super().__init__(*a)
@@ -246,7 +247,7 @@ class Functional(Variant):
         # shard() leaves a real module untouched; move it to meta so the full weights are not kept
         # alive next to the shards (apply swaps the gathered tensors in for every call anyway).
         self.model.to("meta")
-        apply = fsdpfn.fsdp(self.model)
+        apply = fsdpfn.fsdp(self.model, reshard_after_forward=self.reshard_after_forward)
         spec = self.spec
         self.value_and_grad = fsdpfn.value_and_grad(lambda p, x, y: loss_fn(spec, apply(p, x), y))
         self.opt = fsdpfn.optim.adamw(**ADAMW)
@@ -340,6 +341,15 @@ def _fusion(base: nn.Module, spec: ModelSpec, mesh: Any, device: torch.device, d
     # memory traded for speed: up to torch's peak with foreach AdamW (sqrt(v) of every trainable shard)
     return fsdpfn.memory.fuse_within(meta, mesh.size(), x, units=units, mp_policy=mp, torch_foreach=True,  # type: ignore[union-attr]
                                      loss_fn=lambda out: loss_fn(spec, out, y.to(out.device)), device=device)
+
+
+class FunctionalResharded(Functional):
+    """``functional`` with every group resharded after forward (``reshard_after_forward=lambda unit: True``:
+    a predicate, so the first call plans the same groups but keeps none gathered): what ``functional``
+    did before the planner kept its last groups."""
+
+    name = "functional_resharded"
+    reshard_after_forward = staticmethod(lambda unit: True)
 
 
 class FunctionalFused(Functional):
@@ -522,7 +532,7 @@ def build_variant(name: str, base: nn.Module, spec: ModelSpec, mesh: Any, device
     """Instantiate the variant called ``name`` on a deep copy of ``base``."""
     cls = {
         "torch": TorchFSDP, "functional": Functional, "local": Local, "compat": Compat, "reference": Reference,
-        "functional_kept": FunctionalKept, "compat_kept": CompatKept, "functional_fused": FunctionalFused, "compat_fused": CompatFused,
+        "functional_kept": FunctionalKept, "compat_kept": CompatKept, "functional_fused": FunctionalFused, "compat_fused": CompatFused, "functional_resharded": FunctionalResharded,
         "torch_compiled": TorchCompiled, "compat_compiled": CompatCompiled,
         "functional_compiled": FunctionalCompiled, "functional_traced": FunctionalTraced,
         "functional_traced_a2a": FunctionalTracedAllToAll,

@@ -12,6 +12,8 @@ machine noise hits all alike:
 * ``compat``: ``fsdpfn.compat.fully_shard`` wrapped like ``torch``.
 * ``functional_kept``, ``compat_kept`` (only when named): ``functional`` / ``compat`` keeping the last blocks
   gathered that ``fsdpfn.memory.keep_gathered`` fits under the resharding peak.
+* ``functional_resharded`` (only when named): ``functional`` with every group resharded after forward (the
+  first call keeps none of its last groups gathered).
 
 ``--compile`` measures the compiled variants instead (``torch.compile``, backend ``--compile-backend``), each
 compared with ``torch_compiled``:
@@ -193,17 +195,19 @@ def chosen_bucket_bytes(v: Variant) -> int | None:
 
 def chosen_groups(v: Variant) -> dict[str, Any] | None:
     """The collective groups a functional or compat variant's plan travels in after its first call: units
-    per group, in order, the forward spans (runs of groups gathered in one collective in forward), and the
+    per group, in order, the forward spans (runs of groups gathered in one collective in forward), the units
+    the planner kept gathered from forward to backward, and the
     link the first call measured where it did (GPUs: it caps groups and spans), as ``[latency_s,
     bytes_per_s]``."""
-    from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSED
+    from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, FUSED, KEPT_GATHERED_MEMO
 
     plan = _plan_of(v)
     if plan is None or not hasattr(plan, "groups"):
         return None
     units = [len(g.name.split(FUSED)) for g in plan.groups if g.name]
     link = getattr(plan.comm, "_link_cost", None) if plan.comm is not None else None
-    out: dict[str, Any] = {"units_per_group": units, "forward_spans": list(plan.memo.get(FORWARD_SPANS_MEMO, ()))}
+    out: dict[str, Any] = {"units_per_group": units, "forward_spans": list(plan.memo.get(FORWARD_SPANS_MEMO, ())),
+                           "kept_gathered": sorted(plan.memo.get(KEPT_GATHERED_MEMO, ()))}
     if link is not None:
         out["link"] = [link.latency_s, link.bytes_per_s]
     return out

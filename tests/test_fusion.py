@@ -538,3 +538,95 @@ def _same_batch(widths, batch):
 
 def test_batches_no_larger_than_the_planned_one_never_plan_again():
     assert spmd(2, _same_batch, [64] * 17, 8) == [0, 0]
+
+
+def _planner_kept(widths, batch, rule):
+    """Three AdamW steps of ``fsdp(model, reshard_after_forward=True)`` (``rule`` true) or with a predicate that
+    reshards every unit, on an ``"auto"`` plan: the units its
+    first call left gathered, the groups, the labels of the last step's all-gathers, the losses and the
+    first step's gradients."""
+    import torch.distributed as dist
+
+    from fsdpfn.layout.plan import KEPT_GATHERED_MEMO
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _stack(widths)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(len(widths) - 1)])
+    opt = fsdpfn.optim.adamw(lr=1e-2)
+    state = opt.init(params)
+    apply = fsdpfn.fsdp(model, reshard_after_forward=True if rule else lambda unit: True)  # (a predicate keeps what it says)
+    g = torch.Generator().manual_seed(3)
+    stats = params.plan.comm.stats
+    losses, first = [], None
+    for step in range(3):
+        x = torch.randn(batch * world, widths[0], generator=g)[rank * batch : (rank + 1) * batch]
+        if step == 2:
+            stats.reset()
+            stats.recording = True
+        loss, grads = fsdpfn.value_and_grad(lambda p: apply(p, x).tanh().square().mean())(params)
+        stats.recording = False
+        losses.append(loss.item())
+        first = first if first is not None else {k: v.clone() for k, v in grads.items()}
+        params, state = opt.update(grads, state, params)
+    gathers = [label for kind, label, _ in stats.log if kind == "all_gathers"]
+    kept = sorted(params.plan.memo.get(KEPT_GATHERED_MEMO, ()))
+    return kept, [u.name for u in params.plan.groups if u.name], gathers, losses, first
+
+
+@settings(max_examples=min(settings().max_examples, 4), deadline=None)
+@given(widths=st.lists(st.integers(8, 48), min_size=5, max_size=14), batch=st.integers(1, 8), world=st.integers(2, 3))
+@example(widths=[40] * 8, batch=4, world=2)  # the last two of seven groups kept
+def test_the_first_call_keeps_the_last_groups_gathered_as_the_planner_chooses(widths, batch, world):
+    # reshard_after_forward=True on an "auto" plan: the last groups whose gathered copy costs no memory stay
+    # gathered until their backward (gathered once a step, not twice); a predicate keeps what it says
+    kept_runs = spmd(world, _planner_kept, widths, batch, True)
+    resharded = spmd(world, _planner_kept, widths, batch, False)
+    choice = _expected(widths, world, batch, "adamw")
+    for (kept, groups, gathers, losses, grads), (none, same, regathers, ref_losses, ref_grads) in zip(kept_runs, resharded):
+        assert kept == sorted(choice.kept_gathered) and none == [] and groups == same == _runs(choice.sizes)
+        held = [g for g in groups if set(g.split("+")) <= set(kept)]
+        assert held == groups[len(groups) - len(held) :] and sum(len(g.split("+")) for g in held) == len(kept)  # the last ones
+        for g in held:
+            assert gathers.count(g) == 1, (g, gathers)  # forward only: backward finds it gathered
+            assert g == groups[0] or regathers.count(g) >= 1, (g, regathers)  # resharded: gathered again in backward
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        for k in grads:
+            torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6)
+    assert all(r[0] == kept_runs[0][0] for r in kept_runs)  # every rank alike
+
+
+def _lm_against_fsdp2(dim, vocab, blocks, batch, seed):
+    """This rank's measured step peaks of a small language model (a vocabulary-sized head), fsdpfn's
+    ``"auto"`` plan and torch's ``fully_shard``, the units the first call kept gathered, and the head's
+    output bytes (what the loss's backward is priced with)."""
+    import torch.distributed as dist
+
+    from fsdpfn.layout.plan import KEPT_GATHERED_MEMO
+    from fsdpfn.testing.memory import measured_fsdp2_step_peak, measured_step_peak
+    from fsdpfn.testing.models import ModelRecipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    recipe = ModelRecipe("transformer", (dim, dim, vocab, *[2 * dim] * blocks), seed=seed, seq=8)
+    units = [f"blocks.{i}" for i in range(blocks)]
+    x = recipe.inputs(batch * world, seed)[rank * batch : (rank + 1) * batch]
+    ours = measured_step_peak(recipe.build(), x, units=units, min_bucket_bytes="auto")
+    theirs = measured_fsdp2_step_peak(recipe.build(), x, units=units)
+    # the groups the same first call chose (measured_step_peak does not return its plan's memo)
+    model = recipe.build()
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units)
+    fsdpfn.optim.adamw().init(params)
+    fsdpfn.value_and_grad(lambda p: fsdpfn.fsdp(model)(p, x).square().mean())(params)
+    return ours.peak, theirs, sorted(params.plan.memo.get(KEPT_GATHERED_MEMO, ()))
+
+
+@settings(max_examples=min(settings().max_examples, 4), deadline=None)
+@given(dim=st.sampled_from([32, 64]), vocab=st.sampled_from([256, 512, 2048, 4096]), blocks=st.integers(4, 6),
+       batch=st.sampled_from([2, 4]), world=st.integers(2, 3), seed=st.integers(0, 9))
+# heads whose loss backward is the step's peak: priced as one output-sized gradient, the planner kept the
+# last block on it (1.02x and 1.03x torch's peak); priced as an unseen loss's (4 outputs), it keeps nothing
+@example(dim=32, vocab=512, blocks=6, batch=2, world=2, seed=1)
+@example(dim=64, vocab=2048, blocks=5, batch=4, world=2, seed=3)
+@example(dim=64, vocab=512, blocks=6, batch=4, world=2, seed=0)  # the last block kept
+def test_groups_the_first_call_keeps_gathered_never_raise_a_language_models_peak_above_torchs(dim, vocab, blocks, batch, world, seed):
+    for ours, theirs, kept in spmd(world, _lm_against_fsdp2, dim, vocab, blocks, batch, seed):
+        assert ours <= theirs, (ours, theirs, kept)

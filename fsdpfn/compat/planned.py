@@ -89,7 +89,7 @@ class PlannedGroups:
             start += k
         plan.regroup(sizes=sizes)
         if self.spans and len({keys[u] for u in names}) == 1:  # spans were planned with every unit alike
-            plan.set_forward_spans(self.spans)
+            plan.set_planned_schedule(self.spans)
         object.__setattr__(plan, "auto_fusion", True)  # planned already: a larger batch plans again
         plan.memo[FUSION_PLANNED_MEMO] = True
         if self.batch is not None:

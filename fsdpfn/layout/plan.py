@@ -7,7 +7,7 @@ so a tree can never be paired with the bookkeeping of another one by accident.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -140,24 +140,33 @@ class ShardPlan:
         self._forget_derived()  # derived from the old groups (collectives, schedules, members, orders)
         return True
 
-    def set_forward_spans(self, spans: Sequence[int] | None) -> None:
-        """Gather runs of ``spans`` consecutive named groups (sizes, in plan order) in one forward collective
-        each (``None``: every group on its own), forgetting the schedules built otherwise. Every rank alike,
-        between calls.
+    def set_planned_schedule(self, spans: Sequence[int] | None, kept: Iterable[str] = ()) -> None:
+        """What the fusion planner chose beyond the groups, forgetting the schedules built otherwise: runs of
+        ``spans`` consecutive named groups (sizes, in plan order) gathered in one forward collective each
+        (``None``: every group on its own), and the units ``kept`` gathered from their forward to their
+        backward (``KEPT_GATHERED_MEMO``; ``fsdp`` with ``reshard_after_forward=True`` reads it). Every
+        rank alike, between calls.
 
         Example:
             >>> infos = [ParamInfo(f"b{i}.w", (4, 4), torch.float32, True, f"b{i}") for i in range(4)]
             >>> plan = build_plan(infos, [], [f"b{i}" for i in range(4)], rank=0, world=2)
-            >>> plan.set_forward_spans((2, 2)); plan.memo[FORWARD_SPANS_MEMO]
-            (2, 2)
+            >>> plan.set_planned_schedule((2, 1, 1), kept=["b3"]); plan.memo[FORWARD_SPANS_MEMO], plan.memo[KEPT_GATHERED_MEMO]
+            ((2, 1, 1), frozenset({'b3'}))
         """
         if spans is not None and sum(spans) != sum(1 for g in self.groups if g.name):
-            raise ValueError(f"set_forward_spans: spans {tuple(spans)} do not cover the plan's named groups")
-        if self.memo.get(FORWARD_SPANS_MEMO) == (None if spans is None else tuple(spans)):
+            raise ValueError(f"set_planned_schedule: spans {tuple(spans)} do not cover the plan's named groups")
+        kept = frozenset(kept)
+        unknown = sorted(kept - {u.name for u in self.units if u.name})
+        if unknown:
+            raise ValueError(f"set_planned_schedule: kept names units the plan does not have: {unknown}")
+        spans = None if spans is None else tuple(spans)
+        if self.memo.get(FORWARD_SPANS_MEMO) == spans and self.memo.get(KEPT_GATHERED_MEMO, frozenset()) == kept:
             return
         self._forget_derived()
         if spans is not None:
-            self.memo[FORWARD_SPANS_MEMO] = tuple(spans)
+            self.memo[FORWARD_SPANS_MEMO] = spans
+        if kept:
+            self.memo[KEPT_GATHERED_MEMO] = kept
 
     def _forget_derived(self) -> None:
         for key in [k for k in self.memo if k[0] not in _PLAN_STATE]:
@@ -194,6 +203,10 @@ PLANNED_BATCH_MEMO = ("planned_batch",)
 # groups gathered in one collective in forward (fsdpfn.layout.schedule); derived from the groups, so a
 # regroup forgets them
 FORWARD_SPANS_MEMO = ("forward_spans",)
+# the units the first call's fusion planner leaves gathered from their forward to their backward (a frozenset:
+# the last groups, when that costs no memory; ``fsdp`` with ``reshard_after_forward=True`` reads it);
+# set with the spans, forgotten by a regroup
+KEPT_GATHERED_MEMO = ("kept_gathered",)
 # memo entries that are state, not derived from the groups: kept by ``ShardPlan.regroup``
 # "validated": apply's check that a module matches the plan's parameters (transform/validate.py), which no
 # grouping changes; forgotten at the first call's regroup, it left compile_step's trace refusing the plan

@@ -21,7 +21,7 @@ from typing import TypeVar, Union
 import torch  # noqa: F401 - the doctests' namespace
 
 from fsdpfn.layout.grouping import FUSED, ParamInfo, UnitPlan, bucket_by_dtype, fuse_runs
-from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, ShardPlan, _PLAN_STATE
+from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, KEPT_GATHERED_MEMO, ShardPlan, _PLAN_STATE
 from fsdpfn.layout.sharded import Sharded
 
 __all__ = ["Selection", "freeze", "same_origin", "select", "unfreeze", "with_requires_grad"]
@@ -36,7 +36,7 @@ as ``module.get_submodule(name).parameters()``), or a predicate on each paramete
 _DERIVED = "requires_grad"
 # plan state that a derived plan shares with its origin's at derivation; "validated" and "applies" are
 # left out: apply checks the module against the new flags, and registers itself on its first call
-_SHARED_STATE = (_PLAN_STATE - {"validated", "applies", _DERIVED}) | {FORWARD_SPANS_MEMO[0]}
+_SHARED_STATE = (_PLAN_STATE - {"validated", "applies", _DERIVED}) | {FORWARD_SPANS_MEMO[0], KEPT_GATHERED_MEMO[0]}
 
 
 def freeze(tree: Sharded[T], which: Selection) -> Sharded[T]:

@@ -22,7 +22,7 @@ gather still overlaps another's compute.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import nn
@@ -112,7 +112,8 @@ def fuse_within(
 class GroupSizes:
     """What ``group_sizes_within`` chose: ``sizes``, the number of consecutive units (with parameters, in
     order) in each collective group (all ones: unfused), the planner's ``peak`` with them and the
-    ``budget`` (bytes).
+    ``budget`` (bytes); ``forward_spans``, runs of groups forward gathers in one collective each, and
+    ``kept_gathered``, the units of the last groups left gathered from their forward to their backward.
 
     Example:
         >>> GroupSizes(sizes=(1, 1, 2), peak=0, budget=0).groups
@@ -123,6 +124,7 @@ class GroupSizes:
     peak: int
     budget: int
     forward_spans: tuple[int, ...] = ()  # runs of groups forward gathers in one collective (empty: none)
+    kept_gathered: tuple[str, ...] = ()  # (keep_gathered: the first call's default)
 
     @property
     def groups(self) -> int:
@@ -140,6 +142,7 @@ def group_sizes_within(
     torch_foreach: bool | None = None,
     fuse_key: Callable[[str], Hashable] | None = None,
     max_group_bytes: int | None = None,
+    keep_gathered: bool | None = None,
     **options: Any,
 ) -> GroupSizes:
     """Fuse consecutive units into groups of possibly different sizes whose step ``fsdpfn.memory.estimate``
@@ -157,6 +160,13 @@ def group_sizes_within(
     gathers more than that many bytes (a unit larger than it travels alone): where collectives overlap
     compute (GPUs), a group past the link's latency-bound size only delays the compute that waits for it;
     ``fsdp``'s first call passes the mesh's measured target there (``LinkCost.target_bytes()``).
+    ``keep_gathered`` (default: when ``reshard_after_forward`` is ``True``, its default, as ``fsdp``'s
+    first call does): the last groups stay gathered from their forward to their backward, as many as keep
+    the estimate at the chosen groups' peak (``GroupSizes.kept_gathered``, their units), each then
+    gathered once a step, not twice. Their backward comes first, right after the forward, while the
+    step's peak is usually elsewhere (the optimizer step, the first groups' backward); a kept group is in
+    no forward span, and without a ``loss_fn`` the loss's backward is priced as a cross-entropy's
+    (``UNSEEN_LOSS_OUTPUTS``), since kept groups sit on it.
 
     Example:
         >>> import torch
@@ -203,9 +213,36 @@ def group_sizes_within(
     done.append(current)
     grown = GroupSizes(tuple(reversed(done)), peak, budget)
     chosen = grown if grown.groups < even.groups else even
+    if keep_gathered if keep_gathered is not None else options.get("reshard_after_forward", True) is True:
+        chosen = _with_kept(planned, world, chosen)
     if len(set(keys)) == 1:  # (units with other settings, e.g. kept gathered, are never in a span)
-        chosen = _with_forward_spans(planned, world, chosen, fits, _gathers_alone(unit_plan, world, chosen.sizes, planned.device.type))
+        alone = _gathers_alone(unit_plan, world, chosen.sizes, planned.device.type)
+        kept = len(_group_units(planned.named, chosen.sizes, chosen.kept_gathered))
+        alone[len(alone) - kept :] = [True] * kept  # (a span is gathered and dropped as one)
+        chosen = _with_forward_spans(planned, world, chosen, fits, alone)
     return chosen
+
+
+def _with_kept(planned: Any, world: int, chosen: GroupSizes) -> GroupSizes:
+    """``chosen`` with its last 1, 2, ... groups left gathered after forward, as many as keep the
+    estimate at ``chosen.peak`` (no memory beyond what its groups need)."""
+    named, sizes = planned.named, chosen.sizes
+    kept: tuple[str, ...] = ()
+    for k in range(1, len(sizes) + 1):
+        more = tuple(named[sum(sizes[: len(sizes) - k]) :])
+        if planned(world, sizes, (), frozenset(more)).peak > chosen.peak:
+            break
+        kept = more
+    return replace(chosen, kept_gathered=kept)
+
+
+def _group_units(named: Sequence[str], sizes: Sequence[int], kept: Sequence[str]) -> list[tuple[str, ...]]:
+    """The groups of ``sizes`` (units ``named``, in order) whose units are all in ``kept``."""
+    groups, at = [], 0
+    for size in sizes:
+        groups.append(tuple(named[at : at + size]))
+        at += size
+    return [g for g in groups if set(g) <= set(kept)]
 
 
 def _fits_within(unit_bytes: dict[str, int], named: Sequence[str], most: int | None) -> Callable[[int, int], bool]:
@@ -244,6 +281,7 @@ def _with_forward_spans(
     n = chosen.groups
     if n < 2:
         return chosen
+    kept = frozenset(chosen.kept_gathered)
     first = [0]  # the first unit of each group, and the end
     for size in chosen.sizes:
         first.append(first[-1] + size)
@@ -252,7 +290,7 @@ def _with_forward_spans(
     for k in range(1, n):  # group k joins the current span or starts the next
         trial = (*done, current + 1, *(1,) * (n - k - 1))
         shared = not alone[k] and (current > 1 or not alone[k - 1])  # (a span's groups joined it only so)
-        if shared and fits(first[k - current], first[k + 1]) and planned(world, chosen.sizes, trial).peak <= chosen.budget:
+        if shared and fits(first[k - current], first[k + 1]) and planned(world, chosen.sizes, trial, kept).peak <= chosen.budget:
             current += 1
             continue
         done.append(current)
@@ -261,7 +299,7 @@ def _with_forward_spans(
     if all(s == 1 for s in done):
         return chosen
     spans = tuple(done)
-    return GroupSizes(chosen.sizes, planned(world, chosen.sizes, spans).peak, chosen.budget, spans)
+    return replace(chosen, peak=planned(world, chosen.sizes, spans, kept).peak, forward_spans=spans)
 
 
 def _search_inputs(

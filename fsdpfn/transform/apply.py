@@ -22,6 +22,7 @@ from torch import nn
 from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
+from fsdpfn.layout.plan import KEPT_GATHERED_MEMO
 from fsdpfn.ops.api import reduce_scale
 from fsdpfn.transform.call import Call
 from fsdpfn.transform.open_call import OpenCall
@@ -157,9 +158,10 @@ class Apply(UnitHooks):
         hit = plan.memo.get(key)
         if hit is None or hit[0] != order:
             reshard: bool | Callable[[str], bool] = self.reshard_after_forward
+            kept = plan.memo.get(KEPT_GATHERED_MEMO)  # the planner's last groups: gathered once a step
             if functorch:
                 reshard = False
-            elif not isinstance(reshard, bool):
+            elif not isinstance(reshard, bool) or (reshard and kept):
                 reshard = functools.partial(self.reshards_group, plan)
             hit = plan.memo[key] = (order, build_schedule(plan, order=order, reshard=reshard, prefetch=0 if functorch else self.prefetch))
         return hit[1]
@@ -177,7 +179,11 @@ class Apply(UnitHooks):
 
     def reshards_group(self, plan: ShardPlan, group: str) -> bool:
         """Whether collective group ``group`` reshards: units fused into one group (``min_bucket_bytes``)
-        are gathered together, so the group reshards if any of them asks to (the smaller peak)."""
+        are gathered together, so the group reshards if any of them asks to (the smaller peak). With
+        ``reshard_after_forward=True``, a group the fusion planner kept gathered (``KEPT_GATHERED_MEMO``:
+        it costs no memory there) does not."""
+        if self.reshard_after_forward is True and plan.members(group) and set(plan.members(group)) <= plan.memo.get(KEPT_GATHERED_MEMO, frozenset()):
+            return False
         return bool(group) and any(self.reshards_unit(u) for u in plan.members(group))
 
     def run(self, params: Sharded[torch.Tensor], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

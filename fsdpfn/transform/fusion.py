@@ -126,6 +126,7 @@ def plan_fusion(
     batch = args if not kwargs else kwargs if not args else None
     sizes: tuple[int, ...] | None = None  # nothing planned: shard's groups stay (on every rank, if any rank could not plan)
     spans: tuple[int, ...] = ()
+    kept: tuple[str, ...] = ()
     if batch is not None:
         plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(max(planned.elements, elements), plan.comm.guard.replans)
         try:
@@ -137,16 +138,16 @@ def plan_fusion(
                     mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                     fuse_key=fuse_key, max_group_bytes=max_group_bytes, device=plan.comm.groups.device,
                 )  # fmt: skip
-            sizes, spans = choice.sizes, choice.forward_spans
+            sizes, spans, kept = choice.sizes, choice.forward_spans, choice.kept_gathered
             if sum(sizes) != len(units):  # the planner saw other units than the plan has: keep shard's groups
-                sizes, spans = None, ()
+                sizes, spans, kept = None, (), ()
         except Exception:  # a forward fake tensors cannot run: every rank learns it below
             pass
-    if agree(plan.comm, _code(sizes, spans)) and sizes is not None:
+    if agree(plan.comm, _code(sizes, spans, kept)) and sizes is not None:
         if plan.regroup(sizes=sizes):  # a no-op where the current groups are already the choice
             regrouped()
         # (after regroup, which forgets what was derived from the groups; planned again, the spans may go)
-        plan.set_forward_spans(spans if spans and sum(spans) == sum(1 for g in plan.groups if g.name) else None)
+        plan.set_planned_schedule(spans if spans and sum(spans) == sum(1 for g in plan.groups if g.name) else None, kept)
 
 
 def _plans_again(plan: ShardPlan) -> bool:
@@ -172,9 +173,9 @@ def _elements(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return sum(t.numel() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
 
 
-def _code(sizes: tuple[int, ...] | None, spans: tuple[int, ...] = ()) -> int:
+def _code(sizes: tuple[int, ...] | None, spans: tuple[int, ...] = (), kept: tuple[str, ...] = ()) -> int:
     """One int64 that is equal on two ranks when their choices are (-1: nothing planned)."""
     if sizes is None:
         return -1
-    digest = hashlib.sha256((",".join(map(str, sizes)) + "|" + ",".join(map(str, spans))).encode()).digest()
+    digest = hashlib.sha256("|".join([",".join(map(str, sizes)), ",".join(map(str, spans)), ",".join(kept)]).encode()).digest()
     return int.from_bytes(digest[:7], "little")  # 56 bits: the ranks' sum stays within int64
