@@ -1,5 +1,6 @@
 """``agree``: whether every rank of a mesh reached the same integer (a decision taken rank by rank);
-``tally``: how many ranks raised each of a list of flags.
+``tally``: how many ranks raised each of a list of flags; ``every_rank``: one integer of each rank;
+``from_rank``: one rank's integers on every rank (a decision taken on one rank).
 
 A plan chosen on each rank from its own inputs (``fsdp``'s first call fuses units from the batch it sees)
 must be the same on every rank, or their collectives stop matching: a hang. Two sums settle it without a
@@ -14,7 +15,7 @@ import torch
 
 from fsdpfn.core.comm import Comm
 
-__all__ = ["agree", "tally"]
+__all__ = ["agree", "every_rank", "from_rank", "tally"]
 
 
 def agree(comm: Comm, value: int) -> bool:
@@ -51,3 +52,40 @@ def tally(comm: Comm, flags: list[bool]) -> list[int]:
         counts = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=comm.groups.device)
         comm.all_reduce_sum(counts, label="fsdpfn:count of ranks").wait()
         return [int(c) for c in counts.tolist()]
+
+
+def every_rank(comm: Comm, value: int) -> list[int]:
+    """``value`` as each rank of ``comm``'s mesh passed it, in rank order (a collective: all ranks call it).
+    In a world of one, or a simulated one, this rank's value for every rank.
+
+    Example:
+        >>> every_rank(Comm(fsdpfn.init_mesh()), 5)      # doctest: +SKIP
+        [5, 7]
+    """
+    ranks = comm.dp_world
+    if ranks == 1 or comm.groups.simulated:
+        return [value] * ranks
+    with comm.untracked():
+        values = torch.zeros(ranks, dtype=torch.int64, device=comm.groups.device)
+        values[comm.rank] = value
+        comm.all_reduce_sum(values, label="fsdpfn:values of the ranks").wait()
+        return [int(v) for v in values.tolist()]
+
+
+def from_rank(comm: Comm, source: int, values: list[int], length: int) -> list[int]:
+    """Rank ``source``'s ``values`` (at most ``length`` ints, zero-padded to it; what other ranks pass is
+    ignored) on every rank of ``comm``'s mesh (a collective: all ranks call it with the same ``source`` and
+    ``length``). In a world of one, or a simulated one, this rank's values.
+
+    Example:
+        >>> from_rank(Comm(fsdpfn.init_mesh()), 0, [1, 2] if rank == 0 else [], 2)      # doctest: +SKIP
+        [1, 2]
+    """
+    if comm.dp_world == 1 or comm.groups.simulated:
+        return [*values, *[0] * (length - len(values))]  # this rank stands for every rank
+    with comm.untracked():
+        out = torch.zeros(length, dtype=torch.int64, device=comm.groups.device)
+        if comm.rank == source:
+            out[: len(values)] = torch.tensor(values, dtype=torch.int64)
+        comm.all_reduce_sum(out, label="fsdpfn:values of one rank").wait()
+        return [int(v) for v in out.tolist()]

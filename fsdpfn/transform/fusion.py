@@ -14,8 +14,10 @@ On GPUs, whose collectives overlap compute on streams of their own, no group or 
 the mesh's latency-bound size (``LinkCost.target_bytes``): a larger one only delays the compute that
 waits for it (for gpt1b in a world of 8 the uncapped planner would gather up to four 1B-model blocks
 per group and twelve in a forward span; docs/memory.md).
-Every rank must choose alike (``fsdpfn.core.agree``); where they do not, or the planner cannot
-run the forward on fake tensors, the plan stays as ``shard`` made it.
+Every rank must choose alike, and ranks may see batches of different sizes (sequences of other lengths
+per rank): the rank with the largest batch plans, for it, and the others take its choice
+(``fsdpfn.core.every_rank``, ``from_rank``); where it cannot run the forward on fake tensors, the plan
+stays as ``shard`` made it, on every rank.
 
 The groups are priced for the batch the planner saw, and activations grow with the batch: a shape check
 on one row before training (``model(x[:1])``) planned groups that raised training's peak past torch's
@@ -32,7 +34,6 @@ each; a few times over a run, as new maxima of random sizes grow rare).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Callable, Hashable
 from typing import Any, ContextManager, NamedTuple
 
@@ -40,18 +41,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fsdpfn.core import agree, link_of, tally
+from fsdpfn.core import every_rank, from_rank, link_of, tally
 from fsdpfn.layout import ShardPlan
 from fsdpfn.layout.autobucket import FUSED_DEVICES
 from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
-from fsdpfn.memory.fuse import first_call_fuses, group_sizes_within
+from fsdpfn.memory.fuse import GroupSizes, first_call_fuses, group_sizes_within
 
 __all__ = ["PlannedBatch", "note_batch", "plan_fusion"]
 
 
 class PlannedBatch(NamedTuple):
     """What a plan's groups were last planned for (``plan.memo[PLANNED_BATCH_MEMO]``): the most ``elements``
-    of the batches planned so far on this rank, ``Guard.replans`` then, and the largest training batch
+    of the batches planned so far (the largest of any rank's), ``Guard.replans`` then, and the largest training batch
     that asked to plan again since (``larger``: its arguments, tensors as ``meta`` ones of their shapes),
     planned for when the call that plans has a smaller one (the request reaches the ranks one check later).
 
@@ -113,7 +114,7 @@ def plan_fusion(
         plan.memo[FUSION_PLANNED_MEMO] = True
     units = [u.name for u in plan.units if u.name]
     if not eligible or plan.tp or plan.transforms or plan.comm is None or not first_call_fuses(plan.world, plan.replicas, len(units)):
-        return  # the same on every rank: no agreement needed
+        return  # the same on every rank
     # Where collectives overlap compute (GPUs: their own streams), a group or forward span past the link's
     # latency-bound size only delays the compute waiting for it; on CPU, gloo shares the cores with compute
     # and each collective's synchronisation is the cost, so memory alone bounds the groups there.
@@ -124,30 +125,77 @@ def plan_fusion(
     if planned.larger is not None and planned.larger[2] > elements:
         args, kwargs, elements = planned.larger  # the batch that asked: larger than this call's
     batch = args if not kwargs else kwargs if not args else None
-    sizes: tuple[int, ...] | None = None  # nothing planned: shard's groups stay (on every rank, if any rank could not plan)
-    spans: tuple[int, ...] = ()
-    kept: tuple[str, ...] = ()
-    if batch is not None:
-        plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(max(planned.elements, elements), plan.comm.guard.replans)
-        try:
-            # Priced for a training step even when the first call is an evaluation (no_grad, inference
-            # mode): the groups serve every later call, and a training step saves activations it does not.
-            with planning(), torch.inference_mode(False), torch.enable_grad():
-                choice = group_sizes_within(
-                    module, plan.world, batch, units=units, optimizer=plan.memo.get(OPTIMIZER_MEMO, "none"),
-                    mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-                    fuse_key=fuse_key, max_group_bytes=max_group_bytes, device=plan.comm.groups.device,
-                )  # fmt: skip
-            sizes, spans, kept = choice.sizes, choice.forward_spans, choice.kept_gathered
-            if sum(sizes) != len(units):  # the planner saw other units than the plan has: keep shard's groups
-                sizes, spans, kept = None, (), ()
-        except Exception:  # a forward fake tensors cannot run: every rank learns it below
-            pass
-    if agree(plan.comm, _code(sizes, spans, kept)) and sizes is not None:
-        if plan.regroup(sizes=sizes):  # a no-op where the current groups are already the choice
-            regrouped()
-        # (after regroup, which forgets what was derived from the groups; planned again, the spans may go)
-        plan.set_planned_schedule(spans if spans and sum(spans) == sum(1 for g in plan.groups if g.name) else None, kept)
+    # Ranks may see batches of different sizes (sequences of other lengths): every rank takes the groups
+    # planned for the largest, on the (lowest) rank that has it, so they choose alike and fit every batch.
+    per_rank = every_rank(plan.comm, elements if batch is not None else -1)
+    largest = max(per_rank)
+    if largest < 0:
+        return  # no rank's batch can be priced (positional and keyword tensors): shard's groups stay
+    plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(max(planned.elements, largest), plan.comm.guard.replans)
+    source = per_rank.index(largest)
+    mine: list[int] = []
+    if source == plan.comm.rank or plan.comm.groups.simulated:
+        with planning(), torch.inference_mode(False), torch.enable_grad():
+            mine = _encode(_choose(module, plan, batch, units, prefetch, reshard_after_forward, fuse_key, max_group_bytes), units)
+    choice = _decode(from_rank(plan.comm, source, mine, _encoded_length(units)), units)
+    if choice is None:
+        return  # the forward could not run on fake tensors there: shard's groups stay, on every rank
+    sizes, spans, kept = choice
+    if plan.regroup(sizes=sizes):  # a no-op where the current groups are already the choice
+        regrouped()
+    # (after regroup, which forgets what was derived from the groups; planned again, the spans may go)
+    plan.set_planned_schedule(spans if spans and sum(spans) == sum(1 for g in plan.groups if g.name) else None, kept)
+
+
+def _choose(
+    module: nn.Module,
+    plan: ShardPlan,
+    batch: Any,
+    units: list[str],
+    prefetch: int,
+    reshard_after_forward: bool | Callable[[str], bool],
+    fuse_key: Callable[[str], Hashable] | None,
+    max_group_bytes: int | None,
+) -> GroupSizes | None:
+    """``group_sizes_within``'s choice for ``batch`` (priced for a training step even when the call is an
+    evaluation: the groups serve every later call, and training saves activations an evaluation does
+    not), or ``None`` where the forward cannot run on fake tensors or the planner saw other units."""
+    try:
+        choice = group_sizes_within(
+            module, plan.world, batch, units=units, optimizer=plan.memo.get(OPTIMIZER_MEMO, "none"),
+            mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+            fuse_key=fuse_key, max_group_bytes=max_group_bytes, device=plan.comm.groups.device,  # type: ignore[union-attr]
+        )  # fmt: skip
+    except Exception:  # the user's forward on fake tensors: the other ranks learn it from the encoding
+        return None
+    kept = len(choice.kept_gathered)
+    if sum(choice.sizes) != len(units) or tuple(choice.kept_gathered) != tuple(units[len(units) - kept :]):
+        return None  # the planner saw other units than the plan has
+    return choice
+
+
+def _encoded_length(units: list[str]) -> int:
+    return 4 + 2 * len(units)
+
+
+def _encode(choice: GroupSizes | None, units: list[str]) -> list[int]:
+    """A choice as ints, the same length for every choice on these ``units``: planned or not, the group
+    sizes, the forward spans and how many last units stay gathered."""
+    if choice is None:
+        return [0] * _encoded_length(units)
+    n = len(units)
+    sizes, spans = list(choice.sizes), list(choice.forward_spans)
+    return [1, len(choice.kept_gathered), len(sizes), len(spans), *sizes, *[0] * (n - len(sizes)), *spans, *[0] * (n - len(spans))]
+
+
+def _decode(code: list[int], units: list[str]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]] | None:
+    """``_encode``'s ``(sizes, spans, kept units)``, or ``None`` for a choice not made."""
+    if not code or not code[0]:
+        return None
+    n = len(units)
+    kept, groups, runs = code[1], code[2], code[3]
+    sizes, spans = tuple(code[4 : 4 + groups]), tuple(code[4 + n : 4 + n + runs])
+    return sizes, spans, tuple(units[n - kept :]) if kept else ()
 
 
 def _plans_again(plan: ShardPlan) -> bool:
@@ -171,11 +219,3 @@ def _plans_again(plan: ShardPlan) -> bool:
 def _elements(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """The elements of the tensors in a call's arguments: how large its batch is."""
     return sum(t.numel() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-
-
-def _code(sizes: tuple[int, ...] | None, spans: tuple[int, ...] = (), kept: tuple[str, ...] = ()) -> int:
-    """One int64 that is equal on two ranks when their choices are (-1: nothing planned)."""
-    if sizes is None:
-        return -1
-    digest = hashlib.sha256("|".join([",".join(map(str, sizes)), ",".join(map(str, spans)), ",".join(kept)]).encode()).digest()
-    return int.from_bytes(digest[:7], "little")  # 56 bits: the ranks' sum stays within int64
