@@ -372,3 +372,42 @@ def test_a_request_to_plan_again_plans_only_the_root_whose_batch_grew():
     for groups, shared in spmd(2, _shared_comm_requests, 128, 1024, 8):
         assert shared
         assert groups == [want, want], (groups, want)
+
+
+def _train_per_rank_rows(impl, width, hidden, count, rows):
+    """Three AdamW steps with rank ``r`` on ``rows[r]`` rows: the losses and (compat) the planned groups."""
+    import importlib
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = _blocks(width, hidden, count)
+    _shard_blocks(importlib.import_module(impl).fully_shard, model, None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(2)
+    losses = []
+    for _ in range(3):
+        xs = [torch.randn(n, width, generator=g) for n in rows]
+        loss = model(xs[rank]).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if impl != "fsdpfn.compat":
+        return losses, None
+    from fsdpfn.compat.state import state_of
+
+    return losses, [g.name for g in state_of(model).root.plan.groups if g.name]
+
+
+def test_ranks_with_batches_of_different_sizes_plan_the_groups_of_the_largest_and_train_as_torch():
+    # sequences of other lengths per rank: the root of the rank with the largest batch plans, the others
+    # take its groups (each rank planning for its own would differ: then all kept the cap's groups)
+    rows, count = (2, 512), 8
+    ours = spmd(2, _train_per_rank_rows, "fsdpfn.compat", 256, 1024, count, rows)
+    theirs = spmd(2, _train_per_rank_rows, "torch.distributed.fsdp", 256, 1024, count, rows)
+    alone = [_planned(256, 1024, count, n, 2) for n in rows]
+    assert alone[0] != alone[1]  # planned for its own batch, each rank would fuse differently
+    for (losses, groups), (ref, _) in zip(ours, theirs):
+        assert groups == alone[1]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
