@@ -86,14 +86,14 @@ def test_a_wait_times_out_with_the_unit_and_the_last_completed_collective():
 
 
 def test_a_peer_missing_from_the_first_calls_fusion_agreement_times_out():
-    # min_bucket_bytes="auto": the first call agrees on its fusion over all ranks before any gather
+    # min_bucket_bytes="auto": the first call exchanges the ranks' batch sizes and settles its fusion before any gather
     start = time.monotonic()
     with pytest.raises(CollectiveTimeout) as info:
         spmd(2, _stalls, 2.0, "auto", timeout=30)
     assert time.monotonic() - start < 20
     errors = info.value.rank_errors
     assert set(errors) == {0}
-    assert "did not complete within 2 s" in errors[0] and "all_reduce of fsdpfn's agreement between ranks" in errors[0]
+    assert "did not complete within 2 s" in errors[0] and "all_reduce of fsdpfn's values of the ranks" in errors[0]  # (batch sizes)
 
 
 def _free_port():

@@ -14,10 +14,11 @@ On GPUs, whose collectives overlap compute on streams of their own, no group or 
 the mesh's latency-bound size (``LinkCost.target_bytes``): a larger one only delays the compute that
 waits for it (for gpt1b in a world of 8 the uncapped planner would gather up to four 1B-model blocks
 per group and twelve in a forward span; docs/memory.md).
-Every rank must choose alike, and ranks may see batches of different sizes (sequences of other lengths
-per rank): the rank with the largest batch plans, for it, and the others take its choice
-(``fsdpfn.core.every_rank``, ``from_rank``); where it cannot run the forward on fake tensors, the plan
-stays as ``shard`` made it, on every rank.
+Every rank must choose alike. Ranks with batches of one size each plan and must agree (``fsdpfn.core.agree``:
+ranks whose forwards ran different units disagree); ranks with batches of different sizes (sequences of other
+lengths per rank) take the choice of the rank with the largest, planned for it there (``fsdpfn.core.every_rank``,
+``from_rank``). Where the ranks disagree, or the forward cannot run on fake tensors, the plan stays as
+``shard`` made it, on every rank.
 
 The groups are priced for the batch the planner saw, and activations grow with the batch: a shape check
 on one row before training (``model(x[:1])``) planned groups that raised training's peak past torch's
@@ -34,6 +35,7 @@ each; a few times over a run, as new maxima of random sizes grow rare).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Hashable
 from typing import Any, ContextManager, NamedTuple
 
@@ -41,7 +43,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fsdpfn.core import every_rank, from_rank, link_of, tally
+from fsdpfn.core import agree, every_rank, from_rank, link_of, tally
 from fsdpfn.layout import ShardPlan
 from fsdpfn.layout.autobucket import FUSED_DEVICES
 from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
@@ -125,21 +127,30 @@ def plan_fusion(
     if planned.larger is not None and planned.larger[2] > elements:
         args, kwargs, elements = planned.larger  # the batch that asked: larger than this call's
     batch = args if not kwargs else kwargs if not args else None
-    # Ranks may see batches of different sizes (sequences of other lengths): every rank takes the groups
-    # planned for the largest, on the (lowest) rank that has it, so they choose alike and fit every batch.
     per_rank = every_rank(plan.comm, elements if batch is not None else -1)
     largest = max(per_rank)
     if largest < 0:
         return  # no rank's batch can be priced (positional and keyword tensors): shard's groups stay
     plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(max(planned.elements, largest), plan.comm.guard.replans)
+    alike = len(set(per_rank)) == 1
     source = per_rank.index(largest)
     mine: list[int] = []
-    if source == plan.comm.rank or plan.comm.groups.simulated:
+    if alike or source == plan.comm.rank or plan.comm.groups.simulated:
         with planning(), torch.inference_mode(False), torch.enable_grad():
             mine = _encode(_choose(module, plan, batch, units, prefetch, reshard_after_forward, fuse_key, max_group_bytes), units)
-    choice = _decode(from_rank(plan.comm, source, mine, _encoded_length(units)), units)
+    if alike:
+        # Batches of one size: every rank planned its own and they must agree. Ranks whose forwards ran
+        # different units (a divergence the next pass check names) choose differently and keep shard's
+        # groups, whose collectives stay alike in order and size more often than fused ones (gloo aborts
+        # the process on a size mismatch).
+        code = mine if agree(plan.comm, _digest(mine)) else []
+    else:
+        # Batches of different sizes (sequences of other lengths per rank): every rank takes the groups
+        # planned for the largest, on the (lowest) rank that has it, so they fit every rank's batch.
+        code = from_rank(plan.comm, source, mine, _encoded_length(units))
+    choice = _decode(code, units)
     if choice is None:
-        return  # the forward could not run on fake tensors there: shard's groups stay, on every rank
+        return  # the forward could not run on fake tensors, or the ranks differ: shard's groups stay, on every rank
     sizes, spans, kept = choice
     if plan.regroup(sizes=sizes):  # a no-op where the current groups are already the choice
         regrouped()
@@ -186,6 +197,12 @@ def _encode(choice: GroupSizes | None, units: list[str]) -> list[int]:
     n = len(units)
     sizes, spans = list(choice.sizes), list(choice.forward_spans)
     return [1, len(choice.kept_gathered), len(sizes), len(spans), *sizes, *[0] * (n - len(sizes)), *spans, *[0] * (n - len(spans))]
+
+
+def _digest(code: list[int]) -> int:
+    """One int64 equal on two ranks when their encoded choices are."""
+    digest = hashlib.sha256(",".join(map(str, code)).encode()).digest()
+    return int.from_bytes(digest[:7], "little")  # 56 bits: the ranks' sum stays within int64
 
 
 def _decode(code: list[int], units: list[str]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]] | None:
