@@ -24,7 +24,7 @@ from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.functions import CallInfo, add_by_name
 from fsdpfn.transform.apply import Apply
-from fsdpfn.transform.call import Call, _reduce_dtypes
+from fsdpfn.transform.call import Call
 from fsdpfn.transform.eager import eager_frame
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ class CompatCall(Call):
         keep_none = not st.reduce_scatter_unused
         if self.ctx.defers(name):
             self.ctx.accumulating = True
-            return CallInfo(sink=st.acc, sink_dtypes=_reduce_dtypes(self.plan), keep_none=keep_none)
+            return CallInfo(sink=st.acc, sink_dtypes=self.plan.reduce_dtypes, keep_none=keep_none)
         return CallInfo(carry=st.acc if st.acc else None, keep_none=keep_none, deferred=self.deferred)
 
 

@@ -82,6 +82,12 @@ class ShardPlan:
             out[owner] = (*out.get(owner, ()), alias)
         return out
 
+    @cached_property
+    def reduce_dtypes(self) -> Mapping[str, torch.dtype]:
+        """The dtype each trainable parameter's gradient is reduced (and accumulated) in (its units' reduce
+        buckets: the same whatever the groups)."""
+        return {f: lay.dtype for u in self.units for lay in u.reduce for f in lay.fqns}
+
     def names(self, fqn: str) -> tuple[str, ...]:
         """Every name of parameter ``fqn``: itself first, then its tied aliases."""
         return (fqn, *self.tied.get(fqn, ()))

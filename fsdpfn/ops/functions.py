@@ -10,7 +10,7 @@ before the first is waited for, so the buckets overlap each other.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ class CallInfo:
 
     pending: Sequence[Handle] | None = None
     sink: dict[str, torch.Tensor] | None = None
-    sink_dtypes: dict[str, torch.dtype] | None = None
+    sink_dtypes: Mapping[str, torch.dtype] | None = None
     carry: dict[str, torch.Tensor] | None = None
     keep_none: bool = False
     deferred: DeferredReductions | None = None

@@ -175,7 +175,7 @@ class Call:
         return CallInfo(
             pending=self.pending.pop(name, None),
             sink=self.sink,
-            sink_dtypes=_reduce_dtypes(self.plan) if self.sink is not None else None,
+            sink_dtypes=self.plan.reduce_dtypes if self.sink is not None else None,
             deferred=self.deferred if self.sink is None else None,
         )
 
@@ -392,11 +392,3 @@ def group_done(plan: Any, members_done: dict[str, set[str]], group: str, unit: s
         return False
     del members_done[group]
     return True
-
-
-def _reduce_dtypes(plan: Any) -> dict[str, torch.dtype]:
-    """The dtype each trainable parameter's gradient is reduced (and accumulated) in."""
-    got = plan.memo.get(("reduce_dtypes",))
-    if got is None:
-        got = plan.memo[("reduce_dtypes",)] = {f: lay.dtype for u in plan.units for lay in u.reduce for f in lay.fqns}
-    return got
