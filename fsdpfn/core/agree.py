@@ -30,12 +30,9 @@ def agree(comm: Comm, value: int) -> bool:
         # In a fake world this process stands for every rank, and each would reach the same value from the
         # same inputs; the fake group's sum moves nothing (it would read as a disagreement).
         return True
-    with comm.untracked():
-        total = torch.tensor([value], dtype=torch.int64, device=comm.groups.device)
-        comm.all_reduce_sum(total, label="fsdpfn:agreement between ranks").wait()
-        same = torch.tensor([int(int(total.item()) == ranks * value)], dtype=torch.int64, device=comm.groups.device)
-        comm.all_reduce_sum(same, label="fsdpfn:agreement between ranks").wait()
-        return int(same.item()) == ranks
+    (total,) = _summed(comm, [value], "agreement between ranks")
+    (same,) = _summed(comm, [int(total == ranks * value)], "agreement between ranks")
+    return same == ranks
 
 
 def tally(comm: Comm, flags: list[bool]) -> list[int]:
@@ -48,10 +45,7 @@ def tally(comm: Comm, flags: list[bool]) -> list[int]:
     """
     if comm.dp_world == 1 or comm.groups.simulated or not flags:
         return [int(f) for f in flags]
-    with comm.untracked():
-        counts = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=comm.groups.device)
-        comm.all_reduce_sum(counts, label="fsdpfn:count of ranks").wait()
-        return [int(c) for c in counts.tolist()]
+    return _summed(comm, [int(f) for f in flags], "count of ranks")
 
 
 def every_rank(comm: Comm, value: int) -> list[int]:
@@ -65,11 +59,7 @@ def every_rank(comm: Comm, value: int) -> list[int]:
     ranks = comm.dp_world
     if ranks == 1 or comm.groups.simulated:
         return [value] * ranks
-    with comm.untracked():
-        values = torch.zeros(ranks, dtype=torch.int64, device=comm.groups.device)
-        values[comm.rank] = value
-        comm.all_reduce_sum(values, label="fsdpfn:values of the ranks").wait()
-        return [int(v) for v in values.tolist()]
+    return _summed(comm, [value if r == comm.rank else 0 for r in range(ranks)], "values of the ranks")
 
 
 def from_rank(comm: Comm, source: int, values: list[int], length: int) -> list[int]:
@@ -83,9 +73,14 @@ def from_rank(comm: Comm, source: int, values: list[int], length: int) -> list[i
     """
     if comm.dp_world == 1 or comm.groups.simulated:
         return [*values, *[0] * (length - len(values))]  # this rank stands for every rank
+    mine = [*values, *[0] * (length - len(values))] if comm.rank == source else [0] * length
+    return _summed(comm, mine, "values of one rank")
+
+
+def _summed(comm: Comm, values: list[int], what: str) -> list[int]:
+    """``values`` (int64) summed element-wise over the ranks of ``comm``'s mesh, outside its stats and
+    collective plan (``comm.untracked()``); ``what`` names the all-reduce in errors."""
     with comm.untracked():
-        out = torch.zeros(length, dtype=torch.int64, device=comm.groups.device)
-        if comm.rank == source:
-            out[: len(values)] = torch.tensor(values, dtype=torch.int64)
-        comm.all_reduce_sum(out, label="fsdpfn:values of one rank").wait()
-        return [int(v) for v in out.tolist()]
+        t = torch.tensor(values, dtype=torch.int64, device=comm.groups.device)
+        comm.all_reduce_sum(t, label=f"fsdpfn:{what}").wait()
+        return [int(v) for v in t.tolist()]
