@@ -10,12 +10,14 @@ __all__ = ["StepPeak", "measured_fsdp2_step_peak", "measured_step_peak", "memory
 
 
 class StepPeak(NamedTuple):
-    """``measured_step_peak``'s result: the peak bytes, the plan's collective groups (labels, in order)
-    and the fusion size ``shard`` chose (``plan.bucket_bytes``)."""
+    """``measured_step_peak``'s result: the peak bytes, the plan's collective groups (labels, in order),
+    the fusion size ``shard`` chose (``plan.bucket_bytes``) and the units the first call kept gathered from
+    their forward to their backward (``kept``, sorted)."""
 
     peak: int
     groups: tuple[str, ...]
     bucket_bytes: int | None
+    kept: tuple[str, ...] = ()
 
 
 def memory_tracker() -> Any:
@@ -103,8 +105,8 @@ def measured_step_peak(
     ``model`` is sharded here (its parameters are donated). The smallest peak of ``repeats`` steps is
     reported: gloo's thread lets go of finished work (and of the gradients a direct exchange sent from)
     at times that vary from run to run, and a late one only ever adds to a step's peak (the core frees
-    the buffers of its own at the wait: ``Handle``). Also returns the collective groups and the fusion size
-    ``shard`` chose, so a prediction can be made for the same plan.
+    the buffers of its own at the wait: ``Handle``). Also returns the collective groups, the fusion size
+    ``shard`` chose and the units the first call kept gathered, so a prediction can be made for the same plan.
 
     Example:
         >>> spmd(2, _step, recipe)      # a module-level fn that builds the model and calls this  # doctest: +SKIP
@@ -113,6 +115,7 @@ def measured_step_peak(
 
     import fsdpfn
     import fsdpfn.optim as optim
+    from fsdpfn.layout.plan import KEPT_GATHERED_MEMO
 
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units, min_bucket_bytes=min_bucket_bytes, mp_policy=mp_policy)
     apply = fsdpfn.fsdp(model, prefetch=prefetch, reshard_after_forward=reshard_after_forward)
@@ -133,7 +136,8 @@ def measured_step_peak(
             del grads
         peaks.append(max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values()))
     plan = params.plan
-    return StepPeak(min(peaks), tuple(g.label for g in plan.groups), plan.bucket_bytes)
+    kept = tuple(sorted(plan.memo.get(KEPT_GATHERED_MEMO, ())))
+    return StepPeak(min(peaks), tuple(g.label for g in plan.groups), plan.bucket_bytes, kept)
 
 
 def measured_fsdp2_step_peak(
