@@ -21,8 +21,8 @@ from torch import nn
 
 from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, ShardPlan
-from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.layout.plan import KEPT_GATHERED_MEMO
+from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.api import reduce_scale
 from fsdpfn.transform.call import Call
 from fsdpfn.transform.open_call import OpenCall
@@ -182,9 +182,12 @@ class Apply(UnitHooks):
         are gathered together, so the group reshards if any of them asks to (the smaller peak). With
         ``reshard_after_forward=True``, a group the fusion planner kept gathered (``KEPT_GATHERED_MEMO``:
         it costs no memory there) does not."""
-        if self.reshard_after_forward is True and plan.members(group) and set(plan.members(group)) <= plan.memo.get(KEPT_GATHERED_MEMO, frozenset()):
-            return False
-        return bool(group) and any(self.reshards_unit(u) for u in plan.members(group))
+        if not group:
+            return False  # the root stays gathered for the whole call
+        members = plan.members(group)
+        if self.reshard_after_forward is True:
+            return not set(members) <= plan.memo.get(KEPT_GATHERED_MEMO, frozenset())
+        return any(self.reshards_unit(u) for u in members)
 
     def run(self, params: Sharded[torch.Tensor], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn(*args, **kwargs)`` with the module's parameters taken from ``params`` (``fn`` is usually
