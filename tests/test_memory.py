@@ -215,7 +215,7 @@ def test_group_sizes_within_stays_under_the_budget_with_no_more_groups_than_even
     assert choice.budget == even.budget  # the same default budget: torch's peak for the step
     assert sum(choice.sizes) == n and all(1 <= k <= max(1, n // 2) for k in choice.sizes)
     planned = fsdpfn.memory.estimate(build(), world, x, units=units, optimizer=optimizer, group_sizes=choice.sizes,
-                                     forward_spans=choice.forward_spans)
+                                     forward_spans=choice.forward_spans, kept_gathered=choice.kept_gathered)
     assert choice.peak == planned.peak
     assert not choice.forward_spans or sum(choice.forward_spans) == choice.groups
     assert planned.peak <= choice.budget or choice.sizes == (1,) * n  # unfused may itself be over a given budget
@@ -634,6 +634,11 @@ def test_a_donated_module_and_metadata_reads_plan_as_the_module_does(data, world
         (dict(units=["0", "1"], group_sizes=(1, 2)), ValueError, r"group_sizes must be ints >= 1 adding up to the 2 units"),
         (dict(units=["0", "1"], group_sizes=(2, 0)), ValueError, r"group_sizes must be ints >= 1 adding up to the 2 units"),
         (dict(units=["0", "1"], group_sizes=(2,), min_bucket_bytes=8), ValueError, r"pass min_bucket_bytes or group_sizes, not both"),
+        (dict(units=["0", "1"], group_sizes=(1, 1), forward_spans=(3,)), ValueError, r"forward_spans must be ints >= 1 adding up to the 2 groups"),
+        (dict(units=["0", "1"], forward_spans=(1,)), ValueError, r"forward_spans are runs of the groups group_sizes makes; pass group_sizes too"),
+        (dict(units=["0", "1"], group_sizes=(1, 1), kept_gathered=["9"]), ValueError, r"kept_gathered must name units that own parameters \(of \['0', '1'\]\)"),
+        (dict(units=["0", "1"], group_sizes=(1, 1), kept_gathered="1"), ValueError, r"kept_gathered must name units that own parameters"),
+        (dict(units=["0", "1"], kept_gathered=["1"]), ValueError, r"kept_gathered is a choice made with group_sizes; pass group_sizes too"),
         (dict(fuse=True, optimizer="lion"), ValueError, r"optimizer='lion' is not one the planner knows"),
     ],
 )

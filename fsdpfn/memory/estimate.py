@@ -57,6 +57,7 @@ def estimate(
     device: str | torch.device | None = None,
     group_sizes: Sequence[int] | None = None,
     forward_spans: Sequence[int] = (),
+    kept_gathered: Sequence[str] = (),
 ) -> MemoryEstimate | list[MemoryEstimate]:
     """Predict the per-rank peak memory of one training step of ``model`` sharded over ``world`` ranks.
 
@@ -79,8 +80,11 @@ def estimate(
     ``group_sizes_within``); ``forward_spans`` (with ``group_sizes``) gathers runs of that many consecutive
     groups in one collective each in forward, as the first call may too (``GroupSizes.forward_spans``;
     with ``"auto"``, what the first call would choose, including the last groups it may leave gathered
-    after forward when ``reshard_after_forward`` is ``True``: ``GroupSizes.kept_gathered``). The result is a ``MemoryEstimate``: ``peak``,
-    ``per_rank``, ``phase`` and ``breakdown``.
+    after forward when ``reshard_after_forward`` is ``True``: ``GroupSizes.kept_gathered``);
+    ``kept_gathered`` (with ``group_sizes``) names units left gathered from their forward to their backward
+    whatever ``reshard_after_forward`` says, as the first call may keep its last groups (a ``GroupSizes``
+    is estimated whole by passing its ``sizes``, ``forward_spans`` and ``kept_gathered``). The result is a
+    ``MemoryEstimate``: ``peak``, ``per_rank``, ``phase`` and ``breakdown``.
 
     Example:
         >>> with torch.device("meta"):
@@ -109,15 +113,20 @@ def estimate(
                 f"fsdpfn.memory.estimate: forward_spans must be ints >= 1 adding up to the {len(group_sizes)} groups of group_sizes "
                 f"(or empty), got {forward_spans!r}"
             )
-    elif forward_spans:
-        raise ValueError("fsdpfn.memory.estimate: forward_spans are runs of the groups group_sizes makes; pass group_sizes too")
+        if isinstance(kept_gathered, str) or not set(kept_gathered) <= set(named):
+            raise ValueError(
+                f"fsdpfn.memory.estimate: kept_gathered must name units that own parameters (of {named}), got {kept_gathered!r}"
+            )
+    elif forward_spans or kept_gathered:
+        what = "forward_spans are runs of the groups group_sizes makes" if forward_spans else "kept_gathered is a choice made with group_sizes"
+        raise ValueError(f"fsdpfn.memory.estimate: {what}; pass group_sizes too")
 
     def fusion(w: int) -> tuple[Any, tuple[int, ...]]:
         # "auto": what fsdp's first call regroups the plan to (transform/fusion.py) where it plans at all
         from fsdpfn.memory.fuse import first_call_fuses, group_sizes_within  # they plan with this function
 
         if group_sizes is not None:
-            return tuple(group_sizes), tuple(forward_spans), frozenset()
+            return tuple(group_sizes), tuple(forward_spans), frozenset(kept_gathered)
         if min_bucket_bytes != "auto" or not first_call_fuses(w, replicate, len(named)):
             return min_bucket_bytes, (), frozenset()
         # as the first call does: the units that own parameters, the module's forward alone (no loss_fn), and a
