@@ -77,6 +77,7 @@ def _run(impl: str, phases: list[list[str]], reshard, seed: int, world_batches: 
 @example(world=2, phases=[["eval", "eval", "train"], ["dpo", "eval"]], reshard=False, seed=0)
 @example(world=2, phases=[["grad_eval", "eval"], ["eval", "train"]], reshard=None, seed=1)
 @example(world=2, phases=[["dpo"]], reshard=True, seed=0)
+@example(world=2, phases=[["train", "eval"], ["train"]], reshard=None, seed=0)  # FSDP2's stale root: 17, compat 18
 def test_kept_copies_train_as_one_process_and_gather_no_more_than_fsdp2(world, phases, reshard, seed):
     if not any(p in ("train", "dpo") for step in phases for p in step):
         phases = [*phases[:-1], [*phases[-1], "train"]]  # every run trains
@@ -87,6 +88,11 @@ def test_kept_copies_train_as_one_process_and_gather_no_more_than_fsdp2(world, p
     # after forward) only at the end of the backward, so a DPO backward's second graph reuses it; compat
     # frees it after its first use and gathers it once more
     slack = 2 * sum(step.count("dpo") for step in phases)
+    # a step whose last forward no backward followed leaves FSDP2's root gathered (every unit, with
+    # reshard=False); the next step's forward reuses those copies, gathered before the optimizer step
+    # (stale weights: docs/compat.md), where compat gathers each again from the stepped shards
+    left = 1 + (len(TanhStack().blocks) if reshard is False else 0)
+    slack += left * sum(step[-1] in ("eval", "grad_eval") for step in phases[:-1])
     for rank, ((got, evals, gathers), (_, _, torch_gathers)) in enumerate(zip(compat, fsdp2)):
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {k}: {m}")
