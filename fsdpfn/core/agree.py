@@ -1,6 +1,5 @@
 """``agree``: whether every rank of a mesh reached the same integer (a decision taken rank by rank);
-``tally``: how many ranks raised each of a list of flags; ``every_rank``: one integer of each rank;
-``from_rank``: one rank's integers on every rank (a decision taken on one rank).
+``tally``: how many ranks raised each of a list of flags; ``every_rank``: one integer of each rank.
 
 A plan chosen on each rank from its own inputs (``fsdp``'s first call fuses units from the batch it sees)
 must be the same on every rank, or their collectives stop matching: a hang. Two sums settle it without a
@@ -15,7 +14,7 @@ import torch
 
 from fsdpfn.core.comm import Comm
 
-__all__ = ["agree", "every_rank", "from_rank", "tally"]
+__all__ = ["agree", "every_rank", "tally"]
 
 
 def agree(comm: Comm, value: int) -> bool:
@@ -60,21 +59,6 @@ def every_rank(comm: Comm, value: int) -> list[int]:
     if ranks == 1 or comm.groups.simulated:
         return [value] * ranks
     return _summed(comm, [value if r == comm.rank else 0 for r in range(ranks)], "values of the ranks")
-
-
-def from_rank(comm: Comm, source: int, values: list[int], length: int) -> list[int]:
-    """Rank ``source``'s ``values`` (at most ``length`` ints, zero-padded to it; what other ranks pass is
-    ignored) on every rank of ``comm``'s mesh (a collective: all ranks call it with the same ``source`` and
-    ``length``). In a world of one, or a simulated one, this rank's values.
-
-    Example:
-        >>> from_rank(Comm(fsdpfn.init_mesh()), 0, [1, 2] if rank == 0 else [], 2)      # doctest: +SKIP
-        [1, 2]
-    """
-    if comm.dp_world == 1 or comm.groups.simulated:
-        return [*values, *[0] * (length - len(values))]  # this rank stands for every rank
-    mine = [*values, *[0] * (length - len(values))] if comm.rank == source else [0] * length
-    return _summed(comm, mine, "values of one rank")
 
 
 def _summed(comm: Comm, values: list[int], what: str) -> list[int]:

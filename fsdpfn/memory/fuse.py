@@ -143,6 +143,7 @@ def group_sizes_within(
     fuse_key: Callable[[str], Hashable] | None = None,
     max_group_bytes: int | None = None,
     keep_gathered: bool | None = None,
+    everywhere: Callable[[bool], bool] | None = None,
     **options: Any,
 ) -> GroupSizes:
     """Fuse consecutive units into groups of possibly different sizes whose step ``fsdpfn.memory.estimate``
@@ -168,6 +169,14 @@ def group_sizes_within(
     no forward span, and without a ``loss_fn`` the loss's backward is priced as a cross-entropy's
     (``UNSEEN_LOSS_OUTPUTS``), since kept groups sit on it.
 
+    ``everywhere``: for ranks that plan together, each on a batch of its own (``fsdp``'s first call where
+    the ranks' batches differ in size): every fit the search decides goes through it (``everywhere(fits)``
+    returns whether the step fits on every rank, a collective), so every rank makes the same choice and
+    it fits each rank's batch within that rank's budget. The same groups do not fit every batch: fewer rows
+    leave less room under torch's lower peak (a forward span of five units planned for 43 rows alone
+    measured 1.003x torch's peak on a rank with 8). Its first call says whether this rank could price its
+    batch at all; where some rank could not, this raises ``RuntimeError`` on every rank.
+
     Example:
         >>> import torch
         >>> with torch.device("meta"):
@@ -183,7 +192,14 @@ def group_sizes_within(
         raise TypeError(f"fsdpfn.memory.group_sizes_within: fuse_key must be a function of unit names or None, got {fuse_key!r}")
     if max_group_bytes is not None and (not isinstance(max_group_bytes, int) or isinstance(max_group_bytes, bool) or max_group_bytes < 1):
         raise ValueError(f"fsdpfn.memory.group_sizes_within: max_group_bytes must be an int >= 1 or None, got {max_group_bytes!r}")
-    names, planned, base, budget, sizes, unit_bytes, unit_plan = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
+    fit = everywhere if everywhere is not None else bool
+    try:
+        names, planned, base, budget, sizes, unit_bytes, unit_plan = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
+    except Exception:
+        fit(False)  # (the other ranks learn it before any decision)
+        raise
+    if not fit(True):
+        raise RuntimeError("fsdpfn.memory.group_sizes_within: another rank could not price its batch; plan where every rank can")
     n = len(planned.named)  # the units that own parameters: what the plan's groups are made of
     fits = _fits_within(unit_bytes, planned.named, max_group_bytes)
     keys = [None] * n if fuse_key is None else [fuse_key(u) for u in planned.named]
@@ -196,7 +212,7 @@ def group_sizes_within(
     even = unfused
     if len(set(keys)) == 1:  # even groups first (fuse_within's search, on the same estimator)
         most = n // 2 if max_group_bytes is None else min(n // 2, max_group_bytes // max(sizes))
-        _, _, got = _largest_even(planned, world, min(sizes), most, budget)
+        _, _, got = _largest_even(planned, world, min(sizes), most, budget, fit)
         even = GroupSizes(_run_sizes(got.groups), got.peak, budget) if got is not None else unfused
     # groups grown from the last unit back, each while the estimate stays within the budget
     done: list[int] = []  # sizes of the groups closed so far, last group first
@@ -205,7 +221,7 @@ def group_sizes_within(
         if current < n // 2 and keys[i] == keys[i + 1] and fits(i, i + current + 1):
             trial = (1,) * i + (current + 1,) + tuple(reversed(done))
             got = planned(world, trial)
-            if got.peak <= budget:
+            if fit(got.peak <= budget):
                 current, peak = current + 1, got.peak
                 continue
         done.append(current)
@@ -214,23 +230,23 @@ def group_sizes_within(
     grown = GroupSizes(tuple(reversed(done)), peak, budget)
     chosen = grown if grown.groups < even.groups else even
     if keep_gathered if keep_gathered is not None else options.get("reshard_after_forward", True) is True:
-        chosen = _with_kept(planned, world, chosen)
+        chosen = _with_kept(planned, world, chosen, fit)
     if len(set(keys)) == 1:  # (units with other settings, e.g. kept gathered, are never in a span)
         alone = _gathers_alone(unit_plan, world, chosen.sizes, planned.device.type)
         kept = len(_group_units(planned.named, chosen.sizes, chosen.kept_gathered))
         alone[len(alone) - kept :] = [True] * kept  # (a span is gathered and dropped as one)
-        chosen = _with_forward_spans(planned, world, chosen, fits, alone)
+        chosen = _with_forward_spans(planned, world, chosen, fits, alone, fit)
     return chosen
 
 
-def _with_kept(planned: Any, world: int, chosen: GroupSizes) -> GroupSizes:
+def _with_kept(planned: Any, world: int, chosen: GroupSizes, fit: Callable[[bool], bool]) -> GroupSizes:
     """``chosen`` with its last 1, 2, ... groups left gathered after forward, as many as keep the
-    estimate at ``chosen.peak`` (no memory beyond what its groups need)."""
+    estimate at ``chosen.peak`` (no memory beyond what its groups need; ``fit``: on every rank)."""
     named, sizes = planned.named, chosen.sizes
     kept: tuple[str, ...] = ()
     for k in range(1, len(sizes) + 1):
         more = tuple(named[sum(sizes[: len(sizes) - k]) :])
-        if planned(world, sizes, (), frozenset(more)).peak > chosen.peak:
+        if not fit(planned(world, sizes, (), frozenset(more)).peak <= chosen.peak):
             break
         kept = more
     return replace(chosen, kept_gathered=kept)
@@ -272,12 +288,12 @@ def _gathers_alone(plan: ShardPlan, world: int, sizes: tuple[int, ...], device_t
 
 
 def _with_forward_spans(
-    planned: Any, world: int, chosen: GroupSizes, fits: Callable[[int, int], bool], alone: Sequence[bool]
+    planned: Any, world: int, chosen: GroupSizes, fits: Callable[[int, int], bool], alone: Sequence[bool], fit: Callable[[bool], bool]
 ) -> GroupSizes:
     """``chosen`` with runs of its groups that forward gathers in one collective each, grown from the first
     group on, each as long as the estimate stays within the budget (forward has room that backward does
-    not: its activations are still being made) and its units ``fits``; a group the runtime gathers
-    ``alone`` is in no span. Backward still gathers and reduces group by group."""
+    not: its activations are still being made; ``fit``: on every rank) and its units ``fits``; a group the
+    runtime gathers ``alone`` is in no span. Backward still gathers and reduces group by group."""
     n = chosen.groups
     if n < 2:
         return chosen
@@ -290,7 +306,7 @@ def _with_forward_spans(
     for k in range(1, n):  # group k joins the current span or starts the next
         trial = (*done, current + 1, *(1,) * (n - k - 1))
         shared = not alone[k] and (current > 1 or not alone[k - 1])  # (a span's groups joined it only so)
-        if shared and fits(first[k - current], first[k + 1]) and planned(world, chosen.sizes, trial, kept).peak <= chosen.budget:
+        if shared and fits(first[k - current], first[k + 1]) and fit(planned(world, chosen.sizes, trial, kept).peak <= chosen.budget):
             current += 1
             continue
         done.append(current)
@@ -318,15 +334,17 @@ def _search_inputs(
     return names, planned, base, budget, [s for s in unit_bytes.values() if s > 0], unit_bytes, plan
 
 
-def _largest_even(planned: Any, world: int, smallest: int, most: int, budget: int) -> tuple[int | None, int, Any]:
+def _largest_even(
+    planned: Any, world: int, smallest: int, most: int, budget: int, fit: Callable[[bool], bool] = bool
+) -> tuple[int | None, int, Any]:
     """Even groups of 2, 3, ... ``most`` units: ``(threshold, k, estimate)`` of the largest whose estimate
-    stays within ``budget`` (``(None, 1, None)`` when not even pairs do). A run of equal units closes at
+    stays within ``budget`` (``fit``: on every rank; ``(None, 1, None)`` when not even pairs do). A run of equal units closes at
     ``k`` of them under ``min_bucket_bytes=(k - 1) * smallest + 1``."""
     best: tuple[int | None, int, Any] = (None, 1, None)
     for k in range(2, most + 1):
         threshold = (k - 1) * smallest + 1
         got = planned(world, threshold)
-        if got.peak > budget:
+        if not fit(got.peak <= budget):
             break
         best = (threshold, k, got)
     return best

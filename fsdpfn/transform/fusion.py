@@ -14,22 +14,24 @@ On GPUs, whose collectives overlap compute on streams of their own, no group or 
 the mesh's latency-bound size (``LinkCost.target_bytes``): a larger one only delays the compute that
 waits for it (for gpt1b in a world of 8 the uncapped planner would gather up to four 1B-model blocks
 per group and twelve in a forward span; docs/memory.md).
-Every rank must choose alike. Ranks with batches of one size each plan and must agree (``fsdpfn.core.agree``:
-ranks whose forwards ran different units disagree); ranks with batches of different sizes (sequences of other
-lengths per rank) take the choice of the rank with the largest, planned for it there (``fsdpfn.core.every_rank``,
-``from_rank``). Where the ranks disagree, or the forward cannot run on fake tensors, the plan stays as
-``shard`` made it, on every rank.
+Every rank must choose alike. Each rank plans for its own batch and the ranks must agree
+(``fsdpfn.core.agree``: ranks whose forwards ran different units disagree). Where the ranks' batches differ
+in size (sequences of other lengths per rank; ``fsdpfn.core.every_rank`` tells each rank), they plan
+together: each fit the search decides is counted over the ranks (``fsdpfn.core.tally``), so the groups fit
+every rank's batch within its own budget and every rank chooses them. Where the ranks disagree, or the
+forward cannot run on fake tensors, the plan stays as ``shard`` made it, on every rank.
 
 The groups are priced for the batch the planner saw, and activations grow with the batch: a shape check
 on one row before training (``model(x[:1])``) planned groups that raised training's peak past torch's
 (1.04-1.05x, 8 LayerNorm-MLP blocks, world 2), and even a batch 1.25x the planned one can pass it (by up
 to 0.9% in the planner's estimate, over 24 random MLP stacks). So a training forward (autograd on) whose
-batch has more elements than planned for asks every rank to plan again (``note_batch``); the request
-rides the next pass check's all-reduce (``fsdpfn.core.pass_check``), so every rank learns it alike, and
-the next call plans for its batch once no call on the plan has a backward still to run (a regroup under
-one would change the groups its backward gathers). The groups so follow the largest training batch: a
-batch whose size varies plans again at each new largest one (a fake forward and three small all-reduces
-each; a few times over a run, as new maxima of random sizes grow rare).
+batch has more elements than its rank planned for asks every rank to plan again (``note_batch``); the
+request rides the next pass check's all-reduce (``fsdpfn.core.pass_check``), so every rank learns it alike,
+and the next call plans, each rank for its largest batch so far, once no call on the plan has a backward
+still to run (a regroup under one would change the groups its backward gathers). The groups so follow each
+rank's largest training batch, whose step is that rank's peak: a batch whose size varies plans again at each
+new largest one (a fake forward and a few small all-reduces each; a few times over a run, as new maxima of
+random sizes grow rare).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from fsdpfn.core import agree, every_rank, from_rank, link_of, tally
+from fsdpfn.core import agree, every_rank, link_of, tally
 from fsdpfn.layout import ShardPlan
 from fsdpfn.layout.autobucket import FUSED_DEVICES
 from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
@@ -53,19 +55,26 @@ __all__ = ["PlannedBatch", "note_batch", "plan_fusion"]
 
 
 class PlannedBatch(NamedTuple):
-    """What a plan's groups were last planned for (``plan.memo[PLANNED_BATCH_MEMO]``): the most ``elements``
-    of the batches planned so far (the largest of any rank's), ``Guard.replans`` then, and the largest training batch
-    that asked to plan again since (``larger``: its arguments, tensors as ``meta`` ones of their shapes),
-    planned for when the call that plans has a smaller one (the request reaches the ranks one check later).
+    """What a plan's groups were last planned for on this rank (``plan.memo[PLANNED_BATCH_MEMO]``): the
+    most ``elements`` of this rank's batches planned so far, ``Guard.replans`` then, and this rank's largest
+    ``batch`` (its arguments, tensors as ``meta`` ones of their shapes, and its elements): the one planned
+    for, or a larger training batch that asked to plan again since (planned for when the call that plans
+    has a smaller one: the request reaches the ranks one check later, and another rank's request plans
+    this one's groups too). A step's peak grows with its batch, so each rank plans for its largest.
 
     Example:
-        >>> PlannedBatch(elements=64, replans=0).larger is None
-        True
+        >>> PlannedBatch(elements=64, replans=0).asked
+        False
     """
 
     elements: int
     replans: int
-    larger: tuple[tuple[Any, ...], dict[str, Any], int] | None = None
+    batch: tuple[tuple[Any, ...], dict[str, Any], int] | None = None
+
+    @property
+    def asked(self) -> bool:
+        """Whether a training batch larger than the planned one asked to plan again since."""
+        return self.batch is not None and self.batch[2] > self.elements
 
 
 def note_batch(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -80,10 +89,9 @@ def note_batch(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     if planned is None or plan.comm is None or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         return
     elements = _elements(args, kwargs)
-    if elements > planned.elements and (planned.larger is None or elements > planned.larger[2]):  # (asked once)
+    if planned.batch is None or elements > planned.batch[2]:  # (asked once)
         plan.comm.guard.replan_asked = True
-        shapes = tree_map(lambda x: x.detach().to("meta") if isinstance(x, torch.Tensor) else x, (args, kwargs))
-        plan.memo[PLANNED_BATCH_MEMO] = planned._replace(larger=(*shapes, elements))
+        plan.memo[PLANNED_BATCH_MEMO] = planned._replace(batch=_shapes(args, kwargs, elements))
 
 
 def plan_fusion(
@@ -124,34 +132,24 @@ def plan_fusion(
     max_group_bytes = link_of(plan.comm).target_bytes() if overlaps else None  # a collective, on every rank
     planned: PlannedBatch = plan.memo.get(PLANNED_BATCH_MEMO, PlannedBatch(0, 0))
     elements = _elements(args, kwargs)
-    if planned.larger is not None and planned.larger[2] > elements:
-        args, kwargs, elements = planned.larger  # the batch that asked: larger than this call's
+    if planned.batch is not None and planned.batch[2] > elements:
+        args, kwargs, elements = planned.batch  # this rank's largest: planned for before, or asked since
     batch = args if not kwargs else kwargs if not args else None
     per_rank = every_rank(plan.comm, elements if batch is not None else -1)
-    largest = max(per_rank)
-    if largest < 0:
+    if max(per_rank) < 0:
         return  # no rank's batch can be priced (positional and keyword tensors): shard's groups stay
-    plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(max(planned.elements, largest), plan.comm.guard.replans)
-    alike = len(set(per_rank)) == 1
-    source = per_rank.index(largest)
-    mine: list[int] = []
-    if alike or source == plan.comm.rank or plan.comm.groups.simulated:
-        with planning(), torch.inference_mode(False), torch.enable_grad():
-            mine = _encode(_choose(module, plan, batch, units, prefetch, reshard_after_forward, fuse_key, max_group_bytes), units)
-    if alike:
-        # Batches of one size: every rank planned its own and they must agree. Ranks whose forwards ran
-        # different units (a divergence the next pass check names) choose differently and keep shard's
-        # groups, whose collectives stay alike in order and size more often than fused ones (gloo aborts
-        # the process on a size mismatch).
-        code = mine if agree(plan.comm, _digest(mine)) else []
-    else:
-        # Batches of different sizes (sequences of other lengths per rank): every rank takes the groups
-        # planned for the largest, on the (lowest) rank that has it, so they fit every rank's batch.
-        code = from_rank(plan.comm, source, mine, _encoded_length(units))
-    choice = _decode(code, units)
-    if choice is None:
+    plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(elements, plan.comm.guard.replans, _shapes(args, kwargs, elements))
+    # Batches of different sizes plan together: the same groups do not fit every batch (fewer rows leave
+    # less room under torch's lower peak), so each fit is decided on every rank, one count each.
+    together = None if len(set(per_rank)) == 1 else lambda fits: not tally(plan.comm, [not fits])[0]
+    with planning(), torch.inference_mode(False), torch.enable_grad():
+        choice = _choose(module, plan.world, batch, units, _options(plan, prefetch, reshard_after_forward), fuse_key, max_group_bytes, together)
+    # Ranks whose forwards ran different units (a divergence the next pass check names) choose differently
+    # and keep shard's groups, whose collectives stay alike in order and size more often than fused ones
+    # (gloo aborts the process on a size mismatch).
+    if not agree(plan.comm, _digest(choice)) or choice is None:
         return  # the forward could not run on fake tensors, or the ranks differ: shard's groups stay, on every rank
-    sizes, spans, kept = choice
+    sizes, spans, kept = choice.sizes, choice.forward_spans, choice.kept_gathered
     if plan.regroup(sizes=sizes):  # a no-op where the current groups are already the choice
         regrouped()
     # (after regroup, which forgets what was derived from the groups; planned again, the spans may go)
@@ -160,24 +158,23 @@ def plan_fusion(
 
 def _choose(
     module: nn.Module,
-    plan: ShardPlan,
+    world: int,
     batch: Any,
     units: list[str],
-    prefetch: int,
-    reshard_after_forward: bool | Callable[[str], bool],
+    options: dict[str, Any],
     fuse_key: Callable[[str], Hashable] | None,
     max_group_bytes: int | None,
+    together: Callable[[bool], bool] | None,
 ) -> GroupSizes | None:
     """``group_sizes_within``'s choice for ``batch`` (priced for a training step even when the call is an
     evaluation: the groups serve every later call, and training saves activations an evaluation does
-    not), or ``None`` where the forward cannot run on fake tensors or the planner saw other units."""
+    not; with ``together``, its fits decided on every rank), or ``None`` where the forward cannot run on
+    fake tensors (on some rank, with ``together``) or the planner saw other units."""
     try:
         choice = group_sizes_within(
-            module, plan.world, batch, units=units, optimizer=plan.memo.get(OPTIMIZER_MEMO, "none"),
-            mp_policy=plan.mp_policy, prefetch=prefetch, reshard_after_forward=reshard_after_forward,
-            fuse_key=fuse_key, max_group_bytes=max_group_bytes, device=plan.comm.groups.device,  # type: ignore[union-attr]
-        )  # fmt: skip
-    except Exception:  # the user's forward on fake tensors: the other ranks learn it from the encoding
+            module, world, batch, units=units, fuse_key=fuse_key, max_group_bytes=max_group_bytes, everywhere=together, **options
+        )
+    except Exception:  # the user's forward on fake tensors: the other ranks learn it from the agreement
         return None
     kept = len(choice.kept_gathered)
     if sum(choice.sizes) != len(units) or tuple(choice.kept_gathered) != tuple(units[len(units) - kept :]):
@@ -185,34 +182,20 @@ def _choose(
     return choice
 
 
-def _encoded_length(units: list[str]) -> int:
-    return 4 + 2 * len(units)
+def _options(plan: ShardPlan, prefetch: int, reshard_after_forward: bool | Callable[[str], bool]) -> dict[str, Any]:
+    """The planner's step: the optimizer ``fsdpfn.optim``'s ``init`` noted, the plan's policy and device."""
+    assert plan.comm is not None
+    return {
+        "optimizer": plan.memo.get(OPTIMIZER_MEMO, "none"), "mp_policy": plan.mp_policy, "prefetch": prefetch,
+        "reshard_after_forward": reshard_after_forward, "device": plan.comm.groups.device,
+    }  # fmt: skip
 
 
-def _encode(choice: GroupSizes | None, units: list[str]) -> list[int]:
-    """A choice as ints, the same length for every choice on these ``units``: planned or not, the group
-    sizes, the forward spans and how many last units stay gathered."""
-    if choice is None:
-        return [0] * _encoded_length(units)
-    n = len(units)
-    sizes, spans = list(choice.sizes), list(choice.forward_spans)
-    return [1, len(choice.kept_gathered), len(sizes), len(spans), *sizes, *[0] * (n - len(sizes)), *spans, *[0] * (n - len(spans))]
-
-
-def _digest(code: list[int]) -> int:
-    """One int64 equal on two ranks when their encoded choices are."""
-    digest = hashlib.sha256(",".join(map(str, code)).encode()).digest()
+def _digest(choice: GroupSizes | None) -> int:
+    """One int64 equal on two ranks when their choices' groups, spans and kept units are."""
+    what = None if choice is None else (choice.sizes, choice.forward_spans, choice.kept_gathered)
+    digest = hashlib.sha256(repr(what).encode()).digest()
     return int.from_bytes(digest[:7], "little")  # 56 bits: the ranks' sum stays within int64
-
-
-def _decode(code: list[int], units: list[str]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]] | None:
-    """``_encode``'s ``(sizes, spans, kept units)``, or ``None`` for a choice not made."""
-    if not code or not code[0]:
-        return None
-    n = len(units)
-    kept, groups, runs = code[1], code[2], code[3]
-    sizes, spans = tuple(code[4 : 4 + groups]), tuple(code[4 + n : 4 + n + runs])
-    return sizes, spans, tuple(units[n - kept :]) if kept else ()
 
 
 def _plans_again(plan: ShardPlan) -> bool:
@@ -226,11 +209,18 @@ def _plans_again(plan: ShardPlan) -> bool:
     if planned is None or planned.replans >= plan.comm.guard.replans:
         return False
     busy = any(a.awaiting_backward(plan) for a in plan.memo.get(("applies",), ()))  # (every apply on it)
-    busy_ranks, asking_ranks = tally(plan.comm, [busy, planned.larger is not None])
+    busy_ranks, asking_ranks = tally(plan.comm, [busy, planned.asked])
     if not asking_ranks:  # another plan's request: this one is planned for its batches still
         plan.memo[PLANNED_BATCH_MEMO] = planned._replace(replans=plan.comm.guard.replans)
         return False
     return not busy_ranks
+
+
+def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any], elements: int) -> tuple[tuple[Any, ...], dict[str, Any], int]:
+    """A call's arguments with its tensors as ``meta`` ones of their shapes (what the planner needs of a
+    batch, holding no memory), and its ``elements``."""
+    shapes = tree_map(lambda x: x.detach().to("meta") if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    return (*shapes, elements)
 
 
 def _elements(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
