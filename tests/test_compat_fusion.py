@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fsdpfn
-from fsdpfn.testing import spmd
+from fsdpfn.testing import decided_together, spmd
 
 
 def _blocks(width, hidden, count):
@@ -66,14 +66,14 @@ def _train(impl, width, hidden, count, batch, knob):
     return losses, groups
 
 
-def _planned(width, hidden, count, batch, world, knob=None):
+def _planned(width, hidden, count, batch, world, knob=None, everywhere=None):
     with torch.device("meta"):
         model = _blocks(width, hidden, count)
     x = torch.zeros(batch, width)
     kept = {str(i) for i, r in enumerate(knob) if not r} if isinstance(knob, tuple) else set()
     sizes = fsdpfn.memory.group_sizes_within(
         model, world, x, units=[str(i) for i in range(count)], optimizer="none",
-        reshard_after_forward=lambda u: u not in kept, fuse_key=lambda u: u in kept,
+        reshard_after_forward=lambda u: u not in kept, fuse_key=lambda u: u in kept, everywhere=everywhere,
     ).sizes  # fmt: skip
     names, start = [], 0
     for k in sizes:
@@ -400,14 +400,15 @@ def _train_per_rank_rows(impl, width, hidden, count, rows):
     return losses, [g.name for g in state_of(model).root.plan.groups if g.name]
 
 
-def test_ranks_with_batches_of_different_sizes_plan_the_groups_of_the_largest_and_train_as_torch():
-    # sequences of other lengths per rank: the root of the rank with the largest batch plans, the others
-    # take its groups (each rank planning for its own would differ: then all kept the cap's groups)
+def test_ranks_with_batches_of_different_sizes_plan_their_groups_together_and_train_as_torch():
+    # sequences of other lengths per rank: the roots plan together, every fit counted over the ranks, and
+    # take one choice (each rank planning for its own would differ: then all kept the cap's groups)
     rows, count = (2, 512), 8
     ours = spmd(2, _train_per_rank_rows, "fsdpfn.compat", 256, 1024, count, rows)
     theirs = spmd(2, _train_per_rank_rows, "torch.distributed.fsdp", 256, 1024, count, rows)
     alone = [_planned(256, 1024, count, n, 2) for n in rows]
     assert alone[0] != alone[1]  # planned for its own batch, each rank would fuse differently
+    together = decided_together([lambda everywhere, n=n: _planned(256, 1024, count, n, 2, everywhere=everywhere) for n in rows])
     for (losses, groups), (ref, _) in zip(ours, theirs):
-        assert groups == alone[1]
+        assert groups == together[0] == together[1] and len(groups) < count
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)

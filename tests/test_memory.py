@@ -19,7 +19,7 @@ from torch import nn
 import fsdpfn
 from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
 from fsdpfn.layout.autobucket import LinkCost
-from fsdpfn.testing import spmd
+from fsdpfn.testing import decided_together, spmd
 from fsdpfn.testing import strategies as fst
 from fsdpfn.testing.memory import measured_step_peak
 from fsdpfn.testing.models import ModelRecipe
@@ -192,6 +192,44 @@ def test_fuse_within_fuses_the_most_units_per_group_under_the_budget(data, world
         assert choice.peak <= base.peak  # nothing to spend: fused only where it is free
     elif searched < len(units) // 2 and k > 1:  # one unit more per group would pass the budget
         assert planned(searched * smallest + 1).peak > limit
+
+
+@settings(max_examples=min(settings().max_examples, 10), deadline=None)
+@given(widths=st.lists(st.integers(4, 48), min_size=5, max_size=13), world=st.integers(2, 4),
+       rows=st.lists(st.integers(1, 256), min_size=2, max_size=4), optimizer=st.sampled_from(["adamw", "sgd"]))
+def test_groups_planned_together_are_one_choice_that_fits_every_ranks_batch(widths, world, rows, optimizer):
+    # ranks whose batches differ in size plan together (fsdp's first call): each decision counted over
+    # them, so all choose alike, and the choice's estimate on each rank's batch is within that rank's budget
+    units = [str(i) for i in range(len(widths) - 1)]
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+
+    def plan(n, everywhere=None):
+        return fsdpfn.memory.group_sizes_within(build(), world, torch.zeros(n, widths[0]), units=units, optimizer=optimizer,
+                                                everywhere=everywhere)
+
+    choices = decided_together([lambda everywhere, n=n: plan(n, everywhere) for n in rows])
+    assert len({(c.sizes, c.forward_spans, c.kept_gathered) for c in choices}) == 1
+    for n, choice in zip(rows, choices):
+        alone = plan(n)
+        assert choice.budget == alone.budget  # each rank's own budget: torch's peak for its batch
+        got = fsdpfn.memory.estimate(build(), world, torch.zeros(n, widths[0]), units=units, optimizer=optimizer, group_sizes=choice.sizes,
+                                     forward_spans=choice.forward_spans, kept_gathered=choice.kept_gathered)
+        assert got.peak == choice.peak and (got.peak <= choice.budget or choice.sizes == (1,) * len(units))
+    if len(set(rows)) == 1:
+        assert choices[0] == plan(rows[0])  # one batch size: each rank's own choice
+
+
+def test_groups_planned_together_fail_on_every_rank_when_one_cannot_price_its_batch():
+    model = lambda: nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])  # noqa: E731
+    units = [str(i) for i in range(6)]
+    with pytest.raises(RuntimeError, match="another rank could not price its batch"):
+        decided_together([
+            lambda everywhere: fsdpfn.memory.group_sizes_within(model(), 2, torch.zeros(4, 8), units=units, everywhere=everywhere),
+            lambda everywhere: fsdpfn.memory.group_sizes_within(model(), 2, torch.zeros(4, 5), units=units, everywhere=everywhere),
+        ])  # fmt: skip
 
 
 @settings(max_examples=min(settings().max_examples, 15))
