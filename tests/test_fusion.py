@@ -2,6 +2,7 @@
 the batch and the optimizer noted on the plan: the same numbers as unfused, every rank alike, never when
 the user fixed ``min_bucket_bytes``, and no hang when ranks see different batches."""
 
+import contextlib
 import math
 
 import pytest
@@ -706,3 +707,69 @@ def _lm_against_fsdp2(dim, vocab, blocks, batch, seed):
 def test_groups_the_first_call_keeps_gathered_never_raise_a_language_models_peak_above_torchs(dim, vocab, blocks, batch, world, seed):
     for ours, theirs, kept in spmd(world, _lm_against_fsdp2, dim, vocab, blocks, batch, seed):
         assert ours <= theirs, (ours, theirs, kept)
+
+
+def _forwards_then_backward(widths, batch, forwards, keep):
+    """The measured peak of a warm AdamW step whose loss sums ``forwards`` calls of ``apply`` before one
+    backward (DPO's pair, accumulated microbatches), with ``fsdp``'s default resharding (``keep``: the
+    planner's last groups kept) or a predicate that reshards every unit; the kept units, the losses and
+    the last step's all-gather labels."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from fsdpfn.layout.plan import KEPT_GATHERED_MEMO
+    from fsdpfn.testing.memory import memory_tracker
+
+    rank = dist.get_rank()
+    model = _stack(widths)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(len(widths) - 1)])
+    opt = fsdpfn.optim.adamw(lr=1e-2)
+    state = opt.init(params)
+    apply = fsdpfn.fsdp(model, reshard_after_forward=True if keep else lambda unit: True)
+    xs = [torch.randn(batch, widths[0], generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(forwards)]
+    tracker = None
+
+    def loss_fn(p):
+        total = 0.0
+        for x in xs:
+            if tracker is not None:
+                tracker.reset_mod_stats()  # (MemTracker counts one call per module otherwise)
+            total = total + apply(p, x).tanh().square().mean()
+        return total
+
+    losses = []
+    for step in range(2):
+        stats = params.plan.comm.stats
+        stats.reset()
+        stats.recording = True
+        if step == 1:
+            tracker = memory_tracker()
+            tracker.track_external(*[params[k] for k in params.keys()], *xs)
+        with tracker if tracker is not None else contextlib.nullcontext(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            loss, grads = fsdpfn.value_and_grad(loss_fn)(params)
+            params, state = opt.update(grads, state, params)
+        stats.recording = False
+        losses.append(loss.item())
+    peak = max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
+    gathers = [label for kind, label, _ in stats.log if kind == "all_gathers"]
+    return peak, sorted(params.plan.memo.get(KEPT_GATHERED_MEMO, ())), losses, gathers
+
+
+@settings(max_examples=min(settings().max_examples, 3), deadline=None)
+@given(widths=st.lists(st.sampled_from([64, 128]), min_size=7, max_size=11), batch=st.sampled_from([4, 16]),
+       forwards=st.integers(2, 4), world=st.integers(2, 3))
+@example(widths=[128] * 9, batch=16, forwards=4, world=2)  # each forward's kept copy pinned by its graph: 1.03x
+def test_forwards_before_one_backward_keep_nothing_gathered_beyond_the_resharded_peak(widths, batch, forwards, world):
+    # the planner priced one forward and its backward; a second forward before that backward drops the
+    # copies the first one kept (its backward gathers them again) and keeps none of its own: the step's
+    # peak is the resharded plan's, and so are its numbers
+    kept_runs = spmd(world, _forwards_then_backward, widths, batch, forwards, True)
+    resharded = spmd(world, _forwards_then_backward, widths, batch, forwards, False)
+    for (peak, kept, losses, gathers), (ref_peak, none, ref_losses, _) in zip(kept_runs, resharded):
+        assert none == [] and peak <= ref_peak, (kept, peak, ref_peak)
+        for unit in kept:  # (kept groups are in no forward span: each gathers alone, under its own name)
+            group = next(g for g in gathers if unit in g.split("+"))
+            assert gathers.count(group) == 2 * forwards, (group, gathers)  # each forward's, again in its backward
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)

@@ -19,7 +19,6 @@ from fsdpfn.compat.explicit_unshard import stale_unshards
 from fsdpfn.compat.stranded import reduce_stranded
 from fsdpfn.core.pass_check import start_pass_check
 from fsdpfn.layout import Sharded, ShardPlan
-from fsdpfn.layout.plan import KEPT_GATHERED_MEMO
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
@@ -203,7 +202,7 @@ class CompatApply(Apply):
         """Each unit's own ``reshard_after_forward``, and its ``UnitState.fuse_key``: units with different
         settings never share a group. Where every unit below the root reshards after forward (FSDP2's
         default), the planner may keep the last groups gathered through a training forward: their
-        backward comes next (``schedule``)."""
+        backward comes next (``Apply.kept_through_backward``)."""
         keys = self.ctx.fuse_keys()
         return self.ctx.reshards, keys.__getitem__, all(self.ctx.reshards(u.name) for u in self.ctx.plan.units if u.name)
 
@@ -224,24 +223,19 @@ class CompatApply(Apply):
 
     def schedule(self, plan: ShardPlan, *, functorch: bool = False) -> Schedule:
         """The schedule of a call: resharding and explicit prefetch lists from the units' knobs, read
-        at every call (``set_reshard_after_forward`` & co. apply from the next forward). In a training
-        forward (autograd on) the last groups the planner kept gathered (``KEPT_GATHERED_MEMO``, planned
-        only where every unit reshards) stay gathered until their backward, which comes next; an
-        evaluation forward reshards them, so nothing stays gathered past it."""
+        at every call (``set_reshard_after_forward`` & co. apply from the next forward)."""
         if functorch:  # torch.func transforms: no prefetch, no packing of saved tensors
             return build_schedule(plan, reshard=False, prefetch=0)
         ctx = self.ctx
         order = plan.memo.get(("order", id(self)))
-        training = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-        kept: frozenset[str] = plan.memo.get(KEPT_GATHERED_MEMO, frozenset()) if training else frozenset()
         knobs = [(g.name, ctx.knobs(g.name)) for g in plan.groups]
-        key = (order, kept, [(g, ctx.reshards(g), st.forward_prefetch, st.backward_prefetch) for g, st in knobs])
+        key = (order, [(g, ctx.reshards(g), st.forward_prefetch, st.backward_prefetch) for g, st in knobs])
         hit = plan.memo.get(("schedule", id(self)))
         if hit is None or hit[0] != key:
             schedule = build_schedule(
                 plan,
                 order=order,
-                reshard=ctx.reshards if not kept else lambda g: ctx.reshards(g) and not set(plan.members(g)) <= kept,
+                reshard=ctx.reshards,
                 prefetch=1,
                 forward_prefetch={g: ctx.names_of(st.forward_prefetch) for g, st in knobs if st.forward_prefetch is not None},
                 backward_prefetch={g: ctx.names_of(st.backward_prefetch) for g, st in knobs if st.backward_prefetch is not None},

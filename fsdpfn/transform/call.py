@@ -95,6 +95,12 @@ class Call:
         # groups whose gather autograd recorded and whose backward has not started: while any is, the
         # plan's groups must not change under this call (transform/fusion.py plans again only then)
         self.awaiting_backward: set[str] = set()
+        # groups this call keeps from its forward to its backward (Apply.kept_through_backward), and the
+        # copies it holds: a kept group reshards as scheduled (saved tensors packed, so no graph pins the
+        # copy) and its backward's re-gather takes the held copy; dropped at its reduction, or earlier
+        # when another forward starts (drop_kept)
+        self.keeps: frozenset[str] = frozenset()
+        self.held: dict[str, dict[str, torch.Tensor]] = {}
         self.in_forward = True
         self.remat = False  # units run through fsdpfn.remat (torch.func gradient transforms)
         self.remat_units: frozenset[str] = frozenset()  # the outermost units routed through it
@@ -216,10 +222,13 @@ class Call:
         group has (a fused group is dropped only then: its units share one gathered buffer)."""
         return group_done(self.plan, self.members_done, group, unit)
 
-    def release(self, name: str) -> None:
-        """Forget unit ``name``'s gathered copy after its forward (reshard)."""
+    def release(self, name: str, keep: bool = False) -> None:
+        """Forget unit ``name``'s gathered copy after its forward (reshard); with ``keep``, a group this call
+        keeps (``keeps``) whose backward is to come is held for it instead of freed."""
         full = self.gathered.pop(name, None)
         if full is not None:
+            if keep and name in self.keeps and name in self.awaiting_backward:
+                self.held[name] = {f: t.detach() for f, t in full.items()}
             was = self.versions.pop(name, ())
             if versions_moved(full.values(), was) or contents_moved(full.values(), self.snapshots.pop(name, None)):
                 self.changed.append((name, tuple(full)))
@@ -227,12 +236,18 @@ class Call:
                 if t.numel() and type(t) is torch.Tensor:
                     self.storages.pop(t.untyped_storage().data_ptr(), None)
 
+    def drop_kept(self) -> None:
+        """Free the copies this call holds for its backward and keep no more: another forward on the plan
+        started before that backward (its re-gathers then move the bytes again, as a resharded group's)."""
+        self.keeps = frozenset()
+        self.held.clear()
+
     def finish_forward(self) -> None:
         """End of the forward: drop every gathered copy but what autograd saved; cancel stray prefetches."""
         self.in_forward = False
         for name in list(self.gathered):
             if self.reshards(name):
-                self.release(name)
+                self.release(name, keep=True)
             else:  # kept for backward as detached aliases (same storage, same version counter): the
                 # graph holds this call (its gather nodes' metadata and hooks), so the call holding graph
                 # tensors would be a cycle through autograd's C++ nodes that Python's gc never frees, and
@@ -289,7 +304,11 @@ class Call:
         full = self.regathered.get(name)
         if full is None:
             self._finish_deferred_reductions()
-            full = self._kept_copy(name)
+            full = self.held.pop(name, None)  # kept from this call's forward: nothing to move
+            if full is not None:
+                self._gathered_again(name, full)  # (as a re-gather's result: compat may keep it after backward)
+            else:
+                full = self._kept_copy(name)
             if full is None:
                 b = self._collective(self.plan.group(name))
                 if b.in_place:
@@ -313,7 +332,7 @@ class Call:
 
     def _prefetch_backward(self, name: str) -> None:
         for prev in self.backward_prefetch(name):
-            if prev in self.packed_units and prev not in self.regathered and prev not in self.pending_back and self._kept_copy(prev) is None:
+            if prev in self.packed_units and prev not in self.regathered and prev not in self.pending_back and prev not in self.held and self._kept_copy(prev) is None:
                 self.pending_back[prev] = self._launch(prev)
 
     def _kept_copy(self, name: str) -> dict[str, torch.Tensor] | None:
@@ -333,6 +352,7 @@ class Call:
         # The unit's gradient reduction is starting: every use of its parameters in backward is done.
         self.awaiting_backward.discard(name)
         self.regathered.pop(name, None)
+        self.held.pop(name, None)
         self.gathered.pop(name, None)
         self._swap_out(name)
         if self._prefetch_at_release:

@@ -246,7 +246,7 @@ class UnitHooks:
                 group = call.plan.group_of.get(name, name)
                 if call.reshards(group) and group in call.gathered and self.release_after_module(name):
                     if call.unit_done(group, name):
-                        call.release(group)
+                        call.release(group, keep=True)
                 if torch.is_grad_enabled() and not functorch_active():  # torch.func: remat recomputes
                     self._recompute.arm_on(call, name, out)
                 if call.plan.unit_policies:
