@@ -30,7 +30,7 @@ from fsdpfn.transform.eager import eager_frame
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
 
-__all__ = ["CompatApply", "CompatCall", "LocalShards", "dtensor_gradient"]
+__all__ = ["CompatApply", "CompatCall", "LocalShards", "accumulate_finished", "dtensor_gradient"]
 
 
 class LocalShards(torch.autograd.Function):
@@ -102,6 +102,29 @@ def _capturing(root: RootContext) -> bool:
     return False
 
 
+def accumulate_finished(root: RootContext, deferred: DeferredReductions) -> None:
+    """Add the finished reductions' results into the ``.grad`` they accumulate into, in place, as FSDP2's
+    post-backward does for each group (``grad._local_tensor += new``), instead of holding every group's
+    result to the end of the backward: a second backward before the step (gradient accumulation with sync
+    on) held one more shard gradient per parameter there, 1.07x torch's peak (8 LayerNorm-MLP blocks, 16
+    rows, 4 microbatches, world 2). Only where that is what autograd would do: a parameter with a ``.grad``
+    of the result's shape and dtype, no hooks on its gradient (they see it through autograd), in a backward
+    that accumulates (not ``torch.autograd.grad``) and builds no graph (``create_graph``)."""
+    if torch.is_grad_enabled() or not deferred.grads or _capturing(root):
+        return
+    for fqn in list(deferred.grads):
+        managed = root.managed.get(fqn)
+        param = managed.param if managed is not None else None
+        grad = param.grad if param is not None else None
+        if not isinstance(grad, DTensor) or param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):  # type: ignore[union-attr]
+            continue
+        local = grad._local_tensor
+        kept = deferred.grads[fqn]
+        if all(k.shape == local.shape and k.dtype == local.dtype and k.device == local.device for k in kept):
+            for k in deferred.grads.pop(fqn):
+                local.add_(k)
+
+
 def dtensor_gradient(g: torch.Tensor, spec: Any, graph: bool) -> DTensor:
     """Shard gradient ``g`` as the ``DTensor`` gradient of the parameter whose spec is ``spec``; ``graph``:
     differentiable (a backward with ``create_graph=True``).
@@ -152,6 +175,11 @@ class CompatCall(Call):
 
     def info(self, name: str) -> CallInfo:
         return CallInfo(pending=self.pending.pop(name, None), resolve=functools.partial(self._reduction, name))
+
+    def _finish_deferred_reductions(self) -> None:
+        super()._finish_deferred_reductions()
+        if self.deferred is not None and self.deferred.grads and not self.deferred.handles:  # every result final
+            accumulate_finished(self.ctx, self.deferred)
 
     def _reduction(self, name: str) -> CallInfo:
         """How unit or group ``name``'s backward reduces, from its knobs when that backward runs (FSDP2
