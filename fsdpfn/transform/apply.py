@@ -188,7 +188,7 @@ class Apply(UnitHooks):
         fusion planner chose (``KEPT_GATHERED_MEMO``), in a training forward (autograd on) run eagerly,
         when no other call on ``plan`` is in its forward or awaits its backward. A kept group still
         reshards as the schedule says (its saved tensors are packed): the call only holds its copy
-        (``Call.keep``), so a second forward before the first one's backward (DPO's pair, microbatches
+        (``Call.keeps``, ``Call.held``), so a second forward before the first one's backward (DPO's pair, microbatches
         under a pipeline schedule) drops the copies the earlier calls hold, which their backward then
         gathers again: each call's kept copy pinned by its graph took four microbatches' forwards to 1.03x
         (functional) and 1.1-1.2x (compat) of the peak without them."""
