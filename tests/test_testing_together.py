@@ -28,3 +28,19 @@ def test_a_call_that_fails_raises_its_error_and_releases_the_others():
 
     with pytest.raises(KeyError, match="unit 3"):
         decided_together([decides, fails, decides])
+
+
+def test_a_decision_a_failing_call_took_part_in_completes_on_the_others():
+    # the failing call votes, then raises at once: the other still learns that decision (no broken
+    # barrier), so its own error is the first by call, every time (a barrier's abort raced with it)
+    def learns(everywhere):
+        if not everywhere(True):
+            raise ValueError("another call could not decide")
+
+    def fails(everywhere):
+        everywhere(False)
+        raise KeyError("unit 3")
+
+    for _ in range(30):
+        with pytest.raises(ValueError, match="another call could not decide"):
+            decided_together([learns, fails])

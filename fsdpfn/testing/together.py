@@ -20,25 +20,35 @@ T = TypeVar("T")
 def decided_together(calls: Sequence[Callable[[Callable[[bool], bool]], T]]) -> list[T]:
     """Run each of ``calls`` in a thread of its own, each given ``everywhere(fits) -> bool``: whether every
     call's ``fits`` at that decision (the n-th of each) was true. The calls' results in order; the first
-    exception (by call) is raised once every thread has stopped (the others are released, their decisions
-    then refused with ``threading.BrokenBarrierError``).
+    exception (by call) is raised once every thread has stopped. A call that raised takes no later
+    decision: the others' next one raises ``threading.BrokenBarrierError`` (a real rank would wait forever).
 
     Example:
         >>> decided_together([lambda every: [every(True), every(True)], lambda every: [every(False), every(True)]])
         [[False, True], [False, True]]
     """
-    barrier = threading.Barrier(len(calls))
-    votes: list[bool] = [True] * len(calls)
-    results: list[T | None] = [None] * len(calls)
-    errors: list[BaseException | None] = [None] * len(calls)
+    n = len(calls)
+    cond = threading.Condition()
+    ballots: list[dict[int, bool]] = []  # per decision: each call's vote
+    taken = [0] * n  # decisions each call has taken part in
+    departed = [False] * n
+    results: list[T | None] = [None] * n
+    errors: list[BaseException | None] = [None] * n
 
     def everywhere_for(i: int) -> Callable[[bool], bool]:
         def everywhere(fits: bool) -> bool:
-            votes[i] = bool(fits)
-            barrier.wait()  # every thread has voted
-            decided = all(votes)
-            barrier.wait()  # every thread has read the votes before the next decision writes them
-            return decided
+            with cond:
+                r = taken[i]
+                taken[i] += 1
+                if r == len(ballots):
+                    ballots.append({})
+                ballots[r][i] = bool(fits)
+                cond.notify_all()
+                while len(ballots[r]) < n:
+                    if any(departed[j] and j not in ballots[r] for j in range(n)):
+                        raise threading.BrokenBarrierError
+                    cond.wait()
+                return all(ballots[r].values())
 
         return everywhere
 
@@ -47,9 +57,12 @@ def decided_together(calls: Sequence[Callable[[Callable[[bool], bool]], T]]) -> 
             results[i] = calls[i](everywhere_for(i))
         except BaseException as error:  # noqa: BLE001 (re-raised by the caller's thread)
             errors[i] = error
-            barrier.abort()  # the others' next decision cannot be made
+        finally:
+            with cond:
+                departed[i] = True  # (after its last vote: decisions it took part in still complete)
+                cond.notify_all()
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"fsdpfn-together-{i}") for i in range(len(calls))]
+    threads = [threading.Thread(target=run, args=(i,), name=f"fsdpfn-together-{i}") for i in range(n)]
     for thread in threads:
         thread.start()
     for thread in threads:
