@@ -144,6 +144,7 @@ class CompatCall(Call):
         self.ctx = ctx
         super().__init__(params, scale=1.0, schedule=schedule, deferred=ctx.deferred)
         self.deferral_needs_leaves = False  # the shards come from LocalShards, whose backward drains
+        self.accumulating: bool | None = None  # whether a .grad existed when its backward began (read once)
 
     def _collective(self, unit: Any) -> Buckets:
         return self.ctx.collective(unit)
@@ -178,7 +179,11 @@ class CompatCall(Call):
 
     def _finish_deferred_reductions(self) -> None:
         super()._finish_deferred_reductions()
-        if self.deferred is not None and self.deferred.grads and not self.deferred.handles:  # every result final
+        if self.deferred is None or not self.deferred.grads or self.deferred.handles:
+            return  # nothing kept, or a result not final yet
+        if self.accumulating is None:  # (a backward adds its results to .grad only at its end: stable within it)
+            self.accumulating = any(m.param.grad is not None for m in self.ctx.managed.values())
+        if self.accumulating:
             accumulate_finished(self.ctx, self.deferred)
 
     def _reduction(self, name: str) -> CallInfo:
