@@ -233,11 +233,13 @@ class CompatApply(Apply):
 
     def fusion_rules(self) -> tuple[Callable[[str], bool], Callable[[str], Hashable], bool]:
         """Each unit's own ``reshard_after_forward``, and its ``UnitState.fuse_key``: units with different
-        settings never share a group. Where every unit below the root reshards after forward (FSDP2's
-        default), the planner may keep the last groups gathered through a training forward: their
-        backward comes next (``Apply.kept_through_backward``)."""
+        settings never share a group. The planner keeps no group gathered past its forward here: ranks
+        whose forwards run different units (LayerDrop) then agreed on kept last groups, and a kept group one
+        rank skipped left the ranks with different collectives, which gloo aborted on before the pass check
+        could name the divergence (test_pass_check.py, compat, rank 0 without block 0, rank 1 without
+        block 3). It needs the units each rank's planning forward ran in the agreement first."""
         keys = self.ctx.fuse_keys()
-        return self.ctx.reshards, keys.__getitem__, all(self.ctx.reshards(u.name) for u in self.ctx.plan.units if u.name)
+        return self.ctx.reshards, keys.__getitem__, False
 
     @contextlib.contextmanager
     def planning(self) -> Iterator[None]:
