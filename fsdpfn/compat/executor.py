@@ -231,15 +231,15 @@ class CompatApply(Apply):
     def _validate(self, plan: Any) -> None:
         pass  # RootContext.params checks every DTensor parameter before each call
 
-    def fusion_rules(self) -> tuple[Callable[[str], bool], Callable[[str], Hashable], bool]:
+    def fusion_rules(self) -> tuple[Callable[[str], bool], Callable[[str], Hashable]]:
         """Each unit's own ``reshard_after_forward``, and its ``UnitState.fuse_key``: units with different
-        settings never share a group. The planner keeps no group gathered past its forward here: ranks
-        whose forwards run different units (LayerDrop) then agreed on kept last groups, and a kept group one
-        rank skipped left the ranks with different collectives, which gloo aborted on before the pass check
-        could name the divergence (test_pass_check.py, compat, rank 0 without block 0, rank 1 without
-        block 3). It needs the units each rank's planning forward ran in the agreement first."""
+        settings never share a group. Told a predicate, the planner keeps no group gathered past its
+        forward: tried here, ranks whose forwards run different units (LayerDrop) agreed on kept last
+        groups one of them skipped, and gloo aborted on the mismatched collectives before the pass check
+        could name the divergence (test_pass_check.py, compat, blocks 0 and 3 dropped). It needs the units
+        each rank's planning forward ran in the agreement first."""
         keys = self.ctx.fuse_keys()
-        return self.ctx.reshards, keys.__getitem__, False
+        return self.ctx.reshards, keys.__getitem__
 
     @contextlib.contextmanager
     def planning(self) -> Iterator[None]:
