@@ -355,11 +355,16 @@ def _shared_comm_requests(width, hidden, count):
     _shard_blocks(fully_shard, b, None)
     share_comm_ctx([a, b])
     x = _batch(width, 64)[0]
-    b(x).square().mean().backward()
+
+    def step(model, rows):  # (a step's gradients, dropped: a backward adding to them would plan again too)
+        model(x[:rows]).square().mean().backward()
+        model.zero_grad()
+
+    step(b, 64)
     a(x[:1])
-    a(x).square().mean().backward()
-    b(x[:16]).square().mean().backward()  # after a's request, which is not b's: b stays planned for 64
-    b(x[:16]).square().mean().backward()
+    step(a, 64)
+    step(b, 16)  # after a's request, which is not b's: b stays planned for 64
+    step(b, 16)
     roots = [state_of(m).root for m in (a, b)]
     return [[g.name for g in r.plan.groups if g.name] for r in roots], roots[0].comm is roots[1].comm
 

@@ -508,6 +508,37 @@ def test_sharded_state_falls_as_ceil_division_says_up_to_1024_ranks(widths, opti
         assert whole / w <= shards <= whole / w + extra
 
 
+_GROUP_BYTES = st.builds(
+    lambda g, f, p, o, s, c, r: fsdpfn.memory.phases.GroupBytes(g, f, p, o, s, r, 0, c, 0),
+    *(st.integers(0, 1000),) * 5, st.sampled_from([0, 0, 64]), st.booleans(),
+)
+
+
+@settings(max_examples=min(settings().max_examples, 40))
+@given(groups=st.lists(_GROUP_BYTES, min_size=1, max_size=6), root=_GROUP_BYTES, prefetch=st.integers(0, 2),
+       reshard=st.booleans(), cpu=st.booleans(), acts=st.integers(0, 4000))
+def test_a_backward_that_accumulates_is_priced_with_every_shard_gradient_resident(groups, root, prefetch, reshard, cpu, acts):
+    # gradient accumulation with sync on: the shard gradients of the step's earlier backwards are alive from
+    # the forward on (every group's, summed), and each group's result is added into them (CPU: once its
+    # reduction finished, so at most the one in flight is held beside them; elsewhere at backward's end)
+    from fsdpfn.memory.phases import fsdp2_backward, phase_peaks
+
+    resident = sum(g.reduce_out for g in groups) + root.reduce_out
+    common = dict(shards=100, state=200, batch=10, activations=acts, root=root, groups=groups)
+    args = dict(common, prefetch=prefetch, reshard=reshard, temporary=7, prefetch_at_release=cpu)
+    one, acc = phase_peaks(**args), phase_peaks(**args, accumulated=resident)
+    assert acc["forward"].total == one["forward"].total + resident
+    assert acc["optimizer step"] == one["optimizer step"]  # the same gradients: accumulated, not added
+    if cpu:  # each moment: the resident gradients and at most two results (in flight, just launched) beside them
+        most = max(g.reduce_out for g in [*groups, root])
+        none = dict(args, groups=[g._replace(reduce_out=0) for g in groups], root=root._replace(reduce_out=0))
+        assert one["backward"].total <= acc["backward"].total <= phase_peaks(**none)["backward"].total + resident + 2 * most
+    else:  # every result held to the end, beside the resident gradients
+        assert acc["backward"].total == one["backward"].total + resident
+    theirs, theirs_acc = fsdp2_backward(**common), fsdp2_backward(**common, accumulated=resident)
+    assert theirs.total <= theirs_acc.total <= theirs.total + resident
+
+
 def test_a_meta_model_gives_the_estimate_of_the_real_one():
     recipe = ModelRecipe("transformer", (12, 32, 10, 48, 40), seed=3, seq=5)
     x = recipe.inputs(BATCH, 0)

@@ -26,6 +26,7 @@ from fsdpfn.ops.functions import CallInfo, add_by_name
 from fsdpfn.transform.apply import Apply
 from fsdpfn.transform.call import Call
 from fsdpfn.transform.eager import eager_frame
+from fsdpfn.transform.fusion import note_accumulation
 
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
@@ -183,6 +184,8 @@ class CompatCall(Call):
             return  # nothing kept, or a result not final yet
         if self.accumulating is None:  # (a backward adds its results to .grad only at its end: stable within it)
             self.accumulating = any(m.param.grad is not None for m in self.ctx.managed.values())
+            if self.accumulating:  # the planner priced one backward per step: plan for this one's too
+                note_accumulation(self.plan)
         if self.accumulating:
             accumulate_finished(self.ctx, self.deferred)
 

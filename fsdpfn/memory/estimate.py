@@ -184,9 +184,14 @@ def step_estimator(
     replicate: int = 1,
     loss_fn: Callable[[Any], Any] | None = None,
     device: str | torch.device | None = None,
+    accumulating: bool = False,
 ) -> _StepEstimator:
     """Check ``estimate``'s arguments and count the forward once; the result estimates the step at any
-    world size and fusion (``estimator(world, fusion)``, ``fusion`` as ``_StepEstimator`` says)."""
+    world size and fusion (``estimator(world, fusion)``, ``fusion`` as ``_StepEstimator`` says).
+    ``accumulating``: the step is a backward after others before one optimizer step (gradient
+    accumulation with gradient sync on), each adding its reduced gradients into the shard gradients the
+    earlier ones left, in place, as the compat layer and FSDP2 add them into ``.grad``: those are resident
+    from the forward on."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdpfn.memory.estimate: model must be an nn.Module, got {type(model).__name__}")
     mp_policy = as_mp_policy(mp_policy, "fsdpfn.memory.estimate")
@@ -243,7 +248,7 @@ def step_estimator(
                 output_grad = max(output_grad, UNSEEN_LOSS_OUTPUTS * fwd.output)
         return _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard,
                              fusion, link, buffer_bytes, batch_bytes, fwd.saved, output_grad, dev.type, fwd.last_unit_before,
-                             needed, fwd.saved_before, fsdp2, spans, fwd.boundary)
+                             needed, fwd.saved_before, fsdp2, spans, fwd.boundary, accumulating)
 
     return _StepEstimator(one, named, dev)
 
@@ -294,6 +299,7 @@ def _estimate_one(
     fsdp2: bool = False,
     forward_spans: tuple[int, ...] = (),
     boundary: dict[str, int] | None = None,
+    accumulating: bool = False,
 ) -> MemoryEstimate:
     plan = build_plan(
         infos,
@@ -320,7 +326,7 @@ def _estimate_one(
         if layout not in by_layout:
             by_layout[layout] = rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
                                              buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before,
-                                             fsdp2, forward_spans, boundary)
+                                             fsdp2, forward_spans, boundary, accumulating)
             if fsdp2:  # only FSDP2's backward bound: the other phases are fsdpfn's
                 by_layout[layout] = {"backward": by_layout[layout]["fsdp2"]}
         per_rank.append(max(b.total for b in by_layout[layout].values()))

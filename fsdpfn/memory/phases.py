@@ -76,6 +76,7 @@ def phase_peaks(
     prefetch_at_release: bool = False,
     forward_spans: Sequence[int] = (),
     between: Sequence[int] = (),
+    accumulated: int = 0,
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
@@ -123,16 +124,18 @@ def phase_peaks(
         finishing = kept | set(range(k, min(n, k + max(prefetch, 1))))
         gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in finishing) + groups[k].copy_out)
     gathered_fwd = max(gathered_fwd, root.copy_out)  # the root's gather, the first of the forward
-    forward = Breakdown(shards, state, 0, root.gathered + gathered_fwd, activations + batch, 0)
+    forward = Breakdown(shards, state, accumulated, root.gathered + gathered_fwd, activations + batch, 0)
     if any(size > 1 for size in forward_spans):
         forward = forward_with_spans(shards=shards, state=state, batch=batch, activations=activations, root=root, groups=groups,
                                      prefetch=prefetch, reshard=rs, saved_until=saved_until, enclosing=enclosing, spans=forward_spans)
+        forward = forward._replace(gradients=forward.gradients + accumulated)
+    folds = accumulated and prefetch_at_release  # each result added in place once its reduction finished
 
     # backward's start: the output's gradient is made, no group has been gathered again yet
     held0 = root.gathered + sum(g.gathered for g, r in zip(groups, rs) if not r)
     early0 = root_early[n - 1] if 0 < n <= len(root_early) else 0
-    moments = [Breakdown(shards, state, early0, held0, activations + batch + output_grad, 0)]
-    done = 0  # reduced gradients of the groups finished so far
+    moments = [Breakdown(shards, state, accumulated + early0, held0, activations + batch + output_grad, 0)]
+    done = 0  # reduced gradients of the groups finished so far (accumulating and folded: not held)
     in_flight: GroupBytes | None = None  # the reduction still running when the next group's gradients exist
     order = [(k, groups[k]) for k in reversed(range(n))] + [(-1, root)]
     for k, g in order:
@@ -154,21 +157,21 @@ def phase_peaks(
         early = root_early[k] if 0 <= k < len(root_early) else 0
         saved = (saved_until[k] if k >= 0 else saved_until[-1]) + batch if saved_until else activations + batch
         saved += between[k] if 0 <= k < len(between) else 0
-        pending = early
+        pending = early + accumulated
         if in_flight is not None and not finishes:
-            pending += in_flight.packed + in_flight.reduce_scratch
+            pending += in_flight.packed + in_flight.reduce_scratch + (in_flight.reduce_out if folds else 0)
         moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + during + mine, saved, 0))
         if k >= 0 and rs[k] and g.regathered and g.copy_out:  # its re-gather finishing, before its gradients exist
             moments.append(Breakdown(shards, state, done + pending, held + during + mine + g.copy_out, saved, 0))
-        launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early
+        launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early + accumulated
         moments.append(Breakdown(shards, state, done + launched, held + prefetched, saved, 0))
         if g.reduce_cast:
-            cast = g.packed + g.reduce_cast + g.reduce_out + early
+            cast = g.packed + g.reduce_cast + g.reduce_out + early + accumulated
             moments.append(Breakdown(shards, state, done + cast, held + prefetched, saved, 0))
-        done += g.reduce_out
+        done += 0 if folds else g.reduce_out
         in_flight = None if g.reduce_cast else g
     backward = max(moments, key=lambda b: b.total)
-    optimizer = Breakdown(shards, state, done, 0, batch, temporary)
+    optimizer = Breakdown(shards, state, accumulated or done, 0, batch, temporary)
     return {"forward": forward, "backward": backward, "optimizer step": optimizer}
 
 
@@ -183,6 +186,7 @@ def fsdp2_backward(
     groups: Sequence[GroupBytes],
     saved_until: Sequence[int] = (),
     between: Sequence[int] = (),
+    accumulated: int = 0,
 ) -> Breakdown:
     """A lower bound of the backward peak torch's ``fully_shard`` reaches on the same step and groups
     (every group resharded after forward, torch's default backward prefetch of one group, AdamW's
@@ -194,7 +198,9 @@ def fsdp2_backward(
     reduce-scatter input of the group before (``k + 1``) is still held (FSDP2 keeps one in flight and
     drops it in the next group's post-backward); then ``k``'s copy-in, after it was resharded and that
     input dropped: its gradients and their copy at once; ``between[k]``, the gradients flowing through
-    ``k``'s backward, beside both (as ``phase_peaks``). Whatever else FSDP2 allocates (padding, its
+    ``k``'s backward, beside both (as ``phase_peaks``); ``accumulated``, the shard gradients earlier
+    backwards left, beside all of them (FSDP2 adds each group's reduced gradients into them in its
+    post-backward). Whatever else FSDP2 allocates (padding, its
     reduce-scatter output before the gradients are freed, collective scratch) only adds to its peak.
 
     Example:
@@ -203,8 +209,8 @@ def fsdp2_backward(
         52
     """
     n = len(groups)
-    moments = [Breakdown(shards, state, 0, root.gathered, activations + batch + output_grad, 0)]
-    done = 0
+    moments = [Breakdown(shards, state, accumulated, root.gathered, activations + batch + output_grad, 0)]
+    done = accumulated
     held_input = 0  # the previous group's reduce-scatter input, dropped at this group's post-backward
     for k in reversed(range(n)):
         g = groups[k]
@@ -212,7 +218,7 @@ def fsdp2_backward(
         saved = (saved_until[k] if saved_until else activations) + batch + (between[k] if k < len(between) else 0)
         moments.append(Breakdown(shards, state, done + g.full_grads + held_input, root.gathered + g.gathered + prefetched, saved, 0))
         moments.append(Breakdown(shards, state, done + g.full_grads + g.packed, root.gathered + prefetched, saved, 0))
-        done += g.reduce_out
+        done += 0 if accumulated else g.reduce_out
         held_input = g.packed
     return max(moments, key=lambda b: b.total)
 

@@ -23,15 +23,18 @@ __all__ = ["rank_phases"]
 def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainable: set[str], world: int, slots: int,
                  device_type: str, scratch: bool, prefetch: int, reshard: bool | Callable[[str], bool], buffer_bytes: int, batch_bytes: int, activations: int,
                  output_grad: int, last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int],
-                 fsdp2: bool = False, forward_spans: tuple[int, ...] = (), boundary: dict[str, int] | None = None) -> Any:
+                 fsdp2: bool = False, forward_spans: tuple[int, ...] = (), boundary: dict[str, int] | None = None,
+                 accumulating: bool = False) -> Any:
     """The phase peaks (``phase_peaks``'s dict) of one rank whose local shards have ``numel`` elements
-    each, or with ``fsdp2`` ``{"fsdp2": Breakdown}``, FSDP2's backward on the same groups.
+    each, or with ``fsdp2`` ``{"fsdp2": Breakdown}``, FSDP2's backward on the same groups;
+    ``accumulating``: a backward after others of the same step (every trainable shard's gradient there).
 
     Example:
         >>> rank_phases(plan, numel, item, trainable, 2, 2, "cpu", False, 1, True, 0, 0, 0, 0, {}, frozenset(), {})  # doctest: +SKIP
     """
     shard_bytes = {f: numel[f] * item[f] for f in plan.params}
     grad_sizes = [shard_bytes[f] for f in plan.params if f in trainable]
+    accumulated = sum(grad_sizes) if accumulating else 0
 
     def group_bytes(g: Any, as_fsdp2: bool = False) -> GroupBytes:
         shard_grads = sum(shard_bytes[f] for f in g.fqns if f in trainable)
@@ -107,6 +110,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
             groups=[group_bytes(g, True) for g in others],
             saved_until=_saved_until(others, saved_before, activations),
             between=between,
+            accumulated=accumulated,
         )}
     return phase_peaks(
         shards=sum(shard_bytes.values()) + buffer_bytes,
@@ -125,6 +129,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         prefetch_at_release=cpu,
         forward_spans=forward_spans,
         between=between,
+        accumulated=accumulated,
     )
     # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
 

@@ -51,7 +51,7 @@ from fsdpfn.layout.autobucket import FUSED_DEVICES
 from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
 from fsdpfn.memory.fuse import GroupSizes, first_call_fuses, group_sizes_within
 
-__all__ = ["PlannedBatch", "note_batch", "plan_fusion"]
+__all__ = ["PlannedBatch", "note_accumulation", "note_batch", "plan_fusion"]
 
 
 class PlannedBatch(NamedTuple):
@@ -61,6 +61,9 @@ class PlannedBatch(NamedTuple):
     for, or a larger training batch that asked to plan again since (planned for when the call that plans
     has a smaller one: the request reaches the ranks one check later, and another rank's request plans
     this one's groups too). A step's peak grows with its batch, so each rank plans for its largest.
+    ``accumulating``: planned for backwards that add into the gradients of earlier ones of the same step
+    (gradient accumulation with sync on); ``saw_accumulating``: a backward on this rank found such
+    gradients since (``note_accumulation``), and asked to plan again for it.
 
     Example:
         >>> PlannedBatch(elements=64, replans=0).asked
@@ -70,11 +73,14 @@ class PlannedBatch(NamedTuple):
     elements: int
     replans: int
     batch: tuple[tuple[Any, ...], dict[str, Any], int] | None = None
+    accumulating: bool = False
+    saw_accumulating: bool = False
 
     @property
     def asked(self) -> bool:
-        """Whether a training batch larger than the planned one asked to plan again since."""
-        return self.batch is not None and self.batch[2] > self.elements
+        """Whether a training batch larger than the planned one, or a backward that accumulated where none
+        was planned to, asked to plan again since."""
+        return (self.batch is not None and self.batch[2] > self.elements) or (self.saw_accumulating and not self.accumulating)
 
 
 def note_batch(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -92,6 +98,22 @@ def note_batch(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     if planned.batch is None or elements > planned.batch[2]:  # (asked once)
         plan.comm.guard.replan_asked = True
         plan.memo[PLANNED_BATCH_MEMO] = planned._replace(batch=_shapes(args, kwargs, elements))
+
+
+def note_accumulation(plan: ShardPlan) -> None:
+    """A backward on ``plan`` found the gradients of an earlier backward of the same step and added its
+    own into them (gradient accumulation with sync on: the compat layer tells it, once per backward):
+    ask every rank to plan the groups again, priced with every shard gradient resident from the forward
+    on, if they were not planned so. Communication-free: the request travels with the next pass check.
+
+    Example:
+        >>> note_accumulation(params.plan)     # doctest: +SKIP
+    """
+    planned: PlannedBatch | None = plan.memo.get(PLANNED_BATCH_MEMO)
+    if planned is None or plan.comm is None or planned.accumulating or planned.saw_accumulating:
+        return
+    plan.comm.guard.replan_asked = True
+    plan.memo[PLANNED_BATCH_MEMO] = planned._replace(saw_accumulating=True)
 
 
 def plan_fusion(
@@ -138,12 +160,13 @@ def plan_fusion(
     per_rank = every_rank(plan.comm, elements if batch is not None else -1)
     if max(per_rank) < 0:
         return  # no rank's batch can be priced (positional and keyword tensors): shard's groups stay
-    plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(elements, plan.comm.guard.replans, _shapes(args, kwargs, elements))
+    accumulating = planned.accumulating or planned.saw_accumulating  # (the same on every rank: _plans_again)
+    plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(elements, plan.comm.guard.replans, _shapes(args, kwargs, elements), accumulating)
     # Batches of different sizes plan together: the same groups do not fit every batch (fewer rows leave
     # less room under torch's lower peak), so each fit is decided on every rank, one count each.
     together = None if len(set(per_rank)) == 1 else lambda fits: not tally(plan.comm, [not fits])[0]
     with planning(), torch.inference_mode(False), torch.enable_grad():
-        choice = _choose(module, plan.world, batch, units, _options(plan, prefetch, reshard_after_forward), fuse_key, max_group_bytes, together)
+        choice = _choose(module, plan.world, batch, units, _options(plan, prefetch, reshard_after_forward, accumulating), fuse_key, max_group_bytes, together)
     # Ranks whose forwards ran different units (a divergence the next pass check names) choose differently
     # and keep shard's groups, whose collectives stay alike in order and size more often than fused ones
     # (gloo aborts the process on a size mismatch).
@@ -182,12 +205,13 @@ def _choose(
     return choice
 
 
-def _options(plan: ShardPlan, prefetch: int, reshard_after_forward: bool | Callable[[str], bool]) -> dict[str, Any]:
-    """The planner's step: the optimizer ``fsdpfn.optim``'s ``init`` noted, the plan's policy and device."""
+def _options(plan: ShardPlan, prefetch: int, reshard_after_forward: bool | Callable[[str], bool], accumulating: bool) -> dict[str, Any]:
+    """The planner's step: the optimizer ``fsdpfn.optim``'s ``init`` noted, the plan's policy and device,
+    and whether its backwards accumulate."""
     assert plan.comm is not None
     return {
         "optimizer": plan.memo.get(OPTIMIZER_MEMO, "none"), "mp_policy": plan.mp_policy, "prefetch": prefetch,
-        "reshard_after_forward": reshard_after_forward, "device": plan.comm.groups.device,
+        "reshard_after_forward": reshard_after_forward, "device": plan.comm.groups.device, "accumulating": accumulating,
     }  # fmt: skip
 
 
@@ -209,10 +233,12 @@ def _plans_again(plan: ShardPlan) -> bool:
     if planned is None or planned.replans >= plan.comm.guard.replans:
         return False
     busy = any(a.awaiting_backward(plan) for a in plan.memo.get(("applies",), ()))  # (every apply on it)
-    busy_ranks, asking_ranks = tally(plan.comm, [busy, planned.asked])
+    busy_ranks, asking_ranks, accumulating_ranks = tally(plan.comm, [busy, planned.asked, planned.saw_accumulating])
     if not asking_ranks:  # another plan's request: this one is planned for its batches still
         plan.memo[PLANNED_BATCH_MEMO] = planned._replace(replans=plan.comm.guard.replans)
         return False
+    if accumulating_ranks:  # every rank plans for it, whichever rank's backward saw it
+        plan.memo[PLANNED_BATCH_MEMO] = planned._replace(saw_accumulating=True)
     return not busy_ranks
 
 
