@@ -234,15 +234,13 @@ class CompatApply(Apply):
     def _validate(self, plan: Any) -> None:
         pass  # RootContext.params checks every DTensor parameter before each call
 
-    def fusion_rules(self) -> tuple[Callable[[str], bool], Callable[[str], Hashable]]:
+    def fusion_rules(self) -> tuple[Callable[[str], bool], Callable[[str], Hashable], bool]:
         """Each unit's own ``reshard_after_forward``, and its ``UnitState.fuse_key``: units with different
-        settings never share a group. Told a predicate, the planner keeps no group gathered past its
-        forward: tried here, ranks whose forwards run different units (LayerDrop) agreed on kept last
-        groups one of them skipped, and gloo aborted on the mismatched collectives before the pass check
-        could name the divergence (test_pass_check.py, compat, blocks 0 and 3 dropped). It needs the units
-        each rank's planning forward ran in the agreement first."""
+        settings never share a group. Where every unit below the root reshards after forward (FSDP2's
+        default), the planner may keep the last groups gathered through a training forward: their
+        backward comes next (``Apply.kept_through_backward``)."""
         keys = self.ctx.fuse_keys()
-        return self.ctx.reshards, keys.__getitem__
+        return self.ctx.reshards, keys.__getitem__, all(self.ctx.reshards(u.name) for u in self.ctx.plan.units if u.name)
 
     @contextlib.contextmanager
     def planning(self) -> Iterator[None]:

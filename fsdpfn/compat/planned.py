@@ -11,7 +11,8 @@ gathered for the whole step (more than they hold, never less).
 A knob changed later rebuilds the root's plan. Gradient accumulation toggles
 ``set_requires_gradient_sync`` on every unit, every few steps: the rebuild then keeps the planned groups
 (``UnitState.plan_key``, the knobs they were priced with, is unchanged), and its forward spans when every
-unit's settings still agree; any other change leaves ``min_bucket_bytes="auto"``'s groups. The groups kept
+unit's settings still agree (not the last groups it kept gathered through training forwards: those go);
+any other change leaves ``min_bucket_bytes="auto"``'s groups. The groups kept
 are the latest planned (a larger training batch plans again: ``fsdpfn.transform.fusion.note_batch``), and
 the rebuilt plan goes on planning again as the first one would have.
 """

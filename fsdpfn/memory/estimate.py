@@ -152,10 +152,11 @@ UNSEEN_LOSS_OUTPUTS = 4
 
 class _StepEstimator:
     """``estimate`` for one model, batch and step settings, at any world size and fusion: the forward is
-    counted once (``step_estimator``), so a planner can price many fusions cheaply."""
+    counted once (``step_estimator``), so a planner can price many fusions cheaply; ``units_run``: the
+    units whose forward ran in it, in the order they started."""
 
-    def __init__(self, one: Callable[..., MemoryEstimate], named: list[str], device: torch.device):
-        self._one, self.named, self.device = one, named, device
+    def __init__(self, one: Callable[..., MemoryEstimate], named: list[str], device: torch.device, units_run: tuple[str, ...] = ()):
+        self._one, self.named, self.device, self.units_run = one, named, device, units_run
 
     def __call__(self, world: int, fusion: Any, forward_spans: tuple[int, ...] = (), kept: frozenset[str] = frozenset()) -> MemoryEstimate:
         """The estimate at ``world`` ranks with ``fusion``: ``min_bucket_bytes`` (an int, ``None`` or
@@ -250,7 +251,7 @@ def step_estimator(
                              fusion, link, buffer_bytes, batch_bytes, fwd.saved, output_grad, dev.type, fwd.last_unit_before,
                              needed, fwd.saved_before, fsdp2, spans, fwd.boundary, accumulating)
 
-    return _StepEstimator(one, named, dev)
+    return _StepEstimator(one, named, dev, tuple(fwd.saved_before))
 
 
 def _keeping(rule: bool | Callable[[str], bool], kept: frozenset[str]) -> Callable[[str], bool]:

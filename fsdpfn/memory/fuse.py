@@ -112,8 +112,10 @@ def fuse_within(
 class GroupSizes:
     """What ``group_sizes_within`` chose: ``sizes``, the number of consecutive units (with parameters, in
     order) in each collective group (all ones: unfused), the planner's ``peak`` with them and the
-    ``budget`` (bytes); ``forward_spans``, runs of groups forward gathers in one collective each, and
-    ``kept_gathered``, the units of the last groups left gathered from their forward to their backward.
+    ``budget`` (bytes); ``forward_spans``, runs of groups forward gathers in one collective each,
+    ``kept_gathered``, the units of the last groups left gathered from their forward to their backward, and
+    ``units_run``, the units whose forward ran in the planner's forward, in the order they started (ranks
+    that plan alike must have run the same ones: ``fsdp``'s first call agrees on it too).
 
     Example:
         >>> GroupSizes(sizes=(1, 1, 2), peak=0, budget=0).groups
@@ -125,6 +127,7 @@ class GroupSizes:
     budget: int
     forward_spans: tuple[int, ...] = ()  # runs of groups forward gathers in one collective (empty: none)
     kept_gathered: tuple[str, ...] = ()  # (keep_gathered: the first call's default)
+    units_run: tuple[str, ...] = ()
 
     @property
     def groups(self) -> int:
@@ -206,14 +209,14 @@ def group_sizes_within(
     for unit, key in zip(planned.named, keys):
         if not isinstance(key, Hashable):
             raise TypeError(f"fsdpfn.memory.group_sizes_within: fuse_key returned {key!r} for unit {unit!r}; it must return a hashable value")
-    unfused = GroupSizes((1,) * n, base.peak, budget)
+    unfused = GroupSizes((1,) * n, base.peak, budget, units_run=planned.units_run)
     if world == 1 or len(sizes) < 4 or n < 4:
         return unfused
     even = unfused
     if len(set(keys)) == 1:  # even groups first (fuse_within's search, on the same estimator)
         most = n // 2 if max_group_bytes is None else min(n // 2, max_group_bytes // max(sizes))
         _, _, got = _largest_even(planned, world, min(sizes), most, budget, fit)
-        even = GroupSizes(_run_sizes(got.groups), got.peak, budget) if got is not None else unfused
+        even = GroupSizes(_run_sizes(got.groups), got.peak, budget, units_run=planned.units_run) if got is not None else unfused
     # groups grown from the last unit back, each while the estimate stays within the budget
     done: list[int] = []  # sizes of the groups closed so far, last group first
     current, peak = 1, base.peak
@@ -227,7 +230,7 @@ def group_sizes_within(
         done.append(current)
         current = 1
     done.append(current)
-    grown = GroupSizes(tuple(reversed(done)), peak, budget)
+    grown = GroupSizes(tuple(reversed(done)), peak, budget, units_run=planned.units_run)
     chosen = grown if grown.groups < even.groups else even
     if keep_gathered if keep_gathered is not None else options.get("reshard_after_forward", True) is True:
         chosen = _with_kept(planned, world, chosen, fit)

@@ -119,13 +119,15 @@ class Apply(UnitHooks):
         """The fusion planner just changed the plan's groups (between calls): nothing to do here; compat
         drops the copies it kept gathered under the old groups' names."""
 
-    def fusion_rules(self) -> tuple[bool | Callable[[str], bool], Callable[[str], Hashable] | None]:
+    def fusion_rules(self) -> tuple[bool | Callable[[str], bool], Callable[[str], Hashable] | None, bool | None]:
         """What the first call's fusion planner is told of the units: which are resharded after forward,
-        and a key that units sharing a group must agree on (``None``: any neighbours may). With a
+        a key that units sharing a group must agree on (``None``: any neighbours may), and whether it may
+        keep the last groups gathered from their forward to their backward (``None``: where
+        ``reshard_after_forward is True``, ``group_sizes_within``'s default). With a
         ``reshard_after_forward`` predicate that key is the predicate: a unit kept gathered is never fused
         with one that is not (a fused group reshards when any member does, which would drop the keep)."""
         rule = self.reshard_after_forward
-        return rule, None if isinstance(rule, bool) else rule
+        return rule, None if isinstance(rule, bool) else rule, None
 
     def new_call(self, params: Sharded[torch.Tensor], functorch: bool) -> Call:
         """The bookkeeping of one call on ``params`` (``torch.func`` transforms disable prefetch/reshard)."""
@@ -186,10 +188,10 @@ class Apply(UnitHooks):
         fusion planner chose (``KEPT_GATHERED_MEMO``), in a training forward (autograd on) run eagerly,
         when no other call on ``plan`` is in its forward or awaits its backward. A kept group still
         reshards as the schedule says (its saved tensors are packed): the call only holds its copy
-        (``Call.keeps``, ``Call.held``), so a second forward before the first one's backward (DPO's pair,
-        microbatches summed into one loss) drops the copies the earlier calls hold, which their backward then
-        gathers again: each call's kept copy pinned by its graph took four forwards before one backward to
-        1.03x the peak without them."""
+        (``Call.keeps``, ``Call.held``), so a second forward before the first one's backward (DPO's pair, microbatches
+        under a pipeline schedule) drops the copies the earlier calls hold, which their backward then
+        gathers again: each call's kept copy pinned by its graph took four microbatches' forwards to 1.03x
+        (functional) and 1.1-1.2x (compat) of the peak without them."""
         kept = plan.memo.get(KEPT_GATHERED_MEMO)
         if not kept or functorch or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or under_compile() or in_backward():
             return frozenset()
@@ -258,9 +260,9 @@ class Apply(UnitHooks):
                 note_batch(plan, args, kwargs)  # a batch past the planned one: asked with this check
                 check_pass(plan.comm)  # ranks that ran different units since the last forward: named, not mixed
             if plan.auto_fusion:
-                reshard_rule, fuse_key = self.fusion_rules()
+                reshard_rule, fuse_key, keep_last = self.fusion_rules()
                 plan_fusion(self.module, plan, args, kwargs, prefetch=self.prefetch, reshard_after_forward=reshard_rule, fuse_key=fuse_key,
-                            eligible=eligible, planning=self.planning, regrouped=self.regrouped)
+                            keep_gathered=keep_last, eligible=eligible, planning=self.planning, regrouped=self.regrouped)
             if functorch and (traced or under_compile()):
                 raise RuntimeError(FUNCTORCH_UNDER_COMPILE)
             call = self.new_call(params, functorch)

@@ -125,6 +125,7 @@ def plan_fusion(
     prefetch: int,
     reshard_after_forward: bool | Callable[[str], bool],
     fuse_key: Callable[[str], Hashable] | None = None,
+    keep_gathered: bool | None = None,
     eligible: bool = True,
     planning: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
     regrouped: Callable[[], None] = lambda: None,
@@ -134,7 +135,8 @@ def plan_fusion(
     collective on every rank; ``eligible=False`` (a call under ``torch.func`` or ``torch.compile``, where no
     fake forward can run) keeps the plan as it is. The planner runs ``module``'s forward on fake tensors
     inside ``planning()`` (compat: with its FSDP dispatch turned off); units whose ``fuse_key`` differ
-    never share a group (compat: units with different ``FSDPModule`` settings); ``regrouped()`` runs when
+    never share a group (compat: units with different ``FSDPModule`` settings); ``keep_gathered`` is
+    ``group_sizes_within``'s (compat: on where every unit reshards after forward); ``regrouped()`` runs when
     the groups changed (compat drops the copies it kept gathered under the old groups' names). Later calls
     plan again when some rank's training batch outgrew the planned one (``note_batch``)."""
     if not plan.auto_fusion:
@@ -166,7 +168,8 @@ def plan_fusion(
     # less room under torch's lower peak), so each fit is decided on every rank, one count each.
     together = None if len(set(per_rank)) == 1 else lambda fits: not tally(plan.comm, [not fits])[0]
     with planning(), torch.inference_mode(False), torch.enable_grad():
-        choice = _choose(module, plan.world, batch, units, _options(plan, prefetch, reshard_after_forward, accumulating), fuse_key, max_group_bytes, together)
+        options = {**_options(plan, prefetch, reshard_after_forward, accumulating), "keep_gathered": keep_gathered}
+        choice = _choose(module, plan.world, batch, units, options, fuse_key, max_group_bytes, together)
     # Ranks whose forwards ran different units (a divergence the next pass check names) choose differently
     # and keep shard's groups, whose collectives stay alike in order and size more often than fused ones
     # (gloo aborts the process on a size mismatch).
@@ -216,8 +219,11 @@ def _options(plan: ShardPlan, prefetch: int, reshard_after_forward: bool | Calla
 
 
 def _digest(choice: GroupSizes | None) -> int:
-    """One int64 equal on two ranks when their choices' groups, spans and kept units are."""
-    what = None if choice is None else (choice.sizes, choice.forward_spans, choice.kept_gathered)
+    """One int64 equal on two ranks when their choices' groups, spans and kept units are, and their planning
+    forwards ran the same units: ranks whose forwards skip different units (LayerDrop) can choose alike,
+    and a group kept gathered that one of them skips leaves their collectives unpaired (gloo aborted
+    before the pass check could name the divergence)."""
+    what = None if choice is None else (choice.sizes, choice.forward_spans, choice.kept_gathered, choice.units_run)
     digest = hashlib.sha256(repr(what).encode()).digest()
     return int.from_bytes(digest[:7], "little")  # 56 bits: the ranks' sum stays within int64
 
