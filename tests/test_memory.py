@@ -539,6 +539,29 @@ def test_a_backward_that_accumulates_is_priced_with_every_shard_gradient_residen
     assert theirs.total <= theirs_acc.total <= theirs.total + resident
 
 
+@settings(max_examples=min(settings().max_examples, 40))
+@given(groups=st.lists(_GROUP_BYTES, min_size=1, max_size=6), root=_GROUP_BYTES, prefetch=st.integers(0, 2),
+       reshard=st.booleans(), cpu=st.booleans(), acts=st.integers(0, 4000), unreduced=st.lists(st.integers(0, 2000), min_size=7, max_size=7))
+def test_a_step_whose_backwards_defer_their_reductions_holds_every_full_gradient(groups, root, prefetch, reshard, cpu, acts, unreduced):
+    # gradient sync off: every group's full-size gradients are kept from the first backward to the last,
+    # which reduces them group by group (the root last); the optimizer step sees reduced shard gradients only
+    from fsdpfn.memory.phases import fsdp2_backward, phase_peaks
+
+    groups = [g._replace(unreduced=u) for g, u in zip(groups, unreduced)]
+    root = root._replace(unreduced=unreduced[-1])
+    total = sum(g.unreduced for g in groups) + root.unreduced
+    common = dict(shards=100, state=200, batch=10, activations=acts, root=root, groups=groups)
+    args = dict(common, prefetch=prefetch, reshard=reshard, temporary=7, prefetch_at_release=cpu)
+    one, deferring = phase_peaks(**args), phase_peaks(**args, deferring=True)
+    assert deferring["forward"].total == one["forward"].total + total
+    assert deferring["optimizer step"] == one["optimizer step"]
+    # the last backward holds what one that reduces does, plus the sums not reduced yet: all of them at its start
+    assert one["backward"].total + root.unreduced <= deferring["backward"].total <= one["backward"].total + total + max(g.full_grads for g in [*groups, root])
+    assert deferring["backward"].total >= 100 + 200 + total + root.gathered + acts + 10  # (its start, at least)
+    theirs, theirs_deferring = fsdp2_backward(**common), fsdp2_backward(**common, deferring=True)
+    assert theirs.total <= theirs_deferring.total <= theirs.total + total
+
+
 def test_a_meta_model_gives_the_estimate_of_the_real_one():
     recipe = ModelRecipe("transformer", (12, 32, 10, 48, 40), seed=3, seq=5)
     x = recipe.inputs(BATCH, 0)

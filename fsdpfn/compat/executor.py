@@ -185,7 +185,7 @@ class CompatCall(Call):
         if self.accumulating is None:  # (a backward adds its results to .grad only at its end: stable within it)
             self.accumulating = any(m.param.grad is not None for m in self.ctx.managed.values())
             if self.accumulating:  # the planner priced one backward per step: plan for this one's too
-                note_accumulation(self.plan)
+                note_accumulation(self.plan, "accumulating")
         if self.accumulating:
             accumulate_finished(self.ctx, self.deferred)
 
@@ -196,6 +196,7 @@ class CompatCall(Call):
         keep_none = not st.reduce_scatter_unused
         if self.ctx.defers(name):
             self.ctx.accumulating = True
+            note_accumulation(self.plan, "deferring")  # the planner priced backwards that reduce: plan for this one
             return CallInfo(sink=st.acc, sink_dtypes=self.plan.reduce_dtypes, keep_none=keep_none)
         return CallInfo(carry=st.acc if st.acc else None, keep_none=keep_none, deferred=self.deferred)
 

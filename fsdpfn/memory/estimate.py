@@ -186,13 +186,16 @@ def step_estimator(
     loss_fn: Callable[[Any], Any] | None = None,
     device: str | torch.device | None = None,
     accumulating: bool = False,
+    deferring: bool = False,
 ) -> _StepEstimator:
     """Check ``estimate``'s arguments and count the forward once; the result estimates the step at any
     world size and fusion (``estimator(world, fusion)``, ``fusion`` as ``_StepEstimator`` says).
     ``accumulating``: the step is a backward after others before one optimizer step (gradient
     accumulation with gradient sync on), each adding its reduced gradients into the shard gradients the
     earlier ones left, in place, as the compat layer and FSDP2 add them into ``.grad``: those are resident
-    from the forward on."""
+    from the forward on. ``deferring``: the step's backwards before its last defer their reductions
+    (gradient sync off: ``set_requires_gradient_sync(False)``, ``value_and_grad(reduce=False)``) and keep
+    every full-size gradient for the last one, which reduces them with its own."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fsdpfn.memory.estimate: model must be an nn.Module, got {type(model).__name__}")
     mp_policy = as_mp_policy(mp_policy, "fsdpfn.memory.estimate")
@@ -249,7 +252,7 @@ def step_estimator(
                 output_grad = max(output_grad, UNSEEN_LOSS_OUTPUTS * fwd.output)
         return _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard,
                              fusion, link, buffer_bytes, batch_bytes, fwd.saved, output_grad, dev.type, fwd.last_unit_before,
-                             needed, fwd.saved_before, fsdp2, spans, fwd.boundary, accumulating)
+                             needed, fwd.saved_before, fsdp2, spans, fwd.boundary, accumulating, deferring)
 
     return _StepEstimator(one, named, dev, tuple(fwd.saved_before))
 
@@ -301,6 +304,7 @@ def _estimate_one(
     forward_spans: tuple[int, ...] = (),
     boundary: dict[str, int] | None = None,
     accumulating: bool = False,
+    deferring: bool = False,
 ) -> MemoryEstimate:
     plan = build_plan(
         infos,
@@ -327,7 +331,7 @@ def _estimate_one(
         if layout not in by_layout:
             by_layout[layout] = rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
                                              buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before,
-                                             fsdp2, forward_spans, boundary, accumulating)
+                                             fsdp2, forward_spans, boundary, accumulating, deferring)
             if fsdp2:  # only FSDP2's backward bound: the other phases are fsdpfn's
                 by_layout[layout] = {"backward": by_layout[layout]["fsdp2"]}
         per_rank.append(max(b.total for b in by_layout[layout].values()))

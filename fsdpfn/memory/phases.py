@@ -44,7 +44,9 @@ class GroupBytes(NamedTuple):
     ``reduce_cast``: the reduction's output in its own dtype when the gradients are then cast to the
     parameters' dtype (mixed precision: the reduction finishes at once, and ``reduce_out`` is the cast);
     ``copy_out``: what finishing a gather holds besides its result for a moment (a flat gather of several
-    members: the rank-major buffer it copies them out of, as FSDP2's gathers do too).
+    members: the rank-major buffer it copies them out of, as FSDP2's gathers do too); ``unreduced``: its
+    trainable parameters' full-size gradients in the reduction's dtype (what a backward that defers its
+    reduction, gradient sync off, accumulates for a later one).
     """
 
     gathered: int
@@ -56,6 +58,7 @@ class GroupBytes(NamedTuple):
     gather_input: int = 0
     reduce_cast: int = 0
     copy_out: int = 0
+    unreduced: int = 0
 
 
 def phase_peaks(
@@ -77,6 +80,7 @@ def phase_peaks(
     forward_spans: Sequence[int] = (),
     between: Sequence[int] = (),
     accumulated: int = 0,
+    deferring: bool = False,
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
@@ -130,11 +134,13 @@ def phase_peaks(
                                      prefetch=prefetch, reshard=rs, saved_until=saved_until, enclosing=enclosing, spans=forward_spans)
         forward = forward._replace(gradients=forward.gradients + accumulated)
     folds = accumulated and prefetch_at_release  # each result added in place once its reduction finished
+    unreduced = sum(g.unreduced for g in groups) + root.unreduced if deferring else 0
+    forward = forward._replace(gradients=forward.gradients + unreduced)
 
     # backward's start: the output's gradient is made, no group has been gathered again yet
     held0 = root.gathered + sum(g.gathered for g, r in zip(groups, rs) if not r)
     early0 = root_early[n - 1] if 0 < n <= len(root_early) else 0
-    moments = [Breakdown(shards, state, accumulated + early0, held0, activations + batch + output_grad, 0)]
+    moments = [Breakdown(shards, state, accumulated + unreduced + early0, held0, activations + batch + output_grad, 0)]
     done = 0  # reduced gradients of the groups finished so far (accumulating and folded: not held)
     in_flight: GroupBytes | None = None  # the reduction still running when the next group's gradients exist
     order = [(k, groups[k]) for k in reversed(range(n))] + [(-1, root)]
@@ -157,16 +163,21 @@ def phase_peaks(
         early = root_early[k] if 0 <= k < len(root_early) else 0
         saved = (saved_until[k] if k >= 0 else saved_until[-1]) + batch if saved_until else activations + batch
         saved += between[k] if 0 <= k < len(between) else 0
-        pending = early + accumulated
+        if deferring:  # a deferring backward: every group's sums, this one's new gradients, no reduction
+            moments.append(Breakdown(shards, state, unreduced + g.full_grads + early, held + during + mine, saved, 0))
+            moments.append(Breakdown(shards, state, unreduced + early, held + prefetched, saved, 0))
+        # the reducing one: the sums of this group and of those reduced after it (the earlier ones, the root)
+        carried = root.unreduced + sum(groups[j].unreduced for j in range(k + 1)) if deferring else 0
+        pending = early + accumulated + carried
         if in_flight is not None and not finishes:
             pending += in_flight.packed + in_flight.reduce_scratch + (in_flight.reduce_out if folds else 0)
         moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + during + mine, saved, 0))
         if k >= 0 and rs[k] and g.regathered and g.copy_out:  # its re-gather finishing, before its gradients exist
             moments.append(Breakdown(shards, state, done + pending, held + during + mine + g.copy_out, saved, 0))
-        launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early + accumulated
+        launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early + accumulated + carried
         moments.append(Breakdown(shards, state, done + launched, held + prefetched, saved, 0))
         if g.reduce_cast:
-            cast = g.packed + g.reduce_cast + g.reduce_out + early + accumulated
+            cast = g.packed + g.reduce_cast + g.reduce_out + early + accumulated + carried
             moments.append(Breakdown(shards, state, done + cast, held + prefetched, saved, 0))
         done += 0 if folds else g.reduce_out
         in_flight = None if g.reduce_cast else g
@@ -187,6 +198,7 @@ def fsdp2_backward(
     saved_until: Sequence[int] = (),
     between: Sequence[int] = (),
     accumulated: int = 0,
+    deferring: bool = False,
 ) -> Breakdown:
     """A lower bound of the backward peak torch's ``fully_shard`` reaches on the same step and groups
     (every group resharded after forward, torch's default backward prefetch of one group, AdamW's
@@ -200,7 +212,10 @@ def fsdp2_backward(
     input dropped: its gradients and their copy at once; ``between[k]``, the gradients flowing through
     ``k``'s backward, beside both (as ``phase_peaks``); ``accumulated``, the shard gradients earlier
     backwards left, beside all of them (FSDP2 adds each group's reduced gradients into them in its
-    post-backward). Whatever else FSDP2 allocates (padding, its
+    post-backward); with ``deferring`` (gradient sync off in the step's earlier backwards), every group's
+    full-size gradients (``GroupBytes.unreduced``) from backward's start on, each dropped once its group is
+    reduced (FSDP2 accumulates them in the unsharded parameters' ``.grad``, in place), and a deferring
+    backward's moments too (those gradients beside the gathered groups). Whatever else FSDP2 allocates (padding, its
     reduce-scatter output before the gradients are freed, collective scratch) only adds to its peak.
 
     Example:
@@ -209,15 +224,19 @@ def fsdp2_backward(
         52
     """
     n = len(groups)
-    moments = [Breakdown(shards, state, accumulated, root.gathered, activations + batch + output_grad, 0)]
+    unreduced = sum(g.unreduced for g in groups) + root.unreduced if deferring else 0
+    moments = [Breakdown(shards, state, accumulated + unreduced, root.gathered, activations + batch + output_grad, 0)]
     done = accumulated
     held_input = 0  # the previous group's reduce-scatter input, dropped at this group's post-backward
     for k in reversed(range(n)):
         g = groups[k]
         prefetched = groups[k - 1].gathered if k > 0 else 0
         saved = (saved_until[k] if saved_until else activations) + batch + (between[k] if k < len(between) else 0)
-        moments.append(Breakdown(shards, state, done + g.full_grads + held_input, root.gathered + g.gathered + prefetched, saved, 0))
-        moments.append(Breakdown(shards, state, done + g.full_grads + g.packed, root.gathered + prefetched, saved, 0))
+        if deferring:  # a deferring backward; then the reducing one: the groups not reduced yet, beyond this one's .grad
+            moments.append(Breakdown(shards, state, unreduced, root.gathered + g.gathered + prefetched, saved, 0))
+        carried = sum(groups[j].unreduced for j in range(k)) + root.unreduced + max(0, g.unreduced - g.full_grads) if deferring else 0
+        moments.append(Breakdown(shards, state, done + carried + g.full_grads + held_input, root.gathered + g.gathered + prefetched, saved, 0))
+        moments.append(Breakdown(shards, state, done + carried + g.full_grads + g.packed, root.gathered + prefetched, saved, 0))
         done += 0 if accumulated else g.reduce_out
         held_input = g.packed
     return max(moments, key=lambda b: b.total)

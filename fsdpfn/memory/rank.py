@@ -24,10 +24,11 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
                  device_type: str, scratch: bool, prefetch: int, reshard: bool | Callable[[str], bool], buffer_bytes: int, batch_bytes: int, activations: int,
                  output_grad: int, last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int],
                  fsdp2: bool = False, forward_spans: tuple[int, ...] = (), boundary: dict[str, int] | None = None,
-                 accumulating: bool = False) -> Any:
+                 accumulating: bool = False, deferring: bool = False) -> Any:
     """The phase peaks (``phase_peaks``'s dict) of one rank whose local shards have ``numel`` elements
     each, or with ``fsdp2`` ``{"fsdp2": Breakdown}``, FSDP2's backward on the same groups;
-    ``accumulating``: a backward after others of the same step (every trainable shard's gradient there).
+    ``accumulating``: a backward after others of the same step (every trainable shard's gradient there);
+    ``deferring``: backwards before the step's last one defer their reductions (gradient sync off).
 
     Example:
         >>> rank_phases(plan, numel, item, trainable, 2, 2, "cpu", False, 1, True, 0, 0, 0, 0, {}, frozenset(), {})  # doctest: +SKIP
@@ -39,6 +40,8 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
     def group_bytes(g: Any, as_fsdp2: bool = False) -> GroupBytes:
         shard_grads = sum(shard_bytes[f] for f in g.fqns if f in trainable)
         own = {f: lay.dtype == plan.dtypes[f] for lay in g.reduce for f in lay.fqns}
+        # full-size gradients kept for a later reduction, in its dtype (gradient sync off)
+        unreduced = sum(math.prod(plan.specs[f].shape) * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns if f in trainable)
         # backward gathers a resharded group again when it needs its parameters (saved_params: see estimate)
         regathered = any(f in saved_params for f in g.fqns)
         if world == 1:  # the collectives are the identity: only a dtype cast allocates
@@ -46,8 +49,8 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
             full_grads = sum(numel[f] * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns)
             cast_bytes = sum(numel[f] * d.itemsize for f, d in cast)
             if all(own.values()):  # autograd's gradients are the reduced ones (cast members': compute dtype first)
-                return GroupBytes(cast_bytes, cast_bytes, 0, shard_grads, regathered=regathered)
-            return GroupBytes(cast_bytes, full_grads, 0, shard_grads, regathered=regathered)
+                return GroupBytes(cast_bytes, cast_bytes, 0, shard_grads, regathered=regathered, unreduced=unreduced)
+            return GroupBytes(cast_bytes, full_grads, 0, shard_grads, regathered=regathered, unreduced=unreduced)
         padded = sum(lay.nbytes for lay in g.reduce)
         full = padded * world
         computed = {f: lay.dtype for lay in g.gather for f in lay.fqns}  # autograd's gradients: compute dtype
@@ -74,6 +77,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
             reduce_scratch=padded * max(0, world - 2) if cpu else 0,
             regathered=regathered,
             gather_input=world * gather_small,
+            unreduced=unreduced,
         )
 
     root = next((g for g in plan.groups if not g.name), None)
@@ -111,6 +115,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
             saved_until=_saved_until(others, saved_before, activations),
             between=between,
             accumulated=accumulated,
+            deferring=deferring,
         )}
     return phase_peaks(
         shards=sum(shard_bytes.values()) + buffer_bytes,
@@ -130,6 +135,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         forward_spans=forward_spans,
         between=between,
         accumulated=accumulated,
+        deferring=deferring,
     )
     # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
 

@@ -51,7 +51,7 @@ from fsdpfn.layout.autobucket import FUSED_DEVICES
 from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
 from fsdpfn.memory.fuse import GroupSizes, first_call_fuses, group_sizes_within
 
-__all__ = ["PlannedBatch", "note_accumulation", "note_batch", "plan_fusion"]
+__all__ = ["STEP_KINDS", "PlannedBatch", "note_accumulation", "note_batch", "plan_fusion"]
 
 
 class PlannedBatch(NamedTuple):
@@ -61,9 +61,9 @@ class PlannedBatch(NamedTuple):
     for, or a larger training batch that asked to plan again since (planned for when the call that plans
     has a smaller one: the request reaches the ranks one check later, and another rank's request plans
     this one's groups too). A step's peak grows with its batch, so each rank plans for its largest.
-    ``accumulating``: planned for backwards that add into the gradients of earlier ones of the same step
-    (gradient accumulation with sync on); ``saw_accumulating``: a backward on this rank found such
-    gradients since (``note_accumulation``), and asked to plan again for it.
+    ``pattern``: the kinds of step beyond one forward and backward the groups were planned for
+    (``STEP_KINDS``), ``seen``: those a backward on this rank met since (``note_accumulation``), which
+    ask to plan again when they are not planned for.
 
     Example:
         >>> PlannedBatch(elements=64, replans=0).asked
@@ -73,14 +73,20 @@ class PlannedBatch(NamedTuple):
     elements: int
     replans: int
     batch: tuple[tuple[Any, ...], dict[str, Any], int] | None = None
-    accumulating: bool = False
-    saw_accumulating: bool = False
+    pattern: frozenset[str] = frozenset()
+    seen: frozenset[str] = frozenset()
 
     @property
     def asked(self) -> bool:
-        """Whether a training batch larger than the planned one, or a backward that accumulated where none
-        was planned to, asked to plan again since."""
-        return (self.batch is not None and self.batch[2] > self.elements) or (self.saw_accumulating and not self.accumulating)
+        """Whether a training batch larger than the planned one, or a backward of a kind not planned
+        for, asked to plan again since."""
+        return (self.batch is not None and self.batch[2] > self.elements) or not self.seen <= self.pattern
+
+
+# Steps the planner prices beyond one forward and backward: "accumulating", backwards that add into the
+# shard gradients earlier ones of the step left (gradient accumulation with sync on); "deferring",
+# backwards that keep full-size gradients for a later one to reduce (sync off, reduce=False).
+STEP_KINDS = ("accumulating", "deferring")
 
 
 def note_batch(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -100,20 +106,22 @@ def note_batch(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         plan.memo[PLANNED_BATCH_MEMO] = planned._replace(batch=_shapes(args, kwargs, elements))
 
 
-def note_accumulation(plan: ShardPlan) -> None:
-    """A backward on ``plan`` found the gradients of an earlier backward of the same step and added its
-    own into them (gradient accumulation with sync on: the compat layer tells it, once per backward):
-    ask every rank to plan the groups again, priced with every shard gradient resident from the forward
-    on, if they were not planned so. Communication-free: the request travels with the next pass check.
+def note_accumulation(plan: ShardPlan, kind: str) -> None:
+    """A backward on ``plan`` is of ``kind`` (``STEP_KINDS``): ``"accumulating"``, it found the gradients of
+    an earlier backward of the same step and adds its own into them (gradient accumulation with sync on:
+    the compat layer tells it, once per backward); ``"deferring"``, it keeps its full-size gradients for a
+    later backward to reduce (sync off; ``value_and_grad(reduce=False)``). Asks every rank to plan the groups
+    again, priced for such steps (every shard gradient, or every full-size one, resident from the forward
+    on), if they were not planned so. Communication-free: the request travels with the next pass check.
 
     Example:
-        >>> note_accumulation(params.plan)     # doctest: +SKIP
+        >>> note_accumulation(params.plan, "deferring")     # doctest: +SKIP
     """
     planned: PlannedBatch | None = plan.memo.get(PLANNED_BATCH_MEMO)
-    if planned is None or plan.comm is None or planned.accumulating or planned.saw_accumulating:
+    if planned is None or plan.comm is None or kind in planned.pattern or kind in planned.seen:
         return
     plan.comm.guard.replan_asked = True
-    plan.memo[PLANNED_BATCH_MEMO] = planned._replace(saw_accumulating=True)
+    plan.memo[PLANNED_BATCH_MEMO] = planned._replace(seen=planned.seen | {kind})
 
 
 def plan_fusion(
@@ -162,13 +170,13 @@ def plan_fusion(
     per_rank = every_rank(plan.comm, elements if batch is not None else -1)
     if max(per_rank) < 0:
         return  # no rank's batch can be priced (positional and keyword tensors): shard's groups stay
-    accumulating = planned.accumulating or planned.saw_accumulating  # (the same on every rank: _plans_again)
-    plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(elements, plan.comm.guard.replans, _shapes(args, kwargs, elements), accumulating)
+    pattern = planned.pattern | planned.seen  # (the same on every rank: _plans_again)
+    plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(elements, plan.comm.guard.replans, _shapes(args, kwargs, elements), pattern)
     # Batches of different sizes plan together: the same groups do not fit every batch (fewer rows leave
     # less room under torch's lower peak), so each fit is decided on every rank, one count each.
     together = None if len(set(per_rank)) == 1 else lambda fits: not tally(plan.comm, [not fits])[0]
     with planning(), torch.inference_mode(False), torch.enable_grad():
-        options = {**_options(plan, prefetch, reshard_after_forward, accumulating), "keep_gathered": keep_gathered}
+        options = {**_options(plan, prefetch, reshard_after_forward, pattern), "keep_gathered": keep_gathered}
         choice = _choose(module, plan.world, batch, units, options, fuse_key, max_group_bytes, together)
     # Ranks whose forwards ran different units (a divergence the next pass check names) choose differently
     # and keep shard's groups, whose collectives stay alike in order and size more often than fused ones
@@ -208,13 +216,14 @@ def _choose(
     return choice
 
 
-def _options(plan: ShardPlan, prefetch: int, reshard_after_forward: bool | Callable[[str], bool], accumulating: bool) -> dict[str, Any]:
+def _options(plan: ShardPlan, prefetch: int, reshard_after_forward: bool | Callable[[str], bool], pattern: frozenset[str]) -> dict[str, Any]:
     """The planner's step: the optimizer ``fsdpfn.optim``'s ``init`` noted, the plan's policy and device,
-    and whether its backwards accumulate."""
+    and the kinds of backward it has (``pattern``, of ``STEP_KINDS``)."""
     assert plan.comm is not None
     return {
         "optimizer": plan.memo.get(OPTIMIZER_MEMO, "none"), "mp_policy": plan.mp_policy, "prefetch": prefetch,
-        "reshard_after_forward": reshard_after_forward, "device": plan.comm.groups.device, "accumulating": accumulating,
+        "reshard_after_forward": reshard_after_forward, "device": plan.comm.groups.device,
+        **{kind: kind in pattern for kind in STEP_KINDS},
     }  # fmt: skip
 
 
@@ -239,12 +248,12 @@ def _plans_again(plan: ShardPlan) -> bool:
     if planned is None or planned.replans >= plan.comm.guard.replans:
         return False
     busy = any(a.awaiting_backward(plan) for a in plan.memo.get(("applies",), ()))  # (every apply on it)
-    busy_ranks, asking_ranks, accumulating_ranks = tally(plan.comm, [busy, planned.asked, planned.saw_accumulating])
+    busy_ranks, asking_ranks, *kind_ranks = tally(plan.comm, [busy, planned.asked, *(kind in planned.seen for kind in STEP_KINDS)])
     if not asking_ranks:  # another plan's request: this one is planned for its batches still
         plan.memo[PLANNED_BATCH_MEMO] = planned._replace(replans=plan.comm.guard.replans)
         return False
-    if accumulating_ranks:  # every rank plans for it, whichever rank's backward saw it
-        plan.memo[PLANNED_BATCH_MEMO] = planned._replace(saw_accumulating=True)
+    # every rank plans for the kinds of backward some rank met
+    plan.memo[PLANNED_BATCH_MEMO] = planned._replace(seen=frozenset(k for k, n in zip(STEP_KINDS, kind_ranks) if n))
     return not busy_ranks
 
 
