@@ -5,10 +5,9 @@ With ``set_requires_gradient_sync(False)`` a unit's backward keeps its full grad
 (``CallInfo.carry``), from the unit's gather node. A unit that ran in an accumulating microbatch but not in
 the last one (a task head used on alternate microbatches, a branch the last batch skips) has no gather
 node in that backward, so its accumulated gradients would stay unreduced: FSDP2 reduces them at the end
-of the backward (its final callback runs every group's post-backward), and so does this. Which units are
-stranded is a rank's own view (a branch on data may differ per rank), so the ranks first count, per
-parameter, how many of them hold such gradients (one sum over the mesh, ``fsdpfn.core.tally``, only in a
-backward that follows accumulation, which every rank knows alike), and all reduce the union.
+of the backward (its final callback runs every group's post-backward), and so does this, over the union of
+what the ranks hold (``fsdpfn.ops.held.reduce_held``), only in a backward that follows accumulation, which
+every rank knows alike.
 
 Example:
     >>> model.set_requires_gradient_sync(False); model(x, task=0).backward()   # doctest: +SKIP
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsdpfn.core import tally
+from fsdpfn.ops.held import reduce_held
 
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
@@ -42,7 +41,7 @@ def reduce_stranded(root: RootContext) -> dict[str, torch.Tensor]:
     """
     if not root.accumulating:
         return {}
-    plan, acc = root.plan, root.acc
+    plan = root.plan
     candidates = [  # the same list on every rank: the plan's trainable parameters whose units sync now
         (group.name, f)
         for group in plan.groups
@@ -52,17 +51,4 @@ def reduce_stranded(root: RootContext) -> dict[str, torch.Tensor]:
         if plan.requires_grad.get(f, False)
     ]
     root.accumulating = any(root.defers(g.name) for g in plan.groups)
-    counts = tally(plan.comm, [f in acc for _, f in candidates])
-    held: dict[str, set[str]] = {}
-    for (name, f), count in zip(candidates, counts):
-        if count:
-            held.setdefault(name, set()).add(f)
-    out: dict[str, torch.Tensor] = {}
-    for name, fqns in held.items():
-        reduce = root.collective(plan.group(name)).adjoint
-        assert reduce is not None, "a gather without its reduce"
-        picked = [acc.pop(f, None) if f in fqns else None for f in reduce.fqns]
-        for f, g in zip(reduce.fqns, reduce.run(picked)):
-            if f in fqns:
-                out[f] = g
-    return out
+    return reduce_held(plan, root.acc, candidates, lambda name: root.collective(plan.group(name)))

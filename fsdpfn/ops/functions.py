@@ -30,8 +30,10 @@ class CallInfo:
     ``pending``: handles of this very collective launched earlier (prefetch). ``ready``: its results,
     gathered earlier (compat: a kept copy); the forward returns aliases of them. ``sink``: when set, the
     backward does not reduce: it adds the incoming full gradients into ``sink[fqn]`` (in ``sink_dtypes``)
-    and passes no gradient to the shards (deferred reduction). ``carry``: full gradients accumulated
-    earlier into a sink; the backward adds (and removes) them before it reduces. ``keep_none``: a member
+    and passes no gradient to the shards (deferred reduction): the first into a copy of its own (autograd's
+    gradient may be shared or expanded), the next in place. ``carry``: full gradients accumulated earlier
+    into a sink; the backward adds the incoming gradients into them (in place) and removes them, then
+    reduces them. ``keep_none``: a member
     that received no gradient on this rank gets ``None`` instead of its (still reduced) shard gradient.
     ``deferred``: while it is ``active``, the backward's reduce-scatter is not waited for: its handles
     and results go to that ``DeferredReductions`` instead of autograd, and its owner adds them to the
@@ -122,10 +124,16 @@ class _BucketCollective(torch.autograd.Function):
             grads = add_by_name(b.fqns, grads, info.extra())
         check_dense(b.fqns, grads)
         if info.sink is not None:  # deferred reduction: keep the full gradients, reduce later
+            graph = torch.is_grad_enabled()  # create_graph: the sums stay differentiable, out of place
             for f, g in zip(b.fqns, grads):
                 if g is not None and f in info.sink_dtypes:
-                    g = g.to(info.sink_dtypes[f])
-                    info.sink[f] = info.sink[f] + g if f in info.sink else g
+                    have = info.sink.get(f)
+                    if have is None:  # a copy of our own: autograd's gradient may be shared or expanded
+                        info.sink[f] = g.to(info.sink_dtypes[f], copy=not graph)
+                    elif graph:
+                        info.sink[f] = have + g.to(info.sink_dtypes[f])
+                    else:  # added in place, as FSDP2 accumulates .grad: no second full gradient
+                        have.add_(g)
             return (None,) * (2 + len(b.fqns))
         adj = b.adjoint
         assert adj is not None, "collective without an adjoint"
@@ -135,9 +143,9 @@ class _BucketCollective(torch.autograd.Function):
         if info.carry is not None:  # gradients accumulated without reduction in earlier backwards
             for f in adj.fqns:  # a member frozen since keeps its entry: reduced once it trains again
                 acc = info.carry.pop(f, None)
-                if acc is not None:
+                if acc is not None:  # (a sink's own tensor: added into in place outside create_graph)
                     g = by_name.get(f)
-                    by_name[f] = acc if g is None else acc + g
+                    by_name[f] = acc if g is None else acc + g if torch.is_grad_enabled() else acc.add_(g)
         # Even when no gradient reached this rank the collective runs: the peers may have one.
         picked = [by_name.get(f) for f in adj.fqns]
         # Left in flight only in the owner's own backward, and never when it builds a graph (create_graph

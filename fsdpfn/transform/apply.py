@@ -133,11 +133,15 @@ class Apply(UnitHooks):
         """The bookkeeping of one call on ``params`` (``torch.func`` transforms disable prefetch/reshard)."""
         plan = params.plan
         mode = params._mode
+        scale = mode.scale if mode is not None and mode.scale is not None else self.scale(plan)
+        if mode is not None:
+            mode.scales.append(scale)
         return Call(
             params,
-            scale=mode.scale if mode is not None and mode.scale is not None else self.scale(plan),
+            scale=scale,
             schedule=self.schedule(plan, functorch=functorch),
             sink=mode.sink if mode is not None else None,
+            carry=mode.carry if mode is not None else None,
             deferred=mode.deferred if mode is not None and not functorch else None,
         )
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,10 +41,14 @@ class GradMode:
     """How ``value_and_grad`` wants the gradients of one tree reduced.
 
     ``scale`` overrides the ``fsdp`` reduction (``None`` keeps it); a ``sink`` defers the reduction: the
-    full per-rank gradients are added into it instead of being reduce-scattered."""
+    full per-rank gradients are added into it instead of being reduce-scattered; a ``carry`` holds full
+    gradients deferred earlier, which each unit's backward adds to its own and reduces with them.
+    ``scales``: the reductions' factors the calls used (for what a carry still holds afterwards)."""
 
     scale: float | None = None
     sink: dict[str, torch.Tensor] | None = None
+    carry: dict[str, torch.Tensor] | None = None
+    scales: list[float] = field(default_factory=list)
     deferred: DeferredReductions | None = None  # reductions value_and_grad waits for and adds after autograd.grad
     traced: bool = False  # the whole step is being traced into one graph (fsdpfn.compile_step)
     collectives: Collectives = "native"  # how the traced step writes its collectives
@@ -63,10 +67,12 @@ class Call:
         scale: float,
         schedule: Schedule,
         sink: dict[str, torch.Tensor] | None = None,
+        carry: dict[str, torch.Tensor] | None = None,
         deferred: DeferredReductions | None = None,
     ):
         self.params = params
         self.sink = sink
+        self.carry = carry
         self.deferred = deferred
         self.plan = params.plan
         self.scale = scale
@@ -182,6 +188,7 @@ class Call:
             pending=self.pending.pop(name, None),
             sink=self.sink,
             sink_dtypes=self.plan.reduce_dtypes if self.sink is not None else None,
+            carry=self.carry,
             deferred=self.deferred if self.sink is None else None,
         )
 

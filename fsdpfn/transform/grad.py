@@ -15,10 +15,12 @@ import torch
 from fsdpfn.core.pass_check import check_pass
 from fsdpfn.layout import Sharded, Unreduced
 from fsdpfn.messages import listing
-from fsdpfn.ops.api import check_shards, is_positive_number, reduce_scale
+from fsdpfn.ops.api import check_shards, gather_collective, is_positive_number, reduce_scale
 from fsdpfn.ops.deferred import DeferredReductions
+from fsdpfn.ops.held import reduce_held
 from fsdpfn.ops.span import agreement_comm
 from fsdpfn.transform.call import GradMode
+from fsdpfn.transform.fusion import note_accumulation
 from fsdpfn.transform.reentrant import has_reentrant_checkpoint, reentrant_error
 
 __all__ = ["grad", "value_and_grad"]
@@ -32,6 +34,7 @@ def value_and_grad(
     reduce_op: str | None = None,
     divide_by: float | None = None,
     check_finite: bool = False,
+    into: Unreduced | None = None,
 ) -> Callable[..., Any]:
     """Return ``g(params, *args, **kwargs) -> (value, grads)`` (``((value, aux), grads)`` with ``has_aux``).
 
@@ -45,6 +48,15 @@ def value_and_grad(
     backward: ``grads`` is an ``Unreduced`` tree of this rank's full gradients (in the reduction dtype),
     to be summed with ``fsdpfn.accumulate`` and reduced once with ``fsdpfn.reduce(acc, params)``.
 
+    ``into``: gradient accumulation, as FSDP2's ``set_requires_gradient_sync(False)`` does it. With
+    ``reduce=False``, the full gradients are added into ``into`` (the ``Unreduced`` an earlier such call
+    returned; its tensors are updated in place: donated), which is returned; with ``reduce=True``, each
+    unit's backward adds them to its own and reduces the sum (the unit's entries in ``into`` are taken
+    out; those of units this call did not reach are reduced after the backward, on every rank alike), so
+    ``grads`` covers every microbatch and ``into`` is left empty. No second set of full gradients is ever
+    held: a fresh ``Unreduced`` per microbatch summed with ``fsdpfn.accumulate``, then ``fsdpfn.reduce``,
+    holds two or three of them at once.
+
     ``fn`` may read the shards itself (a penalty on them) and take gradients of its own; called on a tree
     that an enclosing differentiation tracks, the gradients keep their graph (nested, as JAX's ``grad``).
     Differentiating fast weights made from such gradients needs ``reduce_op="sum"`` (docs/functional.md).
@@ -56,12 +68,20 @@ def value_and_grad(
         >>> apply = fsdpfn.fsdp(model)                                           # doctest: +SKIP
         >>> loss_fn = lambda p, x, y: torch.nn.functional.mse_loss(apply(p, x), y)
         >>> loss, grads = fsdpfn.value_and_grad(loss_fn)(params, x, y)          # doctest: +SKIP
+        >>> _, acc = fsdpfn.value_and_grad(loss_fn, reduce=False)(params, x, y)   # accumulate ...   # doctest: +SKIP
+        >>> _, grads = fsdpfn.value_and_grad(loss_fn, into=acc)(params, x2, y2)    # ... and reduce  # doctest: +SKIP
     """
 
     if reduce_op is not None and reduce_op not in ("avg", "sum"):
         raise ValueError(f"value_and_grad: reduce_op={reduce_op!r} is not a reduction fsdpfn knows; use 'avg', 'sum' or None (the apply's)")
     if divide_by is not None and not is_positive_number(divide_by):
         raise ValueError(f"value_and_grad: divide_by={divide_by!r} must be a positive number (or None)")
+    if into is not None and not isinstance(into, Unreduced):
+        kind = "already reduced (a Sharded)" if isinstance(into, Sharded) else type(into).__name__
+        raise TypeError(
+            f"value_and_grad: into is {kind}; it takes the Unreduced gradients of an earlier value_and_grad(reduce=False) "
+            "call (or None), to add this call's gradients into"
+        )
 
     def g(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         if torch.is_inference_mode_enabled():  # autograd records nothing there: all gradients were zeros
@@ -73,12 +93,19 @@ def value_and_grad(
         nested = inside_a_graph(params)  # differentiated again by an enclosing gradient (MAML, a penalty)
         tree, inputs = grad_inputs(params, "value_and_grad", keep_graph=nested)
         plan = params.plan
-        sink: dict[str, torch.Tensor] | None = {} if not reduce else None
+        if into is not None and into.plan is not plan:
+            raise ValueError("value_and_grad: into holds the gradients of another plan than params'; pass the Unreduced of this model's")
+        held = None if into is None else into._grads
+        sink: dict[str, torch.Tensor] | None = None if reduce else {} if held is None else held
+        carry = held if reduce and held is not None else None
+        if not reduce:  # the planner priced backwards that reduce: plan for these too
+            note_accumulation(plan, "deferring")
         # Reductions are left in flight only in the backward below (a backward fn itself runs, e.g.
         # torch.autograd.grad for a sharpness-aware step, gets finished values); their results are added
         # to autograd's here, after the wait (fsdpfn.ops.deferred).
         deferred = DeferredReductions(active=False)
-        tree._mode = GradMode(scale=_scale(plan, reduce_op, divide_by), sink=sink, deferred=deferred if sink is None else None)
+        mode = GradMode(scale=_scale(plan, reduce_op, divide_by), sink=sink, carry=carry, deferred=deferred if sink is None else None)
+        tree._mode = mode
         with torch.enable_grad():
             out = fn(tree, *args, **kwargs)
         value, aux = split_value(out, has_aux, "value_and_grad")
@@ -88,12 +115,15 @@ def value_and_grad(
         finally:
             deferred.active = False
             deferred.wait()  # reduce-scatters left in flight by backward: done before any read
-        check_pass(plan.comm)  # every rank reduced the same units (else they were mixed): before any use
         trainable = [k for k in plan.params if plan.requires_grad[k]]
+        if carry is not None:  # what units this backward did not reach hold: reduced on every rank alike
+            found = _with_held(plan, trainable, found, carry, mode.scales[-1] if mode.scales else reduce_scale(plan))
+            into._grads = dict.fromkeys(trainable)  # every gradient it held is in grads now
+        check_pass(plan.comm)  # every rank reduced the same units (else they were mixed): before any use
         found = [deferred.add_to(k, g) for k, g in zip(trainable, found)]
         if sink is not None:
             _check_only_through_units(trainable, found)
-        grads: Any = Unreduced(sink, plan) if sink is not None else shard_grads(plan, found, inputs)
+        grads: Any = shard_grads(plan, found, inputs) if sink is None else into if into is not None else Unreduced(sink, plan)
         return finish(plan, value, aux, grads, has_aux=has_aux, check_finite=check_finite, detach=not nested)
 
     return g
@@ -156,6 +186,16 @@ def split_value(out: Any, has_aux: bool, what: str) -> tuple[torch.Tensor, Any]:
         got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
         raise TypeError(f"{what}: fn must return a scalar tensor{' (and aux)' if has_aux else ''}, got {got}")
     return value, aux
+
+
+def _with_held(plan: Any, trainable: Sequence[str], found: Sequence[torch.Tensor | None], held: dict[str, torch.Tensor | None],
+               scale: float) -> list[torch.Tensor | None]:
+    """``found`` (the shard gradients of ``trainable``) plus the reductions, with ``scale``, of the full
+    gradients ``held`` still holds after a reducing backward took its units' (``fsdpfn.ops.held``)."""
+    kept = {f: g for f, g in held.items() if g is not None}
+    candidates = [(group.name, f) for group in plan.groups for lay in group.reduce for f in lay.fqns if plan.requires_grad.get(f, False)]
+    extra = reduce_held(plan, kept, candidates, lambda name: gather_collective(plan, (plan.group(name),), scale))
+    return [g if f not in extra else extra[f] if g is None else g + extra[f] for f, g in zip(trainable, found)]
 
 
 def shard_grads(plan: Any, found: Sequence[torch.Tensor | None], inputs: Sequence[torch.Tensor]) -> Sharded[torch.Tensor | None]:
