@@ -31,14 +31,17 @@ __all__ = ["DeferredReductions"]
 
 class DeferredReductions:
     """The handles of reductions left in flight (``handles``: anything with ``wait()``) and their results
-    by parameter FQN, to be added to the autograd gradients once every handle was waited for."""
+    by parameter FQN, to be added to the autograd gradients once every handle was waited for; with
+    ``into`` (shard gradients by FQN, donated), each finished result is added into them in place at every
+    wait instead (gradient accumulation: no second shard gradient is held)."""
 
-    __slots__ = ("active", "grads", "handles")
+    __slots__ = ("active", "grads", "handles", "into")
 
-    def __init__(self, active: bool = True):
+    def __init__(self, active: bool = True, into: dict[str, torch.Tensor] | None = None):
         self.handles: list[Any] = []
         self.grads: dict[str, list[torch.Tensor]] = {}
         self.active = active  # False: reductions run now wait for themselves (a backward the owner did not start)
+        self.into = into
 
     def keep(self, fqn: str, grad: torch.Tensor) -> None:
         """Keep ``grad``, a reduced shard gradient of ``fqn`` not yet waited for."""
@@ -49,6 +52,13 @@ class DeferredReductions:
         for handle in self.handles:
             handle.wait()
         self.handles.clear()
+        if self.into is not None:
+            for fqn in list(self.grads):
+                target = self.into.get(fqn)
+                kept = self.grads[fqn]
+                if target is not None and all(k.shape == target.shape and k.device == target.device for k in kept):
+                    for k in self.grads.pop(fqn):
+                        target.add_(k)
 
     def add_to(self, fqn: str, grad: torch.Tensor | None) -> torch.Tensor | None:
         """``grad`` (``None``: autograd returned none) plus the kept results of ``fqn``, which are then

@@ -34,7 +34,7 @@ def value_and_grad(
     reduce_op: str | None = None,
     divide_by: float | None = None,
     check_finite: bool = False,
-    into: Unreduced | None = None,
+    into: Unreduced | Sharded[torch.Tensor] | None = None,
 ) -> Callable[..., Any]:
     """Return ``g(params, *args, **kwargs) -> (value, grads)`` (``((value, aux), grads)`` with ``has_aux``).
 
@@ -48,14 +48,15 @@ def value_and_grad(
     backward: ``grads`` is an ``Unreduced`` tree of this rank's full gradients (in the reduction dtype),
     to be summed with ``fsdpfn.accumulate`` and reduced once with ``fsdpfn.reduce(acc, params)``.
 
-    ``into``: gradient accumulation, as FSDP2's ``set_requires_gradient_sync(False)`` does it. With
-    ``reduce=False``, the full gradients are added into ``into`` (the ``Unreduced`` an earlier such call
-    returned; its tensors are updated in place: donated), which is returned; with ``reduce=True``, each
-    unit's backward adds them to its own and reduces the sum (the unit's entries in ``into`` are taken
-    out; those of units this call did not reach are reduced after the backward, on every rank alike), so
-    ``grads`` covers every microbatch and ``into`` is left empty. No second set of full gradients is ever
-    held: a fresh ``Unreduced`` per microbatch summed with ``fsdpfn.accumulate``, then ``fsdpfn.reduce``,
-    holds two or three of them at once.
+    ``into``: gradient accumulation, adding into the gradients of earlier calls (donated: updated in place
+    and returned). An ``Unreduced`` (gradient sync off, as FSDP2's ``set_requires_gradient_sync(False)``):
+    with ``reduce=False`` the full gradients are added into it; with ``reduce=True`` each unit's backward
+    adds it to its own and reduces the sum (the unit's entries are taken out; those of units this call did
+    not reach are reduced after the backward, on every rank alike), so ``grads`` covers every microbatch
+    and ``into`` is left empty. A ``Sharded`` of reduced gradients (sync on): each reduction's result is
+    added into it as it finishes. Either way no second set of gradients is held: a fresh tree per
+    microbatch summed afterwards (``fsdpfn.accumulate`` and ``fsdpfn.reduce``, or a ``tree_map``) holds two
+    or three at once.
 
     ``fn`` may read the shards itself (a penalty on them) and take gradients of its own; called on a tree
     that an enclosing differentiation tracks, the gradients keep their graph (nested, as JAX's ``grad``).
@@ -70,17 +71,17 @@ def value_and_grad(
         >>> loss, grads = fsdpfn.value_and_grad(loss_fn)(params, x, y)          # doctest: +SKIP
         >>> _, acc = fsdpfn.value_and_grad(loss_fn, reduce=False)(params, x, y)   # accumulate ...   # doctest: +SKIP
         >>> _, grads = fsdpfn.value_and_grad(loss_fn, into=acc)(params, x2, y2)    # ... and reduce  # doctest: +SKIP
+        >>> _, grads = fsdpfn.value_and_grad(loss_fn, into=grads)(params, x3, y3)  # sync on: add in  # doctest: +SKIP
     """
 
     if reduce_op is not None and reduce_op not in ("avg", "sum"):
         raise ValueError(f"value_and_grad: reduce_op={reduce_op!r} is not a reduction fsdpfn knows; use 'avg', 'sum' or None (the apply's)")
     if divide_by is not None and not is_positive_number(divide_by):
         raise ValueError(f"value_and_grad: divide_by={divide_by!r} must be a positive number (or None)")
-    if into is not None and not isinstance(into, Unreduced):
-        kind = "already reduced (a Sharded)" if isinstance(into, Sharded) else type(into).__name__
+    if into is not None and not isinstance(into, (Unreduced, Sharded)):
         raise TypeError(
-            f"value_and_grad: into is {kind}; it takes the Unreduced gradients of an earlier value_and_grad(reduce=False) "
-            "call (or None), to add this call's gradients into"
+            f"value_and_grad: into is {type(into).__name__}; it takes the gradients of an earlier value_and_grad call (an "
+            "Unreduced with reduce=False, or a Sharded of reduced ones), or None, to add this call's gradients into"
         )
 
     def g(params: Sharded[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -93,17 +94,12 @@ def value_and_grad(
         nested = inside_a_graph(params)  # differentiated again by an enclosing gradient (MAML, a penalty)
         tree, inputs = grad_inputs(params, "value_and_grad", keep_graph=nested)
         plan = params.plan
-        if into is not None and into.plan is not plan:
-            raise ValueError("value_and_grad: into holds the gradients of another plan than params'; pass the Unreduced of this model's")
-        held = None if into is None else into._grads
-        sink: dict[str, torch.Tensor] | None = None if reduce else {} if held is None else held
-        carry = held if reduce and held is not None else None
-        if not reduce:  # the planner priced backwards that reduce: plan for these too
-            note_accumulation(plan, "deferring")
+        trainable = [k for k in plan.params if plan.requires_grad[k]]
+        sink, carry, fold = _accumulators(into, reduce, plan, nested, trainable)
         # Reductions are left in flight only in the backward below (a backward fn itself runs, e.g.
         # torch.autograd.grad for a sharpness-aware step, gets finished values); their results are added
-        # to autograd's here, after the wait (fsdpfn.ops.deferred).
-        deferred = DeferredReductions(active=False)
+        # to autograd's here, after the wait (fsdpfn.ops.deferred), or into fold's at each wait.
+        deferred = DeferredReductions(active=False, into=fold)
         mode = GradMode(scale=_scale(plan, reduce_op, divide_by), sink=sink, carry=carry, deferred=deferred if sink is None else None)
         tree._mode = mode
         with torch.enable_grad():
@@ -115,15 +111,22 @@ def value_and_grad(
         finally:
             deferred.active = False
             deferred.wait()  # reduce-scatters left in flight by backward: done before any read
-        trainable = [k for k in plan.params if plan.requires_grad[k]]
         if carry is not None:  # what units this backward did not reach hold: reduced on every rank alike
             found = _with_held(plan, trainable, found, carry, mode.scales[-1] if mode.scales else reduce_scale(plan))
-            into._grads = dict.fromkeys(trainable)  # every gradient it held is in grads now
+            into._grads = dict.fromkeys(trainable)  # type: ignore[union-attr]  # every gradient it held is in grads now
         check_pass(plan.comm)  # every rank reduced the same units (else they were mixed): before any use
         found = [deferred.add_to(k, g) for k, g in zip(trainable, found)]
+        grads: Any
         if sink is not None:
             _check_only_through_units(trainable, found)
-        grads: Any = shard_grads(plan, found, inputs) if sink is None else into if into is not None else Unreduced(sink, plan)
+            grads = into if into is not None else Unreduced(sink, plan)
+        elif fold is not None:  # what autograd returned (a penalty on the shards, reductions it waited for)
+            for k, g in zip(trainable, found):
+                if g is not None:
+                    fold[k].add_(g)
+            grads = into
+        else:
+            grads = shard_grads(plan, found, inputs)
         return finish(plan, value, aux, grads, has_aux=has_aux, check_finite=check_finite, detach=not nested)
 
     return g
@@ -186,6 +189,36 @@ def split_value(out: Any, has_aux: bool, what: str) -> tuple[torch.Tensor, Any]:
         got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
         raise TypeError(f"{what}: fn must return a scalar tensor{' (and aux)' if has_aux else ''}, got {got}")
     return value, aux
+
+
+def _accumulators(into: Any, reduce: bool, plan: Any, nested: bool, trainable: Sequence[str]) -> tuple[Any, Any, Any]:
+    """Where a call's gradients go, as ``(sink, carry, fold)``: ``sink``, full gradients kept unreduced
+    (``reduce=False``: a fresh dict, or ``into``'s); ``carry``, full gradients deferred earlier that the
+    reductions add to theirs (``into`` an ``Unreduced``, ``reduce=True``); ``fold``, shard gradients the
+    reduced ones are added into in place (``into`` a ``Sharded``). Tells the planner of backwards that
+    defer or accumulate."""
+    if into is not None and into.plan is not plan:
+        raise ValueError("value_and_grad: into holds the gradients of another plan than params'; pass this model's")
+    if not reduce:
+        if isinstance(into, Sharded):
+            raise ValueError(
+                "value_and_grad: into holds reduced gradients (a Sharded) but reduce=False keeps full ones; pass the Unreduced "
+                "of an earlier value_and_grad(reduce=False) call, or reduce=True to add reduced gradients into it"
+            )
+        note_accumulation(plan, "deferring")  # the planner priced backwards that reduce: plan for these too
+        return ({} if into is None else into._grads), None, None
+    if into is None:
+        return None, None, None
+    if isinstance(into, Unreduced):
+        return None, into._grads, None
+    if nested:
+        raise ValueError(
+            "value_and_grad: into adds the reduced gradients into its tensors in place, which a differentiation of the "
+            "gradients (a nested value_and_grad, create_graph) cannot follow; add them out of place instead"
+        )
+    check_shards(into, trainable)  # (named errors: a tree of another shape or dtype)
+    note_accumulation(plan, "accumulating")
+    return None, None, {k: into[k] for k in trainable}
 
 
 def _with_held(plan: Any, trainable: Sequence[str], found: Sequence[torch.Tensor | None], held: dict[str, torch.Tensor | None],
