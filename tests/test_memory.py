@@ -562,6 +562,27 @@ def test_a_step_whose_backwards_defer_their_reductions_holds_every_full_gradient
     assert theirs.total <= theirs_deferring.total <= theirs.total + total
 
 
+@settings(max_examples=min(settings().max_examples, 10), deadline=None)
+@given(widths=st.lists(st.integers(4, 64), min_size=5, max_size=9), world=st.integers(1, 4), fuse=st.sampled_from([None, "auto"]))
+def test_the_estimate_prices_gradient_accumulation_when_asked(widths, world, fuse):
+    # accumulating (sync on): every shard gradient from the forward on; deferring (sync off): every full one
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    units = [str(i) for i in range(len(widths) - 1)]
+    batch = torch.zeros(4, widths[0])
+    sizes = None if fuse is None else fsdpfn.memory.estimate(model, world, batch, units=units).groups
+    kw = dict(units=units, min_bucket_bytes=None) if sizes is None else dict(units=units, group_sizes=[len(g.split("+")) for g in sizes if g != "<root>"])
+    one = fsdpfn.memory.estimate(model, world, batch, **kw)
+    acc = fsdpfn.memory.estimate(model, world, batch, accumulating=True, **kw)
+    deferring = fsdpfn.memory.estimate(model, world, batch, deferring=True, **kw)
+    full = sum(p.numel() * 4 for p in model.parameters())
+    shard0 = sum(_chunk_bytes(tuple(p.shape), world, 4, 0) for p in model.parameters())  # (rank 0's: the largest)
+    assert acc.phases["forward"].gradients == one.phases["forward"].gradients + shard0
+    assert deferring.phases["forward"].gradients == one.phases["forward"].gradients + full
+    assert acc.peak >= one.peak and deferring.peak >= one.peak
+    assert acc.phases["optimizer step"] == one.phases["optimizer step"] == deferring.phases["optimizer step"]
+
+
 def test_a_meta_model_gives_the_estimate_of_the_real_one():
     recipe = ModelRecipe("transformer", (12, 32, 10, 48, 40), seed=3, seq=5)
     x = recipe.inputs(BATCH, 0)

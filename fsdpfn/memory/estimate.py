@@ -58,6 +58,8 @@ def estimate(
     group_sizes: Sequence[int] | None = None,
     forward_spans: Sequence[int] = (),
     kept_gathered: Sequence[str] = (),
+    accumulating: bool = False,
+    deferring: bool = False,
 ) -> MemoryEstimate | list[MemoryEstimate]:
     """Predict the per-rank peak memory of one training step of ``model`` sharded over ``world`` ranks.
 
@@ -83,8 +85,13 @@ def estimate(
     after forward when ``reshard_after_forward`` is ``True``: ``GroupSizes.kept_gathered``);
     ``kept_gathered`` (with ``group_sizes``) names units left gathered from their forward to their backward
     whatever ``reshard_after_forward`` says, as the first call may keep its last groups (a ``GroupSizes``
-    is estimated whole by passing its ``sizes``, ``forward_spans`` and ``kept_gathered``). The result is a
-    ``MemoryEstimate``: ``peak``, ``per_rank``, ``phase`` and ``breakdown``.
+    is estimated whole by passing its ``sizes``, ``forward_spans`` and ``kept_gathered``). Gradient
+    accumulation (several backwards before one optimizer step) holds more: ``accumulating=True`` prices
+    backwards that add into the shard gradients of earlier ones (gradient sync on;
+    ``value_and_grad(into=grads)``, compat's ``.grad``), ``deferring=True`` backwards that keep full-size
+    gradients for the last one to reduce (sync off; ``value_and_grad(reduce=False, into=acc)``, compat's
+    ``set_requires_gradient_sync(False)``); ``"auto"`` then plans for that step, as the runtime does once it
+    sees one. The result is a ``MemoryEstimate``: ``peak``, ``per_rank``, ``phase`` and ``breakdown``.
 
     Example:
         >>> with torch.device("meta"):
@@ -99,7 +106,7 @@ def estimate(
         raise ValueError("fsdpfn.memory.estimate: pass min_bucket_bytes or group_sizes, not both")
     one = step_estimator(model, batch, units=units, mp_policy=mp_policy, optimizer=optimizer, prefetch=prefetch,
                          reshard_after_forward=reshard_after_forward, link=link, replicate=replicate, loss_fn=loss_fn,
-                         device=device)
+                         device=device, accumulating=accumulating, deferring=deferring)
     named = one.named
     if group_sizes is not None:
         if not is_partition(group_sizes, len(named)):
@@ -136,6 +143,7 @@ def estimate(
         overlaps = link is not None and torch.device(one.device).type not in FUSED_DEVICES
         got = group_sizes_within(model, w, batch, units=named, optimizer=optimizer, mp_policy=mp_policy, prefetch=prefetch,
                                  reshard_after_forward=reshard_after_forward, fuse_key=fuse_key, device=one.device,
+                                 accumulating=accumulating, deferring=deferring,
                                  max_group_bytes=link.target_bytes() if overlaps else None)  # type: ignore[union-attr]
         return got.sizes, got.forward_spans, frozenset(got.kept_gathered)
 
