@@ -45,8 +45,8 @@ def value_and_grad(
 
     The reduction is the one of the ``fsdp`` apply inside ``fn`` unless ``reduce_op`` (``"avg"`` or
     ``"sum"``) or ``divide_by`` say otherwise here. With ``reduce=False`` nothing is communicated in
-    backward: ``grads`` is an ``Unreduced`` tree of this rank's full gradients (in the reduction dtype),
-    to be summed with ``fsdpfn.accumulate`` and reduced once with ``fsdpfn.reduce(acc, params)``.
+    backward: ``grads`` is an ``Unreduced`` tree of this rank's full gradients (in the reduction dtype), to
+    pass back as ``into=`` (below), or to sum with ``fsdpfn.accumulate`` and reduce with ``fsdpfn.reduce``.
 
     ``into``: gradient accumulation, adding into the gradients of earlier calls (donated: updated in place
     and returned). An ``Unreduced`` (gradient sync off, as FSDP2's ``set_requires_gradient_sync(False)``):
