@@ -205,10 +205,18 @@ def test_into_takes_only_the_unreduced_gradients_of_the_same_plan(case, exc, mat
         spmd(1, _into_errors, case)
 
 
-def _added_peak(width, hidden, count, rows, into):
-    """The measured peak of a step's last microbatch after two, reduced gradients summed (sync on): with
-    ``into``, ``value_and_grad(into=grads)``; without, a fresh tree added in place with ``tree_map``.
-    Returns it and the planned groups (sizes, forward spans, kept units)."""
+def _mlp(width, hidden, count):
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, hidden), torch.nn.GELU(),
+                                                     torch.nn.Linear(hidden, width)) for _ in range(count)])
+
+
+def _last_microbatch_peak(width, hidden, count, rows, sync, into):
+    """The measured peak (``MemTracker``) of a step's last microbatch after two that accumulated, and the
+    planned groups (sizes, forward spans, kept units). ``sync``: every microbatch reduced and summed,
+    with ``into`` by ``value_and_grad(into=grads)``, without into a fresh tree added with ``tree_map``;
+    else (sync off) the first two kept unreduced, with ``into`` in one ``value_and_grad(reduce=False,
+    into=acc)`` tree that the last call reduces, without as fresh trees summed by ``fsdpfn.accumulate``
+    and reduced by ``fsdpfn.reduce``."""
     import warnings
 
     import torch.distributed as dist
@@ -218,8 +226,7 @@ def _added_peak(width, hidden, count, rows, into):
 
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, hidden), torch.nn.GELU(),
-                                                      torch.nn.Linear(hidden, width)) for _ in range(count)])
+    model = _mlp(width, hidden, count)
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(count)])
     apply = fsdpfn.fsdp(model)
     xs = [torch.randn(rows, width, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
@@ -230,29 +237,51 @@ def _added_peak(width, hidden, count, rows, into):
             tracker.reset_mod_stats()
         return apply(p, x).square().mean()
 
-    def add(acc, x):
-        if into:
+    def add(acc, x, last):
+        if sync and into:
             return fsdpfn.value_and_grad(loss_fn, into=acc)(params, x)[1]
-        g = fsdpfn.value_and_grad(loss_fn)(params, x)[1]
-        return g if acc is None else torch.utils._pytree.tree_map(lambda a, b: a.add_(b), acc, g)
+        if sync:
+            g = fsdpfn.value_and_grad(loss_fn)(params, x)[1]
+            return g if acc is None else torch.utils._pytree.tree_map(lambda a, b: a.add_(b), acc, g)
+        if into:
+            return fsdpfn.value_and_grad(loss_fn, reduce=last, into=acc)(params, x)[1]
+        acc = fsdpfn.accumulate(acc, fsdpfn.value_and_grad(loss_fn, reduce=False)(params, x)[1])
+        return fsdpfn.reduce(acc, params) if last else acc
 
-    for step in range(3):  # (the groups are planned again for accumulating backwards within the first steps)
+    for step in range(3):  # (the groups are planned again for accumulation within the first steps)
         acc = None
         for x in xs[:-1]:
-            acc = add(acc, x)
+            acc = add(acc, x, False)
         if step == 2:
             tracker = memory_tracker()
-            tracker.track_external(*[params[k] for k in params.keys()], *xs, *[acc[k] for k in acc.keys()])
+            tracker.track_external(*[params[k] for k in params.keys()], *xs, *[v for _, v in acc.items() if v is not None])
             tracker.__enter__()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-            acc = add(acc, xs[-1])
+            acc = add(acc, xs[-1], True)
         del acc
     tracker.__exit__(None, None, None)
     peak = max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
     plan = params.plan
     sizes = tuple(len(plan.members(g.name)) for g in plan.groups if g.name)
     return peak, (sizes, tuple(plan.memo.get(FORWARD_SPANS_MEMO) or ()), frozenset(plan.memo.get(KEPT_GATHERED_MEMO, ())))
+
+
+def _check_one_set(width, hidden, count, rows, world, sync):
+    """Accumulated ``into=`` one tree, the last microbatch holds less than with fresh trees summed, and
+    what the planner prices for that kind of backward (within 10%)."""
+    from fsdpfn.memory.estimate import step_estimator
+
+    into = spmd(world, _last_microbatch_peak, width, hidden, count, rows, sync, True)
+    fresh = spmd(world, _last_microbatch_peak, width, hidden, count, rows, sync, False)
+    with torch.device("meta"):
+        model = _mlp(width, hidden, count)
+    est = step_estimator(model, torch.zeros(rows, width), units=[str(i) for i in range(count)], optimizer="none", accumulating=sync,
+                         deferring=not sync, device="cpu")
+    predicted = est(world, *into[0][1]).per_rank
+    for rank, ((peak, _), (old, _)) in enumerate(zip(into, fresh)):
+        assert peak < old, (peak, old)
+        assert abs(predicted[rank] - peak) <= 0.1 * peak, (rank, predicted[rank], peak, into[0][1])
 
 
 @settings(max_examples=min(settings().max_examples, 3), deadline=None)
@@ -262,70 +291,7 @@ def test_reduced_gradients_added_into_one_tree_hold_one_set_of_shard_gradients(w
     # a fresh reduced tree per microbatch holds every shard gradient beside the accumulated ones until it
     # is added (1.08-1.10x torch's peak with sync on, 8 LayerNorm-MLP blocks, world 2); added into the
     # accumulated tree as each reduction finishes (into=), a step holds what the planner prices for it
-    from fsdpfn.memory.estimate import step_estimator
-
-    into = spmd(world, _added_peak, width, hidden, count, rows, True)
-    fresh = spmd(world, _added_peak, width, hidden, count, rows, False)
-    with torch.device("meta"):
-        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, hidden), torch.nn.GELU(),
-                                                          torch.nn.Linear(hidden, width)) for _ in range(count)])
-    est = step_estimator(model, torch.zeros(rows, width), units=[str(i) for i in range(count)], optimizer="none", accumulating=True, device="cpu")
-    predicted = est(world, *into[0][1]).per_rank
-    for rank, ((peak, _), (old, _)) in enumerate(zip(into, fresh)):
-        assert peak < old, (peak, old)
-        assert abs(predicted[rank] - peak) <= 0.1 * peak, (rank, predicted[rank], peak, into[0][1])
-
-
-def _last_microbatch_peak(width, hidden, count, rows, into):
-    """The measured peak (``MemTracker``) of a step's last microbatch after two that accumulated: with
-    ``into``, ``value_and_grad(into=acc)``; without, a fresh ``Unreduced`` added with ``fsdpfn.accumulate``,
-    then ``fsdpfn.reduce``. Returns it and the planned groups (sizes, forward spans, kept units)."""
-    import warnings
-
-    import torch.distributed as dist
-
-    from fsdpfn.layout.plan import FORWARD_SPANS_MEMO, KEPT_GATHERED_MEMO
-    from fsdpfn.testing.memory import memory_tracker
-
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, hidden), torch.nn.GELU(),
-                                                      torch.nn.Linear(hidden, width)) for _ in range(count)])
-    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(count)])
-    apply = fsdpfn.fsdp(model)
-    xs = [torch.randn(rows, width, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
-    tracker = None
-
-    def loss_fn(p, x):
-        if tracker is not None:
-            tracker.reset_mod_stats()
-        return apply(p, x).square().mean()
-
-    for step in range(3):  # (the groups are planned again for deferring backwards within the first steps)
-        acc = None
-        for x in xs[:-1]:
-            _, g = fsdpfn.value_and_grad(loss_fn, reduce=False, into=acc if into else None)(params, x)
-            acc = g if into else fsdpfn.accumulate(acc, g)
-            del g
-        if step == 2:
-            tracker = memory_tracker()
-            tracker.track_external(*[params[k] for k in params.keys()], *xs, *[v for _, v in acc.items() if v is not None])
-            tracker.__enter__()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-            if into:
-                _, grads = fsdpfn.value_and_grad(loss_fn, into=acc)(params, xs[-1])
-            else:
-                _, g = fsdpfn.value_and_grad(loss_fn, reduce=False)(params, xs[-1])
-                acc = fsdpfn.accumulate(acc, g)
-                del g
-                grads = fsdpfn.reduce(acc, params)
-        del acc, grads
-    tracker.__exit__(None, None, None)
-    peak = max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
-    plan = params.plan
-    sizes = tuple(len(plan.members(g.name)) for g in plan.groups if g.name)
-    return peak, (sizes, tuple(plan.memo.get(FORWARD_SPANS_MEMO) or ()), frozenset(plan.memo.get(KEPT_GATHERED_MEMO, ())))
+    _check_one_set(width, hidden, count, rows, world, sync=True)
 
 
 @settings(max_examples=min(settings().max_examples, 3), deadline=None)
@@ -335,15 +301,4 @@ def test_gradients_accumulated_into_one_tree_hold_one_set_of_full_gradients(widt
     # a fresh Unreduced per microbatch, added with accumulate and then reduced, held two to three sets of
     # full gradients at once (2.6x torch's sync-off peak, 8 LayerNorm-MLP blocks 128 -> 512, world 2); added
     # into one tree (into=), a step holds what the planner prices for backwards that defer their reductions
-    from fsdpfn.memory.estimate import step_estimator
-
-    into = spmd(world, _last_microbatch_peak, width, hidden, count, rows, True)
-    fresh = spmd(world, _last_microbatch_peak, width, hidden, count, rows, False)
-    with torch.device("meta"):
-        model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, hidden), torch.nn.GELU(),
-                                                          torch.nn.Linear(hidden, width)) for _ in range(count)])
-    est = step_estimator(model, torch.zeros(rows, width), units=[str(i) for i in range(count)], optimizer="none", deferring=True, device="cpu")
-    predicted = est(world, *into[0][1]).per_rank
-    for rank, ((peak, _), (old, _)) in enumerate(zip(into, fresh)):
-        assert peak < old, (peak, old)
-        assert abs(predicted[rank] - peak) <= 0.1 * peak, (rank, predicted[rank], peak, into[0][1])
+    _check_one_set(width, hidden, count, rows, world, sync=False)

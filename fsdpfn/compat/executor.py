@@ -119,11 +119,7 @@ def accumulate_finished(root: RootContext, deferred: DeferredReductions) -> None
         grad = param.grad if param is not None else None
         if not isinstance(grad, DTensor) or param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):  # type: ignore[union-attr]
             continue
-        local = grad._local_tensor
-        kept = deferred.grads[fqn]
-        if all(k.shape == local.shape and k.dtype == local.dtype and k.device == local.device for k in kept):
-            for k in deferred.grads.pop(fqn):
-                local.add_(k)
+        deferred.fold(fqn, grad._local_tensor)
 
 
 def dtensor_gradient(g: torch.Tensor, spec: Any, graph: bool) -> DTensor:

@@ -55,10 +55,16 @@ class DeferredReductions:
         if self.into is not None:
             for fqn in list(self.grads):
                 target = self.into.get(fqn)
-                kept = self.grads[fqn]
-                if target is not None and all(k.shape == target.shape and k.device == target.device for k in kept):
-                    for k in self.grads.pop(fqn):
-                        target.add_(k)
+                if target is not None:
+                    self.fold(fqn, target)
+
+    def fold(self, fqn: str, target: torch.Tensor) -> None:
+        """Add the kept results of ``fqn`` into ``target`` in place and forget them (call after ``wait``),
+        where they are its shape, dtype and device; otherwise they stay for ``add_to``."""
+        kept = self.grads.get(fqn, ())
+        if all(k.shape == target.shape and k.dtype == target.dtype and k.device == target.device for k in kept):
+            for k in self.grads.pop(fqn, ()):
+                target.add_(k)
 
     def add_to(self, fqn: str, grad: torch.Tensor | None) -> torch.Tensor | None:
         """``grad`` (``None``: autograd returned none) plus the kept results of ``fqn``, which are then
