@@ -255,6 +255,10 @@ def _against_fsdp2(width, hidden, norm, count, batch, frozen=0, mixed=False):
 @example(width=256, hidden=512, norm=False, count=8, batch=32, world=2, frozen=2, mixed=True)
 @example(width=192, hidden=576, norm=False, count=6, batch=128, world=2, frozen=1, mixed=True)
 @example(width=64, hidden=128, norm=False, count=4, batch=2, world=3, frozen=2, mixed=True)
+# a forward priced group by group (not as every activation beside the largest window) grew up to a budget
+# set by fsdpfn's own unfused backward, which the estimate overstates: 1.021x; the forward is held to the
+# unfused forward's peak or torch's modelled one
+@example(width=64, hidden=128, norm=False, count=5, batch=32, world=3, frozen=2, mixed=False)
 def test_the_first_calls_groups_never_raise_the_peak_above_torchs_fully_shard(width, hidden, norm, count, batch, world, frozen, mixed):
     # both measured alike (MemTracker, parameters, optimizer state and batch resident; torch's AdamW as
     # torch builds it by default); the budget the first call fuses within is the planner's model of
@@ -420,12 +424,13 @@ def _wide_peaks(width, hidden, count, batch):
     return ours.peak, measured_fsdp2_step_peak(build(), x, units=units), spans
 
 
-@pytest.mark.parametrize("width, hidden, count, batch", [(16, 1024, 12, 64), (16, 8192, 8, 512)])
-def test_forward_spans_stay_under_torchs_peak_beside_large_forward_temporaries(width, hidden, count, batch):
-    # forward is priced from what it saves; a temporary the blocks make and drop (16 MiB here, in a model of
-    # 0.5 MiB blocks) sits beside the gathered spans in forward, in torch's step beside its own window
+@pytest.mark.parametrize("width, hidden, count, batch, spanned", [(16, 1024, 12, 64, True), (16, 8192, 8, 512, False)])
+def test_forward_spans_stay_under_torchs_peak_beside_large_forward_temporaries(width, hidden, count, batch, spanned):
+    # a temporary the blocks make and drop sits beside the gathered spans in forward (in torch's step beside
+    # its own window); the planner counts it (ForwardCost.working): 2 MiB leaves room for spans, 16 MiB (in a
+    # model of 0.5 MiB blocks) none, as the forward is held to the unfused one's peak or torch's modelled one
     for ours, theirs, spans in spmd(2, _wide_peaks, width, hidden, count, batch):
-        assert any(s > 1 for s in spans)  # the planner did pick spans
+        assert any(s > 1 for s in spans) == spanned, spans
         assert ours <= theirs, (ours, theirs, spans)
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import weakref
+
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
@@ -33,7 +35,9 @@ class ForwardCost(NamedTuple):
     most bytes alive at once while backward makes the gradient of the output (the loss's backward and its
     temporaries, measured on the fake tensors when a ``loss_fn`` is given, else one output-sized tensor);
     ``boundary[u]``: the bytes of unit ``u``'s differentiable inputs and outputs (the most over its calls),
-    i.e. the gradient its backward receives beside the one it makes for the unit before."""
+    i.e. the gradient its backward receives beside the one it makes for the unit before; ``working[u]``: the
+    most bytes the forward had made and still held at once while unit ``u``'s forward ran (saved or not:
+    a frozen or ``no_grad`` unit saves nothing, yet its intermediates exist while it runs)."""
 
     saved: int
     output: int
@@ -42,6 +46,7 @@ class ForwardCost(NamedTuple):
     saved_before: dict[str, int] = {}
     output_grad: int = 0
     boundary: dict[str, int] = {}
+    working: dict[str, int] = {}
 
 
 def forward_cost(
@@ -99,15 +104,19 @@ def forward_cost(
         first_use: dict[str, str | None] = {}
         saved_before: dict[str, int] = {}
 
+        live = _Live({t.untyped_storage()._cdata for t in trees.leaves((values, args, kwargs)) if isinstance(t, torch.Tensor)})
+
         def start(unit: str) -> None:
             started.append(unit)
             saved_before.setdefault(unit, sum(seen.values()))
+            live.enter(unit)
 
         boundary: dict[str, int] = {}
 
         def finish(unit: str, args: Any, kwargs: Any, out: Any) -> None:
             grads = [t for t in trees.leaves((args, kwargs, out)) if isinstance(t, torch.Tensor) and t.requires_grad]
             boundary[unit] = max(boundary.get(unit, 0), sum(t.untyped_storage().nbytes() for t in grads))
+            live.leave(unit)
 
         hooks = [module.get_submodule(u).register_forward_pre_hook(lambda *_, _u=u: start(_u)) for u in units if u]
         hooks += [module.get_submodule(u).register_forward_hook(lambda _m, a, k, o, _u=u: finish(_u, a, k, o), with_kwargs=True)
@@ -126,7 +135,7 @@ def forward_cost(
                 return out
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Uses():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Uses(), live:
                 out = functional_call(module, values, tuple(args), kwargs, tie_weights=False)
         finally:
             for h in hooks:
@@ -141,7 +150,45 @@ def forward_cost(
             # what the loss's forward and backward hold at most, beyond what the loss saves (counted
             # with the activations): the gradient of the output and the backward's temporaries
             output_grad = output if loss_peak is None else max(0, loss_peak - (sum(seen.values()) - model_saved))
-    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params), saved_before, output_grad, boundary)
+    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params), saved_before, output_grad, boundary, live.peaks)
+
+
+class _Live(TorchDispatchMode):
+    """Counts the bytes of the storages ops make (not ``known``'s: parameters, buffers, inputs) while they
+    are alive, and the most alive at once while each unit ``enter``ed and not yet ``leave``d ran."""
+
+    def __init__(self, known: set[int]):
+        super().__init__()
+        self.known, self.now, self.peaks = known, 0, {}
+        self.running: dict[str, int] = {}  # (a unit may run inside itself: counted per entry)
+
+    def enter(self, unit: str) -> None:
+        self.running[unit] = self.running.get(unit, 0) + 1
+        self.peaks[unit] = max(self.peaks.get(unit, 0), self.now)
+
+    def leave(self, unit: str) -> None:
+        self.running[unit] -= 1
+        if not self.running[unit]:
+            del self.running[unit]
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.known.discard(key)
+        self.now -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            if storage._cdata in self.known:
+                continue
+            self.known.add(storage._cdata)
+            self.now += storage.nbytes()
+            weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
+        for unit in self.running:
+            self.peaks[unit] = max(self.peaks.get(unit, 0), self.now)
+        return out
 
 
 def _loss_peak(loss_fn: Callable[[Any], Any], out: Any, outs: list[torch.Tensor]) -> int | None:

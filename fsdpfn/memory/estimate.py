@@ -260,7 +260,7 @@ def step_estimator(
                 output_grad = max(output_grad, UNSEEN_LOSS_OUTPUTS * fwd.output)
         return _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard,
                              fusion, link, buffer_bytes, batch_bytes, fwd.saved, output_grad, dev.type, fwd.last_unit_before,
-                             needed, fwd.saved_before, fsdp2, spans, fwd.boundary, accumulating, deferring)
+                             needed, fwd.saved_before, fsdp2, spans, fwd.boundary, accumulating, deferring, fwd.working)
 
     return _StepEstimator(one, named, dev, tuple(fwd.saved_before))
 
@@ -313,6 +313,7 @@ def _estimate_one(
     boundary: dict[str, int] | None = None,
     accumulating: bool = False,
     deferring: bool = False,
+    working: dict[str, int] | None = None,
 ) -> MemoryEstimate:
     plan = build_plan(
         infos,
@@ -339,7 +340,7 @@ def _estimate_one(
         if layout not in by_layout:
             by_layout[layout] = rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
                                              buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before,
-                                             fsdp2, forward_spans, boundary, accumulating, deferring)
+                                             fsdp2, forward_spans, boundary, accumulating, deferring, working)
             if fsdp2:  # only FSDP2's backward bound: the other phases are fsdpfn's
                 by_layout[layout] = {"backward": by_layout[layout]["fsdp2"]}
         per_rank.append(max(b.total for b in by_layout[layout].values()))

@@ -96,16 +96,16 @@ def fuse_within(
     if "min_bucket_bytes" in options:
         raise TypeError("fsdpfn.memory.fuse_within: min_bucket_bytes is what it chooses; do not pass it")
     check_world_and_budget("fsdpfn.memory.fuse_within", world, budget)
-    names, planned, base, budget, sizes, _, _ = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
+    names, planned, base, room, sizes, _, _ = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
     if world == 1 or len(sizes) < 4:
-        return FusionChoice(None, 1, base.peak, budget)  # nothing to gather at world 1; fewer than four units leave no two groups of two
-    threshold, k, got = _largest_even(planned, world, min(sizes), len(names) // 2, budget)
+        return FusionChoice(None, 1, base.peak, room.total)  # nothing to gather at world 1; fewer than four units leave no two groups of two
+    threshold, k, got = _largest_even(planned, world, min(sizes), len(names) // 2, room)
     if got is None:
-        return FusionChoice(None, 1, base.peak, budget)
+        return FusionChoice(None, 1, base.peak, room.total)
     made = _run_sizes(got.groups)  # what the threshold really makes of unequal units
     if all(m == 1 for m in made):
-        return FusionChoice(None, 1, base.peak, budget)
-    return FusionChoice(threshold, max(made), got.peak, budget)
+        return FusionChoice(None, 1, base.peak, room.total)
+    return FusionChoice(threshold, max(made), got.peak, room.total)
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,7 @@ def group_sizes_within(
         raise ValueError(f"fsdpfn.memory.group_sizes_within: max_group_bytes must be an int >= 1 or None, got {max_group_bytes!r}")
     fit = everywhere if everywhere is not None else bool
     try:
-        names, planned, base, budget, sizes, unit_bytes, unit_plan = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
+        names, planned, base, room, sizes, unit_bytes, unit_plan = _search_inputs(model, world, batch, units, budget, torch_foreach, options)
     except Exception:
         fit(False)  # (the other ranks learn it before any decision)
         raise
@@ -209,14 +209,14 @@ def group_sizes_within(
     for unit, key in zip(planned.named, keys):
         if not isinstance(key, Hashable):
             raise TypeError(f"fsdpfn.memory.group_sizes_within: fuse_key returned {key!r} for unit {unit!r}; it must return a hashable value")
-    unfused = GroupSizes((1,) * n, base.peak, budget, units_run=planned.units_run)
+    unfused = GroupSizes((1,) * n, base.peak, room.total, units_run=planned.units_run)
     if world == 1 or len(sizes) < 4 or n < 4:
         return unfused
     even = unfused
     if len(set(keys)) == 1:  # even groups first (fuse_within's search, on the same estimator)
         most = n // 2 if max_group_bytes is None else min(n // 2, max_group_bytes // max(sizes))
-        _, _, got = _largest_even(planned, world, min(sizes), most, budget, fit)
-        even = GroupSizes(_run_sizes(got.groups), got.peak, budget, units_run=planned.units_run) if got is not None else unfused
+        _, _, got = _largest_even(planned, world, min(sizes), most, room, fit)
+        even = GroupSizes(_run_sizes(got.groups), got.peak, room.total, units_run=planned.units_run) if got is not None else unfused
     # groups grown from the last unit back, each while the estimate stays within the budget
     done: list[int] = []  # sizes of the groups closed so far, last group first
     current, peak = 1, base.peak
@@ -224,32 +224,33 @@ def group_sizes_within(
         if current < n // 2 and keys[i] == keys[i + 1] and fits(i, i + current + 1):
             trial = (1,) * i + (current + 1,) + tuple(reversed(done))
             got = planned(world, trial)
-            if fit(got.peak <= budget):
+            if fit(room.admits(got)):
                 current, peak = current + 1, got.peak
                 continue
         done.append(current)
         current = 1
     done.append(current)
-    grown = GroupSizes(tuple(reversed(done)), peak, budget, units_run=planned.units_run)
+    grown = GroupSizes(tuple(reversed(done)), peak, room.total, units_run=planned.units_run)
     chosen = grown if grown.groups < even.groups else even
     if keep_gathered if keep_gathered is not None else options.get("reshard_after_forward", True) is True:
-        chosen = _with_kept(planned, world, chosen, fit)
+        chosen = _with_kept(planned, world, chosen, room, fit)
     if len(set(keys)) == 1:  # (units with other settings, e.g. kept gathered, are never in a span)
         alone = _gathers_alone(unit_plan, world, chosen.sizes, planned.device.type)
         kept = len(_group_units(planned.named, chosen.sizes, chosen.kept_gathered))
         alone[len(alone) - kept :] = [True] * kept  # (a span is gathered and dropped as one)
-        chosen = _with_forward_spans(planned, world, chosen, fits, alone, fit)
+        chosen = _with_forward_spans(planned, world, chosen, room, fits, alone, fit)
     return chosen
 
 
-def _with_kept(planned: Any, world: int, chosen: GroupSizes, fit: Callable[[bool], bool]) -> GroupSizes:
+def _with_kept(planned: Any, world: int, chosen: GroupSizes, room: _Room, fit: Callable[[bool], bool]) -> GroupSizes:
     """``chosen`` with its last 1, 2, ... groups left gathered after forward, as many as keep the
-    estimate at ``chosen.peak`` (no memory beyond what its groups need; ``fit``: on every rank)."""
+    estimate at ``chosen.peak`` (no memory beyond what its groups need) and its forward in ``room``
+    (``fit``: on every rank)."""
     named, sizes = planned.named, chosen.sizes
     kept: tuple[str, ...] = ()
     for k in range(1, len(sizes) + 1):
         more = tuple(named[sum(sizes[: len(sizes) - k]) :])
-        if not fit(planned(world, sizes, (), frozenset(more)).peak <= chosen.peak):
+        if not fit(room.admits(planned(world, sizes, (), frozenset(more)), chosen.peak)):
             break
         kept = more
     return replace(chosen, kept_gathered=kept)
@@ -291,7 +292,8 @@ def _gathers_alone(plan: ShardPlan, world: int, sizes: tuple[int, ...], device_t
 
 
 def _with_forward_spans(
-    planned: Any, world: int, chosen: GroupSizes, fits: Callable[[int, int], bool], alone: Sequence[bool], fit: Callable[[bool], bool]
+    planned: Any, world: int, chosen: GroupSizes, room: _Room, fits: Callable[[int, int], bool], alone: Sequence[bool],
+    fit: Callable[[bool], bool],
 ) -> GroupSizes:
     """``chosen`` with runs of its groups that forward gathers in one collective each, grown from the first
     group on, each as long as the estimate stays within the budget (forward has room that backward does
@@ -309,7 +311,7 @@ def _with_forward_spans(
     for k in range(1, n):  # group k joins the current span or starts the next
         trial = (*done, current + 1, *(1,) * (n - k - 1))
         shared = not alone[k] and (current > 1 or not alone[k - 1])  # (a span's groups joined it only so)
-        if shared and fits(first[k - current], first[k + 1]) and fit(planned(world, chosen.sizes, trial, kept).peak <= chosen.budget):
+        if shared and fits(first[k - current], first[k + 1]) and fit(room.admits(planned(world, chosen.sizes, trial, kept))):
             current += 1
             continue
         done.append(current)
@@ -323,31 +325,31 @@ def _with_forward_spans(
 
 def _search_inputs(
     model: nn.Module, world: int, batch: Any, units: Units, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]
-) -> tuple[list[str], Any, Any, int, list[int], dict[str, int], ShardPlan]:
+) -> tuple[list[str], Any, Any, _Room, list[int], dict[str, int], ShardPlan]:
     """What both searches start from: the unit names, the step's estimator (forward counted once), its
-    unfused estimate, the budget (given, or torch's peak), the sizes of the units that gather anything,
+    unfused estimate, the room a plan has (the budget given, or torch's peak: ``_room``), the sizes of the units that gather anything,
     every unit's gathered bytes by name (as ``min_bucket_bytes`` counts them) and the unfused plan ``shard``
     would build, which they come from."""
     names = resolve_units(model, units)
     planned = step_estimator(model, batch, units=units, **options)
     base = planned(world, None)
-    budget = _budget(model, world, planned, budget, torch_foreach, options)
+    room = _room(model, world, planned, budget, torch_foreach, options)
     plan = _unit_plan(model, world, names, options)
     unit_bytes = dict(zip(names, [u.gathered_bytes(world) for u in plan.units if u.name]))
-    return names, planned, base, budget, [s for s in unit_bytes.values() if s > 0], unit_bytes, plan
+    return names, planned, base, room, [s for s in unit_bytes.values() if s > 0], unit_bytes, plan
 
 
 def _largest_even(
-    planned: Any, world: int, smallest: int, most: int, budget: int, fit: Callable[[bool], bool] = bool
+    planned: Any, world: int, smallest: int, most: int, room: _Room, fit: Callable[[bool], bool] = bool
 ) -> tuple[int | None, int, Any]:
     """Even groups of 2, 3, ... ``most`` units: ``(threshold, k, estimate)`` of the largest whose estimate
-    stays within ``budget`` (``fit``: on every rank; ``(None, 1, None)`` when not even pairs do). A run of equal units closes at
+    stays within ``room`` (``fit``: on every rank; ``(None, 1, None)`` when not even pairs do). A run of equal units closes at
     ``k`` of them under ``min_bucket_bytes=(k - 1) * smallest + 1``."""
     best: tuple[int | None, int, Any] = (None, 1, None)
     for k in range(2, most + 1):
         threshold = (k - 1) * smallest + 1
         got = planned(world, threshold)
-        if not fit(got.peak <= budget):
+        if not fit(room.admits(got)):
             break
         best = (threshold, k, got)
     return best
@@ -365,10 +367,27 @@ def _unit_plan(model: nn.Module, world: int, names: list[str], options: dict[str
     return build_plan(infos, [], [""] + names, rank=0, world=world, gather_dtype=policy.gather_dtype)
 
 
-def _budget(model: nn.Module, world: int, planned: Any, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]) -> int:
-    """The budget given, or torch's peak for the same step (see the module's docstring)."""
+@dataclass(frozen=True)
+class _Room:
+    """What a plan's estimate may reach: ``total``, its peak over the step, and ``forward``, its forward's.
+    The forward is priced group by group as it runs (what each moment holds), backward and FSDP2's model
+    with some slack (each group's moments at their largest); so where the budget is fsdpfn's own unfused
+    peak, met in its backward, a forward grown up to it would pass torch's real peak: the forward is held to
+    the unfused forward's peak or torch's modelled one, whichever is more."""
+
+    total: int
+    forward: int
+
+    def admits(self, got: Any, total: int | None = None) -> bool:
+        """Whether estimate ``got`` stays within ``total`` (default: this room's) and ``forward``."""
+        return got.peak <= (self.total if total is None else total) and got.phases["forward"].total <= self.forward
+
+
+def _room(model: nn.Module, world: int, planned: Any, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]) -> _Room:
+    """The budget given (the forward's too), or torch's peak for the same step (see the module's docstring
+    and ``_Room``)."""
     if budget is not None:
-        return budget
+        return _Room(budget, budget)
     base = planned(world, None)
     step = base.phases["optimizer step"]
     optimizer = options.get("optimizer", "adamw")
@@ -383,7 +402,8 @@ def _budget(model: nn.Module, world: int, planned: Any, budget: int | None, torc
         torch_scratch = step.gradients
     # fsdpfn's own unfused peak needs no margin: a plan estimated under it is compared like with like
     torch_model = max(step.total - step.temporaries + torch_scratch, planned.fsdp2_backward(world))
-    return max(base.peak, torch_model - budget_margin(torch_model))
+    torch_peak = torch_model - budget_margin(torch_model)
+    return _Room(max(base.peak, torch_peak), max(base.phases["forward"].total, torch_peak))
 
 
 def budget_margin(torch_peak: int) -> int:

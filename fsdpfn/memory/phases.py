@@ -81,6 +81,7 @@ def phase_peaks(
     between: Sequence[int] = (),
     accumulated: int = 0,
     deferring: bool = False,
+    running: Sequence[int] = (),
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
@@ -103,9 +104,11 @@ def phase_peaks(
     does (CPU) rather than when ``k`` is re-gathered (CUDA): while ``k``'s gradients are made only the
     ``prefetch - 1`` nearest are in flight (launched at the release before), all of them from ``k``'s.
     ``forward_spans``: sizes of runs of groups that forward gathers in one shared collective each; the
-    forward is then priced group by group (``forward_with_spans``) instead of as every activation beside
-    the largest window. ``between[k]``: the gradients flowing through group ``k``'s backward (of its
-    output, received, and of its input, made), beside its activations at each of its moments.
+    forward is then priced group by group (``forward_with_spans``, as it is wherever ``saved_until`` is
+    known) instead of as every activation beside the largest window; ``running[k]``: the most bytes the
+    forward holds while group ``k`` runs (saved activations and intermediates: a frozen group saves none).
+    ``between[k]``: the gradients flowing through group ``k``'s backward (of its output, received, and of
+    its input, made), beside its activations at each of its moments.
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -129,9 +132,12 @@ def phase_peaks(
         gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in finishing) + groups[k].copy_out)
     gathered_fwd = max(gathered_fwd, root.copy_out)  # the root's gather, the first of the forward
     forward = Breakdown(shards, state, accumulated, root.gathered + gathered_fwd, activations + batch, 0)
-    if any(size > 1 for size in forward_spans):
+    if any(size > 1 for size in forward_spans) or saved_until:
+        # group by group: early groups' gathers beside the few activations saved by then (the plain
+        # window above prices the largest gather beside every activation)
         forward = forward_with_spans(shards=shards, state=state, batch=batch, activations=activations, root=root, groups=groups,
-                                     prefetch=prefetch, reshard=rs, saved_until=saved_until, enclosing=enclosing, spans=forward_spans)
+                                     prefetch=prefetch, reshard=rs, saved_until=saved_until, enclosing=enclosing,
+                                     spans=forward_spans or (1,) * n, running=running)
         forward = forward._replace(gradients=forward.gradients + accumulated)
     folds = accumulated and prefetch_at_release  # each result added in place once its reduction finished
     unreduced = sum(g.unreduced for g in groups) + root.unreduced if deferring else 0
@@ -255,13 +261,15 @@ def forward_with_spans(
     saved_until: Sequence[int],
     enclosing: Sequence[Sequence[int]] = (),
     spans: Sequence[int],
+    running: Sequence[int] = (),
 ) -> Breakdown:
     """The forward's largest moment when runs of groups (``spans``, sizes summing to ``len(groups)``) are
     gathered in one shared collective each, priced group by group: while group ``k`` runs, the groups kept
     since their forward, its enclosing groups, its own copy, the shared buffer of its span (alive until
     its last group is unpacked, which happens before that group's prefetch starts) and every span the
     prefetch window reaches beyond it (whole), beside what forward saved up to the end of the group after
-    ``k`` (``saved_until``; without it, every activation).
+    ``k`` (``saved_until``; without it, every activation) or what it holds while ``k`` runs (``running[k]``,
+    its intermediates too), whichever is more.
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -290,7 +298,7 @@ def forward_with_spans(
             held += max(shared, groups[k].gathered + ahead) if k == stop - 1 else shared + ahead
         else:
             held += max(ahead, groups[k].copy_out)
-        saved = saved_until[min(k + 1, n - 1)] if saved_until else activations
+        saved = max(saved_until[min(k + 1, n - 1)] if saved_until else activations, running[k] if k < len(running) else 0)
         moment = Breakdown(shards, state, 0, root.gathered + held, saved + batch, 0)
         worst = max(worst, moment, key=lambda b: b.total)
     return worst

@@ -24,11 +24,12 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
                  device_type: str, scratch: bool, prefetch: int, reshard: bool | Callable[[str], bool], buffer_bytes: int, batch_bytes: int, activations: int,
                  output_grad: int, last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int],
                  fsdp2: bool = False, forward_spans: tuple[int, ...] = (), boundary: dict[str, int] | None = None,
-                 accumulating: bool = False, deferring: bool = False) -> Any:
+                 accumulating: bool = False, deferring: bool = False, working: dict[str, int] | None = None) -> Any:
     """The phase peaks (``phase_peaks``'s dict) of one rank whose local shards have ``numel`` elements
     each, or with ``fsdp2`` ``{"fsdp2": Breakdown}``, FSDP2's backward on the same groups;
     ``accumulating``: a backward after others of the same step (every trainable shard's gradient there);
-    ``deferring``: backwards before the step's last one defer their reductions (gradient sync off).
+    ``deferring``: backwards before the step's last one defer their reductions (gradient sync off);
+    ``working``: per unit, the most bytes its forward's activations and intermediates hold at once.
 
     Example:
         >>> rank_phases(plan, numel, item, trainable, 2, 2, "cpu", False, 1, True, 0, 0, 0, 0, {}, frozenset(), {})  # doctest: +SKIP
@@ -103,6 +104,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
     # the gradients flowing into and out of each group's backward (its members run one after another)
     known = boundary or {}
     between = [max(known.get(u, 0) for u in g.name.split("+")) for g in others]
+    running = [max((working or {}).get(u, 0) for u in g.name.split("+")) for g in others]
     if fsdp2:
         return {"fsdp2": fsdp2_backward(
             shards=sum(shard_bytes.values()) + buffer_bytes,
@@ -133,6 +135,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         saved_until=_saved_until(others, saved_before, activations),
         prefetch_at_release=cpu,
         forward_spans=forward_spans,
+        running=running,
         between=between,
         accumulated=accumulated,
         deferring=deferring,
