@@ -21,7 +21,9 @@ with ``torch.optim.AdamW`` (torch's default kernel, or ``--optimizer fused``) on
   (``set_requires_all_reduce``: HSDP's accumulation; under FSDP the same as ``plain`` with four microbatches);
 - ``shape_check``: ``plain`` after one forward on a single sequence (``model(x[:1])``, autograd on), the
   check users run before training: the first forward plans compat's groups (for that batch, until a
-  larger training batch plans them again).
+  larger training batch plans them again);
+- ``dpo``: two forwards (a chosen and a rejected batch, DPO's pair), then one backward through both: two
+  graphs' activations alive at once (the groups were planned for one).
 
 For each recipe the libraries step alternately (A B A B ...) after ``--warmup`` untimed steps, so machine noise
 hits both alike; reported: the median step (ms, rank 0), compat / torch, the peak of one step (``MemTracker``,
@@ -50,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_measure import close_process_group, reduce_max, write_cases  # noqa: E402
 from bench_models import build_model, make_batch, spec_for  # noqa: E402
 
-RECIPES = ("plain", "titan", "ac", "lora", "eval", "accum", "accum_rs", "shape_check")
+RECIPES = ("plain", "titan", "ac", "lora", "eval", "accum", "accum_rs", "shape_check", "dpo")
 MICROBATCHES = 4  # of the accum recipe
 
 
@@ -131,6 +133,9 @@ class _Run:
                     self.model.set_requires_all_reduce(mb == MICROBATCHES - 1)
                 loss = self._loss(0, k * MICROBATCHES + mb) / MICROBATCHES
                 loss.backward()
+        elif self.recipe == "dpo":
+            loss = self._loss(0, k) - 0.5 * self._loss(0, k + 1000)
+            loss.backward()
         else:
             loss = self._loss(0, k)
             loss.backward()

@@ -238,7 +238,7 @@ def test_recipe_benchmark_runs_every_recipe_and_checks_the_losses(tmp_path, dtyp
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads(out.read_text())["results"]
-    want = recipes.split(",") if recipes else ["plain", "titan", "ac", "lora", "eval", "accum", "accum_rs", "shape_check"]
+    want = recipes.split(",") if recipes else ["plain", "titan", "ac", "lora", "eval", "accum", "accum_rs", "shape_check", "dpo"]
     assert [r["recipe"] for r in results] == want
     for r in results:
         assert r["torch_ms"] > 0 and r["compat_ms"] > 0 and r["torch_peak_mib"] > 0 and r["compat_peak_mib"] > 0, r
