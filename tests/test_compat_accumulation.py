@@ -125,14 +125,14 @@ def test_gradients_accumulated_over_backwards_hold_no_more_than_fsdp2_and_match_
 def test_gradients_accumulated_without_sync_are_planned_for(width, hidden, count, rows, micro, world):
     # backwards with sync off keep every full-size gradient for the last one to reduce: the planner's groups,
     # priced for backwards that reduce, passed torch's peak by 10-12%; a deferring backward asks the ranks to
-    # plan again for it. Each group's new gradients still sit beside the accumulated ones a moment (autograd
-    # hands a unit's gradients over at once; FSDP2 adds each parameter's as it is made): compat's own
-    # one-group-per-unit peak is the bound where it is above torch's
+    # plan again for it. Autograd hands a unit's gradients to its gather's node at once, where they sat
+    # beside the accumulated ones (1.7-2.4% over torch's peak even one group per unit); each parameter's
+    # is now added as it is made (fsdpfn/ops/fold.py), as FSDP2's AccumulateGrad does
     planned = spmd(world, _accumulated, "fsdpfn.compat", width, hidden, count, rows, micro, "sync_off", True)
     unfused = spmd(world, _accumulated, "fsdpfn.compat", width, hidden, count, rows, micro, "sync_off")
     theirs = spmd(world, _accumulated, "torch.distributed.fsdp", width, hidden, count, rows, micro, "sync_off")
     for (peak, params, _), (alone, _, _), (ref_peak, ref_params, _) in zip(planned, unfused, theirs):
-        assert peak <= max(ref_peak, alone) * 1.005, (peak, ref_peak, alone)
+        assert peak <= ref_peak and alone <= ref_peak, (peak, ref_peak, alone)
         for k in ref_params:
             torch.testing.assert_close(params[k], ref_params[k], rtol=1e-5, atol=1e-6)
     from fsdpfn.memory.estimate import step_estimator

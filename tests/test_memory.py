@@ -159,10 +159,12 @@ def test_fuse_within_fuses_the_most_units_per_group_under_the_budget(data, world
     # unfused peak is compared like with like
     from fsdpfn.memory.fuse import budget_margin
 
-    def within(*torch_models):
-        return max(base.peak, max(torch_models) - budget_margin(max(torch_models)))
+    def within(*torch_models, own=base.peak):
+        return max(own, max(torch_models) - budget_margin(max(torch_models)))
 
     torch_peak = within(step.total + (2 * largest if optimizer == "adamw" else 0), fsdp2)
+    # the forward (priced moment by moment) is held to the unfused forward's peak or torch's modelled one
+    forward_room = within(step.total + (2 * largest if optimizer == "adamw" else 0), fsdp2, own=base.phases["forward"].total)
     if isinstance(budget, float):
         budget = int(base.peak * budget)
     choice = fsdpfn.memory.fuse_within(recipe.build(), world, x, units=units, optimizer=optimizer, budget=budget)
@@ -191,7 +193,8 @@ def test_fuse_within_fuses_the_most_units_per_group_under_the_budget(data, world
     elif budget is None and optimizer == "sgd" and fsdp2 <= base.peak:
         assert choice.peak <= base.peak  # nothing to spend: fused only where it is free
     elif searched < len(units) // 2 and k > 1:  # one unit more per group would pass the budget
-        assert planned(searched * smallest + 1).peak > limit
+        more = planned(searched * smallest + 1)
+        assert more.peak > limit or more.phases["forward"].total > (forward_room if budget is None else budget)
 
 
 @settings(max_examples=min(settings().max_examples, 10), deadline=None)
@@ -555,8 +558,9 @@ def test_a_step_whose_backwards_defer_their_reductions_holds_every_full_gradient
     one, deferring = phase_peaks(**args), phase_peaks(**args, deferring=True)
     assert deferring["forward"].total == one["forward"].total + total
     assert deferring["optimizer step"] == one["optimizer step"]
-    # the last backward holds what one that reduces does, plus the sums not reduced yet: all of them at its start
-    assert one["backward"].total + root.unreduced <= deferring["backward"].total <= one["backward"].total + total + max(g.full_grads for g in [*groups, root])
+    # the last backward holds at most what one that reduces does plus the sums not reduced yet (all of them
+    # at its start); each group's new gradients are folded into the sums as they are made, not held beside
+    assert deferring["backward"].total <= one["backward"].total + total + max(g.full_grads for g in [*groups, root])
     assert deferring["backward"].total >= 100 + 200 + total + root.gathered + acts + 10  # (its start, at least)
     theirs, theirs_deferring = fsdp2_backward(**common), fsdp2_backward(**common, deferring=True)
     assert theirs.total <= theirs_deferring.total <= theirs.total + total

@@ -22,6 +22,7 @@ from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
+from fsdpfn.ops.fold import Fold, add_into, fold_gradient
 from fsdpfn.ops.functions import CallInfo, add_by_name
 from fsdpfn.transform.apply import Apply
 from fsdpfn.transform.call import Call
@@ -184,6 +185,25 @@ class CompatCall(Call):
                 note_accumulation(self.plan, "accumulating")
         if self.accumulating:
             accumulate_finished(self.ctx, self.deferred)
+
+    def folder(self, name: str) -> Fold | None:
+        """Group ``name``'s gradients go to its accumulator as they are made (``fsdpfn/ops/fold.py``) when,
+        at its forward, gradient sync is off or the accumulator holds gradients (the syncing backward carries
+        them into its reduction); each fold asks again when its gradient arrives, as ``_reduction`` does."""
+        st = self.ctx.knobs(name)
+        if not (self.ctx.defers(name) or st.acc):
+            return None
+        return functools.partial(self._fold, name)
+
+    def _fold(self, name: str, fqn: str, grad: torch.Tensor) -> bool:
+        st = self.ctx.knobs(name)
+        if self.ctx.defers(name):
+            dtype = self.plan.reduce_dtypes.get(fqn)
+            if dtype is None:
+                return False
+            fold_gradient(st.acc, fqn, grad, dtype)
+            return True
+        return add_into(st.acc, fqn, grad) if st.acc else False
 
     def _reduction(self, name: str) -> CallInfo:
         """How unit or group ``name``'s backward reduces, from its knobs when that backward runs (FSDP2

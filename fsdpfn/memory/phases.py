@@ -46,7 +46,9 @@ class GroupBytes(NamedTuple):
     ``copy_out``: what finishing a gather holds besides its result for a moment (a flat gather of several
     members: the rank-major buffer it copies them out of, as FSDP2's gathers do too); ``unreduced``: its
     trainable parameters' full-size gradients in the reduction's dtype (what a backward that defers its
-    reduction, gradient sync off, accumulates for a later one).
+    reduction, gradient sync off, accumulates for a later one); ``largest_grad``: the largest of its
+    members' full-size gradients and the small ones (where each is folded into an accumulator as it is
+    made, the most of the new ones alive at once: ``fsdpfn/ops/fold.py``; 0: as ``full_grads``).
     """
 
     gathered: int
@@ -59,6 +61,7 @@ class GroupBytes(NamedTuple):
     reduce_cast: int = 0
     copy_out: int = 0
     unreduced: int = 0
+    largest_grad: int = 0
 
 
 def phase_peaks(
@@ -169,18 +172,20 @@ def phase_peaks(
         early = root_early[k] if 0 <= k < len(root_early) else 0
         saved = (saved_until[k] if k >= 0 else saved_until[-1]) + batch if saved_until else activations + batch
         saved += between[k] if 0 <= k < len(between) else 0
+        # with accumulators each new gradient is folded into them as it is made (fsdpfn/ops/fold.py)
+        new = (g.largest_grad or g.full_grads) if deferring else g.full_grads
         if deferring:  # a deferring backward: every group's sums, this one's new gradients, no reduction
-            moments.append(Breakdown(shards, state, unreduced + g.full_grads + early, held + during + mine, saved, 0))
+            moments.append(Breakdown(shards, state, unreduced + new + early, held + during + mine, saved, 0))
             moments.append(Breakdown(shards, state, unreduced + early, held + prefetched, saved, 0))
         # the reducing one: the sums of this group and of those reduced after it (the earlier ones, the root)
         carried = root.unreduced + sum(groups[j].unreduced for j in range(k + 1)) if deferring else 0
         pending = early + accumulated + carried
         if in_flight is not None and not finishes:
             pending += in_flight.packed + in_flight.reduce_scratch + (in_flight.reduce_out if folds else 0)
-        moments.append(Breakdown(shards, state, done + g.full_grads + pending, held + during + mine, saved, 0))
+        moments.append(Breakdown(shards, state, done + new + pending, held + during + mine, saved, 0))
         if k >= 0 and rs[k] and g.regathered and g.copy_out:  # its re-gather finishing, before its gradients exist
             moments.append(Breakdown(shards, state, done + pending, held + during + mine + g.copy_out, saved, 0))
-        launched = g.full_grads + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early + accumulated + carried
+        launched = (0 if deferring else g.full_grads) + g.packed + (g.reduce_cast or g.reduce_out) + g.reduce_scratch + early + accumulated + carried
         moments.append(Breakdown(shards, state, done + launched, held + prefetched, saved, 0))
         if g.reduce_cast:
             cast = g.packed + g.reduce_cast + g.reduce_out + early + accumulated + carried

@@ -16,6 +16,7 @@ from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
 from fsdpfn.core.exchange import PACK_BELOW, direct_route
 from fsdpfn.layout.autobucket import FOREACH_PARTS
 from fsdpfn.memory.phases import GroupBytes, fsdp2_backward, phase_peaks
+from fsdpfn.ops.fold import FOLD_MIN_BYTES
 
 __all__ = ["rank_phases"]
 
@@ -45,13 +46,17 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         unreduced = sum(math.prod(plan.specs[f].shape) * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns if f in trainable)
         # backward gathers a resharded group again when it needs its parameters (saved_params: see estimate)
         regathered = any(f in saved_params for f in g.fqns)
+        # with accumulators, the new gradients alive at once: the largest folded one and the small ones,
+        # which wait for the group's node (fsdpfn/ops/fold.py)
+        member_grads = [math.prod(plan.specs[f].shape) * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns if f in trainable]
+        largest = max((b for b in member_grads if b >= FOLD_MIN_BYTES), default=0) + sum(b for b in member_grads if b < FOLD_MIN_BYTES)
         if world == 1:  # the collectives are the identity: only a dtype cast allocates
             cast = [(f, lay.dtype) for lay in g.gather for f in lay.fqns if lay.dtype != plan.dtypes[f]]
             full_grads = sum(numel[f] * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns)
             cast_bytes = sum(numel[f] * d.itemsize for f, d in cast)
             if all(own.values()):  # autograd's gradients are the reduced ones (cast members': compute dtype first)
-                return GroupBytes(cast_bytes, cast_bytes, 0, shard_grads, regathered=regathered, unreduced=unreduced)
-            return GroupBytes(cast_bytes, full_grads, 0, shard_grads, regathered=regathered, unreduced=unreduced)
+                return GroupBytes(cast_bytes, cast_bytes, 0, shard_grads, regathered=regathered, unreduced=unreduced, largest_grad=largest)
+            return GroupBytes(cast_bytes, full_grads, 0, shard_grads, regathered=regathered, unreduced=unreduced, largest_grad=largest)
         padded = sum(lay.nbytes for lay in g.reduce)
         full = padded * world
         computed = {f: lay.dtype for lay in g.gather for f in lay.fqns}  # autograd's gradients: compute dtype
@@ -79,6 +84,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
             regathered=regathered,
             gather_input=world * gather_small,
             unreduced=unreduced,
+            largest_grad=largest,
         )
 
     root = next((g for g in plan.groups if not g.name), None)

@@ -19,6 +19,7 @@ import torch
 from fsdpfn.core import Handle
 from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
+from fsdpfn.ops.fold import fold_gradient
 from fsdpfn.ops.grad_checks import UsedElsewhere, check_dense, second_order_error
 
 __all__ = ["CallInfo", "ReduceFunction", "UnshardFunction", "add_by_name", "apply_buckets"]
@@ -125,15 +126,13 @@ class _BucketCollective(torch.autograd.Function):
         check_dense(b.fqns, grads)
         if info.sink is not None:  # deferred reduction: keep the full gradients, reduce later
             graph = torch.is_grad_enabled()  # create_graph: the sums stay differentiable, out of place
-            for f, g in zip(b.fqns, grads):
+            for f, g in zip(b.fqns, grads):  # (None: a fold node took it already, fsdpfn/ops/fold.py)
                 if g is not None and f in info.sink_dtypes:
-                    have = info.sink.get(f)
-                    if have is None:  # a copy of our own: autograd's gradient may be shared or expanded
-                        info.sink[f] = g.to(info.sink_dtypes[f], copy=not graph)
-                    elif graph:
-                        info.sink[f] = have + g.to(info.sink_dtypes[f])
-                    else:  # added in place, as FSDP2 accumulates .grad: no second full gradient
-                        have.add_(g)
+                    if not graph:  # added in place, as FSDP2 accumulates .grad: no second full gradient
+                        fold_gradient(info.sink, f, g, info.sink_dtypes[f])
+                    else:
+                        have = info.sink.get(f)
+                        info.sink[f] = g.to(info.sink_dtypes[f]) if have is None else have + g.to(info.sink_dtypes[f])
             return (None,) * (2 + len(b.fqns))
         adj = b.adjoint
         assert adj is not None, "collective without an adjoint"

@@ -27,6 +27,7 @@ from fsdpfn.layout.schedule import Schedule
 from fsdpfn.ops.api import check_shards, gather_collective
 from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
+from fsdpfn.ops.fold import Fold, add_into, fold_each, fold_gradient
 from fsdpfn.ops.functions import CallInfo, apply_buckets
 from fsdpfn.ops.shared import launch_shared, shares_gather
 from fsdpfn.transform.eager import eager, functorch_active
@@ -149,6 +150,10 @@ class Call:
             info.deferred = None  # shards computed from the leaves: their gradient must flow on through autograd
         info.extra = functools.partial(self.extra_grads.pop, name, None)
         outs = apply_buckets(b, shards, info)
+        grad_fn = next((o.grad_fn for o in outs if o.grad_fn is not None), None)  # (the gather's node)
+        fold = self.folder(name) if grad_fn is not None and not functorch_active() else None
+        if fold is not None:  # each gradient into its accumulator as it is made, not when the group's are
+            outs = fold_each(outs, b.fqns, fold)
         full = dict(zip(b.fqns, outs))
         self.gathered[name] = full
         self.with_grad[name] = torch.is_grad_enabled()
@@ -159,7 +164,6 @@ class Call:
         self.tracks_grad[name] = {f: o.requires_grad for f, o in full.items()}
         if name not in self.order:
             self.order.append(name)
-        grad_fn = next((o.grad_fn for o in outs if o.grad_fn is not None), None)
         if grad_fn is not None:
             grad_fn.metadata["fsdpfn_call"] = self  # keeps the call alive exactly as long as the graph
             grad_fn.register_prehook(lambda _grads, _n=name: self._release(_n))
@@ -191,6 +195,17 @@ class Call:
             carry=self.carry,
             deferred=self.deferred if self.sink is None else None,
         )
+
+    def folder(self, name: str) -> Fold | None:
+        """Where group ``name``'s gradients go as autograd makes them, when they go to an accumulator
+        rather than to a reduction (``fsdpfn/ops/fold.py``): this call's sink, or a carry that holds the
+        parameter; ``None``: to the group's reduction."""
+        if self.sink is not None:
+            sink, dtypes = self.sink, self.plan.reduce_dtypes
+            return lambda f, g: f in dtypes and (fold_gradient(sink, f, g, dtypes[f]) or True)
+        if self.carry:
+            return functools.partial(add_into, self.carry)
+        return None
 
     def reshards(self, name: str) -> bool:
         """Whether group ``name``'s gathered copy is dropped after its forward (never the root's)."""
@@ -419,3 +434,4 @@ def group_done(plan: Any, members_done: dict[str, set[str]], group: str, unit: s
         return False
     del members_done[group]
     return True
+
