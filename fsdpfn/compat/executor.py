@@ -22,7 +22,7 @@ from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.layout.schedule import Schedule, build_schedule
 from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
-from fsdpfn.ops.fold import Fold, add_into, fold_gradient
+from fsdpfn.ops.fold import Fold, fold_into
 from fsdpfn.ops.functions import CallInfo, add_by_name
 from fsdpfn.transform.apply import Apply
 from fsdpfn.transform.call import Call
@@ -196,14 +196,7 @@ class CompatCall(Call):
         return functools.partial(self._fold, name)
 
     def _fold(self, name: str, fqn: str, grad: torch.Tensor) -> bool:
-        st = self.ctx.knobs(name)
-        if self.ctx.defers(name):
-            dtype = self.plan.reduce_dtypes.get(fqn)
-            if dtype is None:
-                return False
-            fold_gradient(st.acc, fqn, grad, dtype)
-            return True
-        return add_into(st.acc, fqn, grad) if st.acc else False
+        return fold_into(self.ctx.knobs(name).acc, fqn, grad, self.plan.reduce_dtypes, self.ctx.defers(name))
 
     def _reduction(self, name: str) -> CallInfo:
         """How unit or group ``name``'s backward reduces, from its knobs when that backward runs (FSDP2

@@ -9,10 +9,9 @@ forward and its backward.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
-
-import weakref
 
 import torch
 import torch.utils._pytree as pytree
@@ -159,7 +158,8 @@ class _Live(TorchDispatchMode):
 
     def __init__(self, known: set[int]):
         super().__init__()
-        self.known, self.now, self.peaks = known, 0, {}
+        self.known, self.now = known, 0
+        self.peaks: dict[str, int] = {}
         self.running: dict[str, int] = {}  # (a unit may run inside itself: counted per entry)
 
     def enter(self, unit: str) -> None:

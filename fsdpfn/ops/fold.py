@@ -11,12 +11,12 @@ where that took it, passes none on (the group's node then sees ``None`` for it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["Fold", "add_into", "fold_each", "fold_gradient"]
+__all__ = ["Fold", "fold_each", "fold_gradient", "fold_into"]
 
 Fold = Callable[[str, torch.Tensor], bool]  # (fqn, gradient) -> whether it took the gradient
 
@@ -38,15 +38,25 @@ def fold_gradient(acc: dict[str, torch.Tensor], fqn: str, grad: torch.Tensor, dt
         have.add_(grad)
 
 
-def add_into(acc: dict[str, torch.Tensor], fqn: str, grad: torch.Tensor) -> bool:
-    """Add ``grad`` into ``acc[fqn]`` in place where there is one (a carry: an accumulator's own tensor,
-    which the syncing backward reduces); whether it did.
+def fold_into(acc: dict[str, torch.Tensor] | None, fqn: str, grad: torch.Tensor, dtypes: Mapping[str, torch.dtype], sink: bool) -> bool:
+    """Whether ``grad`` went into accumulator ``acc``: with ``sink`` (a backward that defers its reduction),
+    every member ``dtypes`` names (in that dtype: ``fold_gradient``); else (a carry, which the syncing
+    backward reduces with its own) where ``acc`` holds the member already, in place.
 
     Example:
-        >>> acc = {"w": torch.zeros(2)}
-        >>> add_into(acc, "w", torch.ones(2)), add_into(acc, "b", torch.ones(2)), acc["w"]
-        (True, False, tensor([1., 1.]))
+        >>> acc, dtypes = {"w": torch.zeros(2)}, {"w": torch.float32, "b": torch.float32}
+        >>> fold_into(acc, "w", torch.ones(2), dtypes, False), fold_into(acc, "b", torch.ones(2), dtypes, False)
+        (True, False)
+        >>> fold_into(acc, "b", torch.ones(2), dtypes, True), acc["w"], acc["b"]
+        (True, tensor([1., 1.]), tensor([1., 1.]))
     """
+    if acc is None:
+        return False
+    if sink:
+        if fqn not in dtypes:
+            return False
+        fold_gradient(acc, fqn, grad, dtypes[fqn])
+        return True
     have = acc.get(fqn)
     if have is None:
         return False

@@ -27,7 +27,7 @@ from fsdpfn.layout.schedule import Schedule
 from fsdpfn.ops.api import check_shards, gather_collective
 from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
-from fsdpfn.ops.fold import Fold, add_into, fold_each, fold_gradient
+from fsdpfn.ops.fold import Fold, fold_each, fold_into
 from fsdpfn.ops.functions import CallInfo, apply_buckets
 from fsdpfn.ops.shared import launch_shared, shares_gather
 from fsdpfn.transform.eager import eager, functorch_active
@@ -200,12 +200,10 @@ class Call:
         """Where group ``name``'s gradients go as autograd makes them, when they go to an accumulator
         rather than to a reduction (``fsdpfn/ops/fold.py``): this call's sink, or a carry that holds the
         parameter; ``None``: to the group's reduction."""
-        if self.sink is not None:
-            sink, dtypes = self.sink, self.plan.reduce_dtypes
-            return lambda f, g: f in dtypes and (fold_gradient(sink, f, g, dtypes[f]) or True)
-        if self.carry:
-            return functools.partial(add_into, self.carry)
-        return None
+        if self.sink is None and not self.carry:
+            return None
+        acc = self.sink if self.sink is not None else self.carry
+        return lambda f, g: fold_into(acc, f, g, self.plan.reduce_dtypes, self.sink is not None)
 
     def reshards(self, name: str) -> bool:
         """Whether group ``name``'s gathered copy is dropped after its forward (never the root's)."""
@@ -434,4 +432,3 @@ def group_done(plan: Any, members_done: dict[str, set[str]], group: str, unit: s
         return False
     del members_done[group]
     return True
-
