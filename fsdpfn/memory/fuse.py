@@ -31,8 +31,9 @@ from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
 from fsdpfn.core.exchange import direct_route
 from fsdpfn.layout import ShardPlan, build_plan
 from fsdpfn.layout.plan import FUSED
-from fsdpfn.memory.estimate import OPTIMIZERS, _infos, step_estimator
+from fsdpfn.memory.estimate import _infos, step_estimator
 from fsdpfn.memory.keep import check_world_and_budget
+from fsdpfn.memory.room import Room, budget_margin, plan_room
 from fsdpfn.ops.units import Units, resolve_units
 from fsdpfn.policy import MixedPrecisionPolicy, as_mp_policy
 
@@ -242,7 +243,7 @@ def group_sizes_within(
     return chosen
 
 
-def _with_kept(planned: Any, world: int, chosen: GroupSizes, room: _Room, fit: Callable[[bool], bool]) -> GroupSizes:
+def _with_kept(planned: Any, world: int, chosen: GroupSizes, room: Room, fit: Callable[[bool], bool]) -> GroupSizes:
     """``chosen`` with its last 1, 2, ... groups left gathered after forward, as many as keep the
     estimate at ``chosen.peak`` (no memory beyond what its groups need) and its forward in ``room``
     (``fit``: on every rank)."""
@@ -292,7 +293,7 @@ def _gathers_alone(plan: ShardPlan, world: int, sizes: tuple[int, ...], device_t
 
 
 def _with_forward_spans(
-    planned: Any, world: int, chosen: GroupSizes, room: _Room, fits: Callable[[int, int], bool], alone: Sequence[bool],
+    planned: Any, world: int, chosen: GroupSizes, room: Room, fits: Callable[[int, int], bool], alone: Sequence[bool],
     fit: Callable[[bool], bool],
 ) -> GroupSizes:
     """``chosen`` with runs of its groups that forward gathers in one collective each, grown from the first
@@ -325,22 +326,22 @@ def _with_forward_spans(
 
 def _search_inputs(
     model: nn.Module, world: int, batch: Any, units: Units, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]
-) -> tuple[list[str], Any, Any, _Room, list[int], dict[str, int], ShardPlan]:
+) -> tuple[list[str], Any, Any, Room, list[int], dict[str, int], ShardPlan]:
     """What both searches start from: the unit names, the step's estimator (forward counted once), its
-    unfused estimate, the room a plan has (the budget given, or torch's peak: ``_room``), the sizes of the units that gather anything,
+    unfused estimate, the room a plan has (the budget given, or torch's peak: ``plan_room``), the sizes of the units that gather anything,
     every unit's gathered bytes by name (as ``min_bucket_bytes`` counts them) and the unfused plan ``shard``
     would build, which they come from."""
     names = resolve_units(model, units)
     planned = step_estimator(model, batch, units=units, **options)
     base = planned(world, None)
-    room = _room(model, world, planned, budget, torch_foreach, options)
+    room = plan_room(model, world, planned, budget, torch_foreach, options)
     plan = _unit_plan(model, world, names, options)
     unit_bytes = dict(zip(names, [u.gathered_bytes(world) for u in plan.units if u.name]))
     return names, planned, base, room, [s for s in unit_bytes.values() if s > 0], unit_bytes, plan
 
 
 def _largest_even(
-    planned: Any, world: int, smallest: int, most: int, room: _Room, fit: Callable[[bool], bool] = bool
+    planned: Any, world: int, smallest: int, most: int, room: Room, fit: Callable[[bool], bool] = bool
 ) -> tuple[int | None, int, Any]:
     """Even groups of 2, 3, ... ``most`` units: ``(threshold, k, estimate)`` of the largest whose estimate
     stays within ``room`` (``fit``: on every rank; ``(None, 1, None)`` when not even pairs do). A run of equal units closes at
@@ -365,55 +366,3 @@ def _unit_plan(model: nn.Module, world: int, names: list[str], options: dict[str
     policy = as_mp_policy(options.get("mp_policy"), "fsdpfn.memory") or MixedPrecisionPolicy()
     infos, _ = _infos(model, [""] + names)
     return build_plan(infos, [], [""] + names, rank=0, world=world, gather_dtype=policy.gather_dtype)
-
-
-@dataclass(frozen=True)
-class _Room:
-    """What a plan's estimate may reach: ``total``, its peak over the step, and ``forward``, its forward's.
-    The forward is priced group by group as it runs (what each moment holds), backward and FSDP2's model
-    with some slack (each group's moments at their largest); so where the budget is fsdpfn's own unfused
-    peak, met in its backward, a forward grown up to it would pass torch's real peak: the forward is held to
-    the unfused forward's peak or torch's modelled one, whichever is more."""
-
-    total: int
-    forward: int
-
-    def admits(self, got: Any, total: int | None = None) -> bool:
-        """Whether estimate ``got`` stays within ``total`` (default: this room's) and ``forward``."""
-        return got.peak <= (self.total if total is None else total) and got.phases["forward"].total <= self.forward
-
-
-def _room(model: nn.Module, world: int, planned: Any, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]) -> _Room:
-    """The budget given (the forward's too), or torch's peak for the same step (see the module's docstring
-    and ``_Room``)."""
-    if budget is not None:
-        return _Room(budget, budget)
-    base = planned(world, None)
-    step = base.phases["optimizer step"]
-    optimizer = options.get("optimizer", "adamw")
-    _, scratch = OPTIMIZERS["none" if optimizer is None else optimizer]  # estimate has checked the name
-    if torch_foreach is None:  # torch's default: the for-loop kernel on CPU, foreach elsewhere
-        torch_foreach = planned.device.type != "cpu"
-    if not scratch:
-        torch_scratch = 0
-    elif not torch_foreach:  # the for-loop kernel: sqrt(v) and its quotient, one parameter at a time
-        torch_scratch = 2 * max((-(-p.numel() // world) * p.element_size() for p in model.parameters() if p.requires_grad), default=0)
-    else:  # foreach (FSDP2's DTensors included): sqrt(v) of every trainable shard at once
-        torch_scratch = step.gradients
-    # fsdpfn's own unfused peak needs no margin: a plan estimated under it is compared like with like
-    torch_model = max(step.total - step.temporaries + torch_scratch, planned.fsdp2_backward(world))
-    torch_peak = torch_model - budget_margin(torch_model)
-    return _Room(max(base.peak, torch_peak), max(base.phases["forward"].total, torch_peak))
-
-
-def budget_margin(torch_peak: int) -> int:
-    """Bytes the default budget stays under torch's modelled peak (its optimizer step, its backward):
-    64 KiB and 0.1% of it. The estimate counts what a step holds, but not every scalar, step counter and
-    index tensor, and the model of FSDP2 is not exact either; a plan grown right up to the modelled peak
-    passed torch's measured one by 1 KiB (MLP blocks of 64/128 with two frozen blocks fused, world 2).
-
-    Example:
-        >>> budget_margin(100 << 20)
-        170393
-    """
-    return (64 << 10) + torch_peak // 1000
