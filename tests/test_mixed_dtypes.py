@@ -3,7 +3,7 @@ trains to the single-process result (FSDP2 rejects such a unit)."""
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -14,11 +14,12 @@ STEPS = 4
 # The bf16 weight's gradient is summed over ranks in bf16 (its own dtype), so it may differ from the
 # single-process one by a bf16 rounding step; the fp32 and complex parameters train through that weight,
 # so after a few steps they inherit a bf16-sized relative difference, well above fp32 rounding (up to
-# half a bf16 ulp, 4e-3: world 3, seed 125 reaches 3.5e-3).
+# half a bf16 ulp, 4e-3: world 3, seed 125 reaches 3.5e-3), and on an element far smaller than the others
+# a bf16-sized difference of theirs (world 3, seed 104: 5.4e-4 on 0.037)
 TOL = {
-    torch.float32: dict(rtol=8e-3, atol=2e-4),
+    torch.float32: dict(rtol=8e-3, atol=1e-3),
     torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
-    torch.complex64: dict(rtol=8e-3, atol=2e-4),
+    torch.complex64: dict(rtol=8e-3, atol=1e-3),
 }
 
 
@@ -61,6 +62,7 @@ def _worker(seed):
 
 @settings(max_examples=12)
 @given(world=st.integers(1, 4), seed=st.integers(0, 1000))
+@example(world=3, seed=104)  # (see TOL)
 def test_mixed_dtype_unit_trains_to_the_single_process_result(world, seed):
     ref = Mixed(seed)
     opt = torch.optim.SGD(ref.parameters(), lr=0.002, momentum=0.9, foreach=True)
