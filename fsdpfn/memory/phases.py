@@ -124,24 +124,24 @@ def phase_peaks(
     rs = [reshard] * n if isinstance(reshard, bool) else [bool(r) for r in reshard]
     if len(rs) != n:
         raise ValueError(f"phase_peaks: reshard has {len(rs)} entries for {n} groups")
-    gathered_fwd = 0
-    for k in range(n):
-        # groups kept from their forward to their backward, the running window, the enclosing groups
-        kept = {j for j in range(k) if not rs[j]} | (set(enclosing[k]) if k < len(enclosing) else set())
-        live = kept | set(range(k, min(n, k + 1 + prefetch)))
-        gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in live))
-        # finishing group k's gather (before it launches the next prefetch): its copy out beside it
-        finishing = kept | set(range(k, min(n, k + max(prefetch, 1))))
-        gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in finishing) + groups[k].copy_out)
-    gathered_fwd = max(gathered_fwd, root.copy_out)  # the root's gather, the first of the forward
-    forward = Breakdown(shards, state, accumulated, root.gathered + gathered_fwd, activations + batch, 0)
     if any(size > 1 for size in forward_spans) or saved_until:
-        # group by group: early groups' gathers beside the few activations saved by then (the plain
-        # window above prices the largest gather beside every activation)
+        # group by group: early groups' gathers beside the few activations saved by then
         forward = forward_with_spans(shards=shards, state=state, batch=batch, activations=activations, root=root, groups=groups,
                                      prefetch=prefetch, reshard=rs, saved_until=saved_until, enclosing=enclosing,
                                      spans=forward_spans or (1,) * n, running=running)
         forward = forward._replace(gradients=forward.gradients + accumulated)
+    else:  # no saved bytes per group: the largest gathered window beside every activation
+        gathered_fwd = 0
+        for k in range(n):
+            # groups kept from their forward to their backward, the running window, the enclosing groups
+            kept = {j for j in range(k) if not rs[j]} | (set(enclosing[k]) if k < len(enclosing) else set())
+            live = kept | set(range(k, min(n, k + 1 + prefetch)))
+            gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in live))
+            # finishing group k's gather (before it launches the next prefetch): its copy out beside it
+            finishing = kept | set(range(k, min(n, k + max(prefetch, 1))))
+            gathered_fwd = max(gathered_fwd, sum(groups[j].gathered for j in finishing) + groups[k].copy_out)
+        gathered_fwd = max(gathered_fwd, root.copy_out)  # the root's gather, the first of the forward
+        forward = Breakdown(shards, state, accumulated, root.gathered + gathered_fwd, activations + batch, 0)
     folds = accumulated and prefetch_at_release  # each result added in place once its reduction finished
     unreduced = sum(g.unreduced for g in groups) + root.unreduced if deferring else 0
     forward = forward._replace(gradients=forward.gradients + unreduced)
