@@ -42,14 +42,14 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
     def group_bytes(g: Any, as_fsdp2: bool = False) -> GroupBytes:
         shard_grads = sum(shard_bytes[f] for f in g.fqns if f in trainable)
         own = {f: lay.dtype == plan.dtypes[f] for lay in g.reduce for f in lay.fqns}
-        # full-size gradients kept for a later reduction, in its dtype (gradient sync off)
-        unreduced = sum(math.prod(plan.specs[f].shape) * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns if f in trainable)
-        # backward gathers a resharded group again when it needs its parameters (saved_params: see estimate)
-        regathered = any(f in saved_params for f in g.fqns)
+        # each trainable member's full-size gradient in the reduction's dtype
+        member_grads = [math.prod(plan.specs[f].shape) * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns if f in trainable]
+        unreduced = sum(member_grads)  # kept for a later reduction (gradient sync off)
         # with accumulators, the new gradients alive at once: the largest folded one and the small ones,
         # which wait for the group's node (fsdpfn/ops/fold.py)
-        member_grads = [math.prod(plan.specs[f].shape) * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns if f in trainable]
         largest = max((b for b in member_grads if b >= FOLD_MIN_BYTES), default=0) + sum(b for b in member_grads if b < FOLD_MIN_BYTES)
+        # backward gathers a resharded group again when it needs its parameters (saved_params: see estimate)
+        regathered = any(f in saved_params for f in g.fqns)
         if world == 1:  # the collectives are the identity: only a dtype cast allocates
             cast = [(f, lay.dtype) for lay in g.gather for f in lay.fqns if lay.dtype != plan.dtypes[f]]
             full_grads = sum(numel[f] * lay.dtype.itemsize for lay in g.reduce for f in lay.fqns)
