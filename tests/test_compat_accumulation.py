@@ -97,6 +97,7 @@ def _accumulated(impl, width, hidden, count, rows, micro, pattern, planned=False
 @example(width=64, hidden=256, count=8, rows=4, micro=4, world=2, pattern="forwards_first", planned=False)  # 1.113x before
 @example(width=64, hidden=256, count=8, rows=4, micro=4, world=2, pattern="each", planned=True)  # 1.095x, groups for one backward
 @example(width=128, hidden=512, count=8, rows=16, micro=4, world=2, pattern="each", planned=True)  # 1.076x so
+@example(width=256, hidden=1024, count=6, rows=8, micro=3, world=2, pattern="forwards_first", planned=True)  # 1.023x: other graphs unpriced
 def test_gradients_accumulated_over_backwards_hold_no_more_than_fsdp2_and_match_it(width, hidden, count, rows, micro, world, pattern, planned):
     ours = spmd(world, _accumulated, "fsdpfn.compat", width, hidden, count, rows, micro, pattern, planned)
     theirs = spmd(world, _accumulated, "torch.distributed.fsdp", width, hidden, count, rows, micro, pattern)
@@ -104,17 +105,25 @@ def test_gradients_accumulated_over_backwards_hold_no_more_than_fsdp2_and_match_
         assert peak <= ref_peak, (peak, ref_peak)
         for k in ref_params:
             torch.testing.assert_close(params[k], ref_params[k], rtol=1e-5, atol=1e-6)
-    if pattern == "each":  # the planner's estimate of an accumulating backward, for the groups it ran
-        from fsdpfn.memory.estimate import step_estimator
+    # the planner's estimate of an accumulating backward, for the groups it ran
+    from fsdpfn.memory.estimate import step_estimator
 
-        with torch.device("meta"):
-            model = _blocks(width, hidden, count)
+    with torch.device("meta"):
+        model = _blocks(width, hidden, count)
+    sizes, spans = ours[0][2]
+
+    def predicted(pending):
         est = step_estimator(model, torch.zeros(rows, width), units=[str(i) for i in range(count)], optimizer="sgd_momentum",
-                             accumulating=True, device="cpu")
-        sizes, spans = ours[0][2]
-        predicted = est(world, sizes, spans).per_rank
-        for rank, (peak, _, _) in enumerate(ours):
-            assert abs(predicted[rank] - peak) <= 0.1 * peak, (rank, predicted[rank], peak, sizes, spans)
+                             accumulating=True, device="cpu", pending_forwards=pending)
+        return est(world, sizes, spans).per_rank
+
+    one, every = predicted(0), predicted(micro - 1)
+    for rank, (peak, _, _) in enumerate(ours):
+        if pattern == "each":
+            assert abs(one[rank] - peak) <= 0.1 * peak, (rank, one[rank], peak, sizes, spans)
+        else:  # forwards first: each backward priced beside the most graphs awaiting theirs (the first
+            # backward's) and the accumulated gradients (the later ones'), a bound
+            assert 0.9 * one[rank] <= peak <= 1.1 * every[rank], (rank, one[rank], every[rank], peak, sizes, spans)
 
 
 @settings(max_examples=min(settings().max_examples, 3), deadline=None)

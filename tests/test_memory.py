@@ -19,6 +19,7 @@ from torch import nn
 import fsdpfn
 from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
 from fsdpfn.layout.autobucket import LinkCost
+from fsdpfn.memory.activations import forward_cost
 from fsdpfn.testing import decided_together, spmd
 from fsdpfn.testing import strategies as fst
 from fsdpfn.testing.memory import measured_step_peak
@@ -585,6 +586,13 @@ def test_the_estimate_prices_gradient_accumulation_when_asked(widths, world, fus
     assert deferring.phases["forward"].gradients == one.phases["forward"].gradients + full
     assert acc.peak >= one.peak and deferring.peak >= one.peak
     assert acc.phases["optimizer step"] == one.phases["optimizer step"] == deferring.phases["optimizer step"]
+    # other forwards' graphs awaiting backward: what each saves, beside the forward and every backward moment
+    saved = forward_cost(model, batch, device=torch.device("cpu"), param_dtype=lambda d: d, cast_inputs=None, units=["", *units]).saved
+    assert saved > 0
+    pending = fsdpfn.memory.estimate(model, world, batch, accumulating=True, pending_forwards=2, **kw)
+    for phase in ("forward", "backward"):
+        assert pending.phases[phase].total == acc.phases[phase].total + 2 * saved, phase
+    assert pending.phases["optimizer step"] == acc.phases["optimizer step"]
 
 
 def test_a_meta_model_gives_the_estimate_of_the_real_one():
@@ -730,6 +738,8 @@ def test_a_donated_module_and_metadata_reads_plan_as_the_module_does(data, world
         (dict(optimizer="lion"), ValueError, r"optimizer='lion' is not one the planner knows"),
         (dict(prefetch=-1), ValueError, r"prefetch must be an int >= 0"),
         (dict(replicate=0), ValueError, r"replicate must be an int >= 1"),
+        (dict(pending_forwards=-1), ValueError, r"pending_forwards must be an int >= 0 \(other forwards awaiting backward\)"),
+        (dict(pending_forwards=True), ValueError, r"pending_forwards must be an int >= 0"),
         (dict(reshard_after_forward="yes"), TypeError, r"reshard_after_forward must be a bool or a predicate on unit names"),
         (dict(reshard_after_forward=lambda unit: "yes", units=["0", "1"]), TypeError,
          r"predicate returned 'yes' for unit '0'; it must return a bool"),

@@ -85,6 +85,7 @@ def phase_peaks(
     accumulated: int = 0,
     deferring: bool = False,
     running: Sequence[int] = (),
+    pending: int = 0,
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
@@ -111,7 +112,9 @@ def phase_peaks(
     known) instead of as every activation beside the largest window; ``running[k]``: the most bytes the
     forward holds while group ``k`` runs (saved activations and intermediates: a frozen group saves none).
     ``between[k]``: the gradients flowing through group ``k``'s backward (of its output, received, and of
-    its input, made), beside its activations at each of its moments.
+    its input, made), beside its activations at each of its moments. ``pending``: what the graphs of
+    other forwards awaiting their backward hold (their saved tensors) through this forward and backward
+    (counted with the activations; gone by the optimizer step).
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -124,6 +127,7 @@ def phase_peaks(
     rs = [reshard] * n if isinstance(reshard, bool) else [bool(r) for r in reshard]
     if len(rs) != n:
         raise ValueError(f"phase_peaks: reshard has {len(rs)} entries for {n} groups")
+    step_batch, batch = batch, batch + pending  # (the other graphs counted with the batch until the optimizer step)
     if any(size > 1 for size in forward_spans) or saved_until:
         # group by group: early groups' gathers beside the few activations saved by then
         forward = forward_with_spans(shards=shards, state=state, batch=batch, activations=activations, root=root, groups=groups,
@@ -193,7 +197,7 @@ def phase_peaks(
         done += 0 if folds else g.reduce_out
         in_flight = None if g.reduce_cast else g
     backward = max(moments, key=lambda b: b.total)
-    optimizer = Breakdown(shards, state, accumulated or done, 0, batch, temporary)
+    optimizer = Breakdown(shards, state, accumulated or done, 0, step_batch, temporary)
     return {"forward": forward, "backward": backward, "optimizer step": optimizer}
 
 

@@ -261,7 +261,8 @@ class Apply(UnitHooks):
             functorch = functorch_active()
             eligible = not (functorch or traced or under_compile() or self._forward or in_backward())
             if eligible and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
-                note_batch(plan, args, kwargs)  # a batch past the planned one: asked with this check
+                # a batch past the planned one, or more graphs awaiting backward beside it: asked with this check
+                note_batch(plan, args, kwargs, pending=sum(len(a.calls_on(plan)) for a in plan.memo[("applies",)]))
                 check_pass(plan.comm)  # ranks that ran different units since the last forward: named, not mixed
             if plan.auto_fusion:
                 reshard_rule, fuse_key, keep_last = self.fusion_rules()

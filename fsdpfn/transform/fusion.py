@@ -38,7 +38,13 @@ with sync on every shard gradient from the second backward on (the later backwar
 sync off every full-size gradient. Groups priced for one backward measured 1.06-1.12x torch's peak there.
 So a backward of such a kind (``STEP_KINDS``; compat's backward sees a ``.grad`` or a unit with sync off,
 ``value_and_grad`` is given ``into=`` or ``reduce=False``) asks every rank to plan again the same way
-(``note_accumulation``), priced for it from then on.
+(``note_accumulation``), priced for it from then on. Forwards that run before earlier ones' backwards
+(every microbatch's forward first, pipeline schedules, two forwards summed into one loss) keep those graphs'
+saved activations alive through the later forward and backwards: with each forward's backward after all
+of them, planned groups measured 1.023x torch's peak (6 LayerNorm-MLP blocks 256 -> 1024, 3 microbatches,
+compat, world 2). A training forward that begins while more calls await their backward than planned for
+asks the same way (``note_batch``), and the planner prices that many graphs beside the step
+(``step_estimator(pending_forwards=)``).
 """
 
 from __future__ import annotations
@@ -70,7 +76,9 @@ class PlannedBatch(NamedTuple):
     this one's groups too). A step's peak grows with its batch, so each rank plans for its largest.
     ``pattern``: the kinds of step beyond one forward and backward the groups were planned for
     (``STEP_KINDS``), ``seen``: those a backward on this rank met since (``note_accumulation``), which
-    ask to plan again when they are not planned for.
+    ask to plan again when they are not planned for. ``pending``: the most earlier calls awaiting their
+    backward while a training forward began, planned for (their graphs' saved activations stay alive
+    through that forward and the backwards before theirs); ``pending_seen``: the most met since (``note_batch``).
 
     Example:
         >>> PlannedBatch(elements=64, replans=0).asked
@@ -82,12 +90,14 @@ class PlannedBatch(NamedTuple):
     batch: tuple[tuple[Any, ...], dict[str, Any], int] | None = None
     pattern: frozenset[str] = frozenset()
     seen: frozenset[str] = frozenset()
+    pending: int = 0
+    pending_seen: int = 0
 
     @property
     def asked(self) -> bool:
-        """Whether a training batch larger than the planned one, or a backward of a kind not planned
-        for, asked to plan again since."""
-        return (self.batch is not None and self.batch[2] > self.elements) or not self.seen <= self.pattern
+        """Whether a training batch larger than the planned one, a backward of a kind not planned for, or
+        a forward beside more graphs awaiting backward than planned for, asked to plan again since."""
+        return (self.batch is not None and self.batch[2] > self.elements) or not self.seen <= self.pattern or self.pending_seen > self.pending
 
 
 # Steps the planner prices beyond one forward and backward: "accumulating", backwards that add into the
@@ -96,10 +106,11 @@ class PlannedBatch(NamedTuple):
 STEP_KINDS = ("accumulating", "deferring")
 
 
-def note_batch(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def note_batch(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any], pending: int = 0) -> None:
     """Before a forward's pass check: ask every rank to plan ``plan``'s groups again when this is a training
     forward (autograd on) whose batch (``args``/``kwargs``) has more elements than its groups were planned
-    for. Communication-free: the request travels with the next pass check.
+    for, or that begins while more earlier calls on ``plan`` await their backward (``pending``) than they
+    were planned for. Communication-free: the request travels with the next pass check.
 
     Example:
         >>> note_batch(params.plan, (x,), {})     # doctest: +SKIP
@@ -110,7 +121,11 @@ def note_batch(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     elements = _elements(args, kwargs)
     if planned.batch is None or elements > planned.batch[2]:  # (asked once)
         plan.comm.guard.replan_asked = True
-        plan.memo[PLANNED_BATCH_MEMO] = planned._replace(batch=_shapes(args, kwargs, elements))
+        planned = planned._replace(batch=_shapes(args, kwargs, elements))
+    if pending > max(planned.pending, planned.pending_seen):
+        plan.comm.guard.replan_asked = True
+        planned = planned._replace(pending_seen=pending)
+    plan.memo[PLANNED_BATCH_MEMO] = planned
 
 
 def note_accumulation(plan: ShardPlan, kind: str) -> None:
@@ -178,12 +193,13 @@ def plan_fusion(
     if max(per_rank) < 0:
         return  # no rank's batch can be priced (positional and keyword tensors): shard's groups stay
     pattern = planned.pattern | planned.seen  # (the same on every rank: _plans_again)
-    plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(elements, plan.comm.guard.replans, _shapes(args, kwargs, elements), pattern)
+    pending = max(planned.pending, planned.pending_seen)
+    plan.memo[PLANNED_BATCH_MEMO] = PlannedBatch(elements, plan.comm.guard.replans, _shapes(args, kwargs, elements), pattern, pending=pending)
     # Batches of different sizes plan together: the same groups do not fit every batch (fewer rows leave
     # less room under torch's lower peak), so each fit is decided on every rank, one count each.
     together = None if len(set(per_rank)) == 1 else lambda fits: not tally(plan.comm, [not fits])[0]
     with planning(), torch.inference_mode(False), torch.enable_grad():
-        options = {**_options(plan, prefetch, reshard_after_forward, pattern), "keep_gathered": keep_gathered}
+        options = {**_options(plan, prefetch, reshard_after_forward, pattern, pending), "keep_gathered": keep_gathered}
         choice = _choose(module, plan.world, batch, units, options, fuse_key, max_group_bytes, together)
     # Ranks whose forwards ran different units (a divergence the next pass check names) choose differently
     # and keep shard's groups, whose collectives stay alike in order and size more often than fused ones
@@ -223,14 +239,17 @@ def _choose(
     return choice
 
 
-def _options(plan: ShardPlan, prefetch: int, reshard_after_forward: bool | Callable[[str], bool], pattern: frozenset[str]) -> dict[str, Any]:
+def _options(
+    plan: ShardPlan, prefetch: int, reshard_after_forward: bool | Callable[[str], bool], pattern: frozenset[str], pending: int
+) -> dict[str, Any]:
     """The planner's step: the optimizer ``fsdpfn.optim``'s ``init`` noted, the plan's policy and device,
-    and the kinds of backward it has (``pattern``, of ``STEP_KINDS``)."""
+    the kinds of backward it has (``pattern``, of ``STEP_KINDS``) and the most graphs awaiting their
+    backward beside it (``pending``)."""
     assert plan.comm is not None
     return {
         "optimizer": plan.memo.get(OPTIMIZER_MEMO, "none"), "mp_policy": plan.mp_policy, "prefetch": prefetch,
         "reshard_after_forward": reshard_after_forward, "device": plan.comm.groups.device,
-        **{kind: kind in pattern for kind in STEP_KINDS},
+        **{kind: kind in pattern for kind in STEP_KINDS}, "pending_forwards": pending,
     }  # fmt: skip
 
 
@@ -260,8 +279,9 @@ def _plans_again(plan: ShardPlan) -> bool:
     if not asking_ranks:  # another plan's request: this one is planned for its batches still
         plan.memo[PLANNED_BATCH_MEMO] = planned._replace(replans=plan.comm.guard.replans)
         return False
-    # every rank plans for the kinds of backward some rank met
-    plan.memo[PLANNED_BATCH_MEMO] = planned._replace(seen=frozenset(k for k, n in zip(STEP_KINDS, kind_ranks) if n))
+    # every rank plans for the kinds of backward some rank met, and for the most graphs awaiting backward
+    seen = frozenset(k for k, n in zip(STEP_KINDS, kind_ranks) if n)
+    plan.memo[PLANNED_BATCH_MEMO] = planned._replace(seen=seen, pending_seen=max(every_rank(plan.comm, planned.pending_seen)))
     return not busy_ranks
 
 
