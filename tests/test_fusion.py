@@ -629,6 +629,45 @@ def test_batches_no_larger_than_the_planned_one_never_plan_again():
     assert spmd(2, _same_batch, [64] * 17, 8) == [0, 0]
 
 
+def _summed_forwards(widths, batch, forwards):
+    """Three AdamW steps of a loss summing ``forwards`` calls of ``apply`` (DPO's pair, microbatches) on an
+    ``"auto"`` plan: the groups each step ran with and the graphs awaiting backward the plan is priced for."""
+    import torch.distributed as dist
+
+    from fsdpfn.layout.plan import PLANNED_BATCH_MEMO
+
+    rank = dist.get_rank()
+    model = _stack(widths)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(len(widths) - 1)])
+    opt = fsdpfn.optim.adamw(lr=1e-2)
+    state = opt.init(params)
+    apply = fsdpfn.fsdp(model)
+    xs = [torch.randn(batch, widths[0], generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(forwards)]
+    groups = []
+    for _ in range(3):
+        _, grads = fsdpfn.value_and_grad(lambda p: sum(apply(p, x).tanh().square().mean() for x in xs))(params)
+        params, state = opt.update(grads, state, params)
+        groups.append([u.name for u in params.plan.groups if u.name])
+    return groups, params.plan.memo[PLANNED_BATCH_MEMO].pending
+
+
+@settings(max_examples=min(settings().max_examples, 3), deadline=None)
+@given(widths=st.lists(st.sampled_from([32, 64, 96]), min_size=9, max_size=15), batch=st.sampled_from([8, 32]),
+       forwards=st.integers(2, 3), world=st.integers(2, 3))
+def test_forwards_beside_others_awaiting_backward_plan_for_their_graphs(widths, batch, forwards, world):
+    # the first call plans for one graph; its later forwards begin beside the earlier ones' graphs, which
+    # asks to plan again, priced with them (group_sizes_within(pending_forwards=))
+    with_graphs = _runs(_expected(widths, world, batch, "adamw", pending_forwards=forwards - 1).sizes)
+    runs = spmd(world, _summed_forwards, widths, batch, forwards)
+    plain = spmd(world, _summed_forwards, widths, batch, 1)
+    for groups, pending in runs:
+        assert pending == forwards - 1
+        assert groups[0] == _runs(_expected(widths, world, batch, "adamw").sizes)  # (the first call's: one graph)
+        assert groups[1:] == [with_graphs, with_graphs], (groups, with_graphs)
+        assert groups == runs[0][0]  # every rank alike
+    assert [p for _, p in plain] == [0] * world  # one forward per backward: nothing awaits
+
+
 def _planner_kept(widths, batch, rule):
     """Three AdamW steps of ``fsdp(model, reshard_after_forward=True)`` (``rule`` true) or with a predicate that
     reshards every unit, on an ``"auto"`` plan: the units its

@@ -149,8 +149,6 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         deferring=deferring,
         pending=pending,
     )
-    # reduced gradients of the root come last; with world 1 (aliasing) they are the full gradients
-
 
 
 def _small(layout: Any) -> int:
