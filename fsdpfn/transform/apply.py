@@ -56,6 +56,12 @@ def _only_grad_transforms() -> bool:
     return all(i.key() == torch._C._functorch.TransformType.Grad for i in stack)
 
 
+def _open_calls(plan: ShardPlan) -> list[Call]:
+    """Every ``fsdp`` apply's calls on ``plan`` that are in their forward or await their backward
+    (``Apply.calls_on``, over the applies registered on the plan)."""
+    return [c for a in plan.memo.get(("applies",), ()) for c in a.calls_on(plan)]
+
+
 class Apply(UnitHooks):
     """The pure ``apply(params, *args, **kwargs)`` returned by ``fsdp``; see ``fsdp`` for the semantics."""
 
@@ -199,7 +205,7 @@ class Apply(UnitHooks):
         kept = plan.memo.get(KEPT_GATHERED_MEMO)
         if not kept or functorch or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or under_compile() or in_backward():
             return frozenset()
-        others = [c for a in plan.memo.get(("applies",), ()) for c in a.calls_on(plan)]
+        others = _open_calls(plan)
         if others:
             for call in others:
                 call.drop_kept()
@@ -262,7 +268,7 @@ class Apply(UnitHooks):
             eligible = not (functorch or traced or under_compile() or self._forward or in_backward())
             if eligible and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
                 # a batch past the planned one, or more graphs awaiting backward beside it: asked with this check
-                note_batch(plan, args, kwargs, pending=sum(len(a.calls_on(plan)) for a in plan.memo[("applies",)]))
+                note_batch(plan, args, kwargs, pending=len(_open_calls(plan)))
                 check_pass(plan.comm)  # ranks that ran different units since the last forward: named, not mixed
             if plan.auto_fusion:
                 reshard_rule, fuse_key, keep_last = self.fusion_rules()
