@@ -24,6 +24,8 @@ from fsdpfn.testing import spmd
 from fsdpfn.testing import strategies as fst
 
 WIDTH, BLOCKS, STEPS, LR = 6, 3, 4, 0.1
+MEASURED = (1, STEPS - 1)  # steps after which the live calls and graph tensors are counted (a gc pass each: ~0.5 s):
+# the first step leaves what later steps reuse; a leak grows the count from the second step to the last
 
 
 class _Net(nn.Module):
@@ -97,11 +99,12 @@ def _steps(layer: str, pattern: str, units: list[str]) -> tuple[list[tuple[int, 
         from fsdpfn.compat.state import state_of
 
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        for _ in range(STEPS):
+        for step in range(STEPS):
             _backward(model, x, pattern)
             opt.step()
             opt.zero_grad()
-            alive.append(_alive(state_of(model).root.plan))
+            if step in MEASURED:
+                alive.append(_alive(state_of(model).root.plan))
         full = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
         return alive, full
     params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=units)
@@ -114,13 +117,14 @@ def _steps(layer: str, pattern: str, units: list[str]) -> tuple[list[tuple[int, 
     grad = fsdpfn.value_and_grad(loss)
     opt = fsdpfn.optim.sgd(lr=LR)
     state = opt.init(params)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         if pattern == "no_backward":
             apply(params, (x + 1.0).requires_grad_())  # a graph through every unit, dropped
         _, grads = grad(params, x)
         params, state = opt.update(grads, state, params)
         del grads
-        alive.append(_alive(params.plan))
+        if step in MEASURED:
+            alive.append(_alive(params.plan))
     full = fsdpfn.full_state_dict(params)
     return alive, ({k: v.clone() for k, v in full.items()} if dist.get_rank() == 0 else None)
 
@@ -140,9 +144,9 @@ def test_a_dropped_graph_frees_its_call_and_activations(world, layer, pattern, u
         pattern = "no_backward"  # value_and_grad runs one backward: no retain_graph in this layer
     ref = _reference(pattern, world)
     for rank, (alive, full) in enumerate(spmd(world, _steps, layer, pattern, units)):
-        calls, graph = zip(*alive)
-        assert calls[1:] == calls[1:2] * (STEPS - 1) and sorted(graph[1:], reverse=True) == list(graph[1:]), (
-            f"rank {rank}: (calls, graph tensors) alive after each step grow: {alive}"
+        (calls, graph), (later_calls, later_graph) = alive
+        assert later_calls == calls and later_graph <= graph, (
+            f"rank {rank}: (calls, graph tensors) alive after steps {MEASURED} grow: {alive}"
         )
         if full is not None:
             for k, want in ref.items():
