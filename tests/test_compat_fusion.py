@@ -347,6 +347,47 @@ def test_a_training_batch_larger_than_the_first_forwards_plans_the_groups_again(
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
 
 
+def _retained_across_a_replan(impl, knob):
+    """A graph kept with ``retain_graph=True`` on a 2-row batch, training steps on 64 rows (compat's
+    ``"auto"`` groups are planned again for them), then a second backward through the kept graph. Returns
+    the parameters' gradients then, or the error's text; ``knob``: compat's ``set_min_bucket_bytes``."""
+    import importlib
+
+    import torch.distributed as dist
+
+    fully_shard = importlib.import_module(impl).fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(24)])
+    _shard_blocks(fully_shard, model, None)
+    if impl == "fsdpfn.compat" and knob != "auto":
+        model.set_min_bucket_bytes(knob)
+    rank = dist.get_rank()
+    small = torch.randn(2, 32, generator=torch.Generator().manual_seed(rank))
+    large = torch.randn(64, 32, generator=torch.Generator().manual_seed(10 + rank))
+    kept = model(small).square().mean()
+    kept.backward(retain_graph=True)
+    for _ in range(3):
+        model(large).square().mean().backward()
+    try:
+        kept.backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+
+
+def test_a_graph_kept_across_a_replan_runs_backward_again_only_on_fixed_groups():
+    # the kept graph's forward gathered groups the replan for 64 rows replaced: its second backward
+    # names that (it raised a bare KeyError inside the re-gather before); with fixed groups it is FSDP2's
+    theirs = spmd(2, _retained_across_a_replan, "torch.distributed.fsdp", None)
+    for got in spmd(2, _retained_across_a_replan, "fsdpfn.compat", "auto"):
+        assert isinstance(got, str) and "collective group" in got and "is gone" in got and "set_min_bucket_bytes(" in got, got
+    for knob in (None, 4096):
+        for got, want in zip(spmd(2, _retained_across_a_replan, "fsdpfn.compat", knob), theirs):
+            assert not isinstance(got, str), got
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
 def _shared_comm_requests(width, hidden, count):
     """Two roots on one communication context (``share_comm_ctx``, as pipeline stages): ``b`` trains on 64
     rows first (its groups planned for them); ``a`` plans for one row, then trains on 64 (it asks to plan

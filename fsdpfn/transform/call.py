@@ -122,6 +122,23 @@ class Call:
         self._prefetch_at_release = self.plan.comm.groups.device_type != "cuda"
 
     # --- forward ----------------------------------------------------------------------------
+    def _group(self, name: str) -> UnitPlan:
+        """The plan's collective group ``name``, which this call's forward gathered: gone only when the plan's
+        groups were planned again since (``"auto"`` fusion, for a larger batch or a new kind of step) and
+        this call's graph, kept with ``retain_graph=True``, runs backward again."""
+        try:
+            return self.plan.group(name)
+        except KeyError:
+            raise RuntimeError(
+                f"backward through a graph whose collective group {name!r} is gone: the plan's groups were "
+                "planned again after this graph's forward (automatic fusion, min_bucket_bytes='auto', plans "
+                "again for a larger batch or another kind of step), and a graph kept with retain_graph=True "
+                "was run backward again. Run its later backwards before the next training forward, or fix the "
+                "groups: set_min_bucket_bytes(None or a byte count) on a compat root, "
+                "shard(..., min_bucket_bytes=None or a byte count) in the functional layer "
+                "(docs/errors.md: call-group-gone)"
+            ) from None
+
     def _collective(self, unit: UnitPlan) -> Buckets:
         return gather_collective(self.plan, (unit,), self.scale)
 
@@ -130,14 +147,14 @@ class Call:
 
     def _launch(self, name: str) -> list[Handle]:
         """Start gathering unit ``name`` outside autograd (prefetch, backward re-gather)."""
-        b = self._collective(self.plan.group(name))
+        b = self._collective(self._group(name))
         if b.in_place:
             return []  # nothing to move: the gather itself aliases the shards
         return b.launch([t.detach() for t in self._shards(b)])
 
     def gather(self, name: str) -> dict[str, torch.Tensor]:
         """Differentiably gather group ``name`` (waiting for its prefetch if one is in flight)."""
-        unit = self.plan.group(name)
+        unit = self._group(name)
         b = self._collective(unit)
         shards = self._shards(b)
         ready = None if name in self.pending or functorch_active() else self._take_kept(name)
@@ -230,7 +247,7 @@ class Call:
         span = self.schedule.forward_span(name)
         if len(span) < 2 or not self.in_forward or any(n in self.pending or n in self.gathered or n in self.order or self._kept_copy(n) is not None for n in span):
             return False
-        bs = [self._collective(self.plan.group(n)) for n in span]
+        bs = [self._collective(self._group(n)) for n in span]
         if not all(shares_gather(b) for b in bs) or len({b.layouts[0].dtype for b in bs}) != 1:
             return False
         pending = launch_shared(bs, [[t.detach() for t in self._shards(b)] for b in bs])
@@ -330,7 +347,7 @@ class Call:
             else:
                 full = self._kept_copy(name)
             if full is None:
-                b = self._collective(self.plan.group(name))
+                b = self._collective(self._group(name))
                 if b.in_place:
                     outs = b.run_in_place([t.detach() for t in self._shards(b)])
                 else:
@@ -394,7 +411,7 @@ class Call:
         back to the shards through a gather whose backward is the group's reduction (the forward ran the
         region under ``no_grad``, or its gradients never reach the forward's gather). Reductions add up:
         one here and one through the forward's gather, when both carry gradients, give their sum."""
-        b = self._collective(self.plan.group(name))
+        b = self._collective(self._group(name))
         shards = self._shards(b)
         with torch.enable_grad():
             outs = apply_buckets(b, shards, self.info(name))
