@@ -79,6 +79,8 @@ class PlannedBatch(NamedTuple):
     ask to plan again when they are not planned for. ``pending``: the most earlier calls awaiting their
     backward while a training forward began, planned for (their graphs' saved activations stay alive
     through that forward and the backwards before theirs); ``pending_seen``: the most met since (``note_batch``).
+    Neither the batch nor ``pending`` ever falls: a pattern met once tends to recur (a validation graph
+    held each epoch), and groups planned lower would pass torch's peak, and plan again, each time it did.
 
     Example:
         >>> PlannedBatch(elements=64, replans=0).asked
