@@ -28,8 +28,8 @@ def memory_tracker(*, module_peaks: bool = False) -> Any:
     finds in the module; under ``fsdpfn.fsdp`` those are the gathered (non-leaf) tensors swapped in for the
     call, and the registration raises. The hooks only label gradients as ``Grad`` instead of ``Temp``; the
     totals, and so the peak, do not depend on them. Each module's own peaks cost a pass over every module
-    tracked so far at every op (a third of a small model's tracked step): without ``module_peaks`` they
-    stay unset, and the whole run's peak is the same.
+    tracked so far at every op (a quarter of a small model's tracked step, cProfile): without
+    ``module_peaks`` they stay unset, and the whole run's peak is the same.
 
     Example:
         >>> tracker = memory_tracker()
