@@ -29,7 +29,7 @@ from fsdpfn.transform.open_call import OpenCall
 from fsdpfn.transform.saved import checkpoint_region, outer_saved_hooks
 from fsdpfn.transform.casting import cast_inputs, cast_output, copy_shard_views
 from fsdpfn.transform.eager import caller_frame, eager, functorch_active, in_backward, on_stack, under_compile
-from fsdpfn.transform.fusion import note_batch, plan_fusion
+from fsdpfn.transform.fusion import note_batch, open_calls, plan_fusion
 from fsdpfn.transform.occupancy import enter_module, leave_module
 from fsdpfn.transform.recompute import BackwardSwaps
 from fsdpfn.transform.remat import override_forwards
@@ -54,12 +54,6 @@ FUNCTORCH_UNDER_COMPILE = (
 def _only_grad_transforms() -> bool:
     stack = torch._C._functorch.get_interpreter_stack() or []
     return all(i.key() == torch._C._functorch.TransformType.Grad for i in stack)
-
-
-def _open_calls(plan: ShardPlan) -> list[Call]:
-    """Every ``fsdp`` apply's calls on ``plan`` that are in their forward or await their backward
-    (``Apply.calls_on``, over the applies registered on the plan)."""
-    return [c for a in plan.memo.get(("applies",), ()) for c in a.calls_on(plan)]
 
 
 class Apply(UnitHooks):
@@ -115,11 +109,6 @@ class Apply(UnitHooks):
         """The context the first call's fusion planner runs ``module``'s forward in (on fake tensors):
         nothing here; the compat layer turns its FSDP dispatch off there."""
         return contextlib.nullcontext()
-
-    def awaiting_backward(self, plan: ShardPlan) -> bool:
-        """Whether a call of this apply on ``plan`` is in its forward, or has a group whose backward is still
-        to run (``Call.awaiting_backward``): the fusion planner does not regroup ``plan`` under it."""
-        return bool(self.calls_on(plan))
 
     def regrouped(self) -> None:
         """The fusion planner just changed the plan's groups (between calls): nothing to do here; compat
@@ -205,7 +194,7 @@ class Apply(UnitHooks):
         kept = plan.memo.get(KEPT_GATHERED_MEMO)
         if not kept or functorch or not torch.is_grad_enabled() or torch.is_inference_mode_enabled() or under_compile() or in_backward():
             return frozenset()
-        others = _open_calls(plan)
+        others = open_calls(plan)
         if others:
             for call in others:
                 call.drop_kept()
@@ -268,7 +257,7 @@ class Apply(UnitHooks):
             eligible = not (functorch or traced or under_compile() or self._forward or in_backward())
             if eligible and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None:
                 # a batch past the planned one, or more graphs awaiting backward beside it: asked with this check
-                note_batch(plan, args, kwargs, pending=len(_open_calls(plan)))
+                note_batch(plan, args, kwargs, pending=len(open_calls(plan)))
                 check_pass(plan.comm)  # ranks that ran different units since the last forward: named, not mixed
             if plan.auto_fusion:
                 reshard_rule, fuse_key, keep_last = self.fusion_rules()

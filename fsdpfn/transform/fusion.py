@@ -64,7 +64,7 @@ from fsdpfn.layout.autobucket import FUSED_DEVICES
 from fsdpfn.layout.plan import FUSION_PLANNED_MEMO, OPTIMIZER_MEMO, PLANNED_BATCH_MEMO
 from fsdpfn.memory.fuse import GroupSizes, first_call_fuses, group_sizes_within
 
-__all__ = ["STEP_KINDS", "PlannedBatch", "note_accumulation", "note_batch", "plan_fusion"]
+__all__ = ["STEP_KINDS", "PlannedBatch", "note_accumulation", "note_batch", "open_calls", "plan_fusion"]
 
 
 class PlannedBatch(NamedTuple):
@@ -106,6 +106,18 @@ class PlannedBatch(NamedTuple):
 # shard gradients earlier ones of the step left (gradient accumulation with sync on); "deferring",
 # backwards that keep full-size gradients for a later one to reduce (sync off, reduce=False).
 STEP_KINDS = ("accumulating", "deferring")
+
+
+def open_calls(plan: ShardPlan) -> list[Any]:
+    """The calls on ``plan`` that are in their forward or await their backward, of every ``fsdp`` apply
+    that ran on it (``Apply.calls_on``, over the applies the plan's memo registers): the graphs a new
+    forward begins beside, and what a regroup must wait for.
+
+    Example:
+        >>> open_calls(params.plan)     # doctest: +SKIP
+        []
+    """
+    return [c for a in plan.memo.get(("applies",), ()) for c in a.calls_on(plan)]
 
 
 def note_batch(plan: ShardPlan, args: tuple[Any, ...], kwargs: dict[str, Any], pending: int = 0) -> None:
@@ -276,7 +288,7 @@ def _plans_again(plan: ShardPlan) -> bool:
     assert plan.comm is not None
     if planned is None or planned.replans >= plan.comm.guard.replans:
         return False
-    busy = any(a.awaiting_backward(plan) for a in plan.memo.get(("applies",), ()))  # (every apply on it)
+    busy = bool(open_calls(plan))
     busy_ranks, asking_ranks, *kind_ranks = tally(plan.comm, [busy, planned.asked, *(kind in planned.seen for kind in STEP_KINDS)])
     if not asking_ranks:  # another plan's request: this one is planned for its batches still
         plan.memo[PLANNED_BATCH_MEMO] = planned._replace(replans=plan.comm.guard.replans)
