@@ -347,17 +347,30 @@ def test_a_training_batch_larger_than_the_first_forwards_plans_the_groups_again(
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-5, atol=1e-6)
 
 
-def _retained_across_a_replan(impl, knob):
+class _Checkpointed(nn.Module):
+    """A block whose forward runs under a (non-reentrant) activation checkpoint: recomputed in backward."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _retained_across_a_replan(impl, knob, checkpointed=False):
     """A graph kept with ``retain_graph=True`` on a 2-row batch, training steps on 64 rows (compat's
     ``"auto"`` groups are planned again for them), then a second backward through the kept graph. Returns
-    the parameters' gradients then, or the error's text; ``knob``: compat's ``set_min_bucket_bytes``."""
+    the parameters' gradients then and whether the groups changed in between; ``knob``: compat's
+    ``set_min_bucket_bytes``; ``checkpointed``: each block recomputed in backward."""
     import importlib
 
     import torch.distributed as dist
 
     fully_shard = importlib.import_module(impl).fully_shard
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(24)])
+    blocks = [nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)) for _ in range(24)]
+    model = nn.Sequential(*[_Checkpointed(b) if checkpointed else b for b in blocks])
     _shard_blocks(fully_shard, model, None)
     if impl == "fsdpfn.compat" and knob != "auto":
         model.set_min_bucket_bytes(knob)
@@ -366,26 +379,34 @@ def _retained_across_a_replan(impl, knob):
     large = torch.randn(64, 32, generator=torch.Generator().manual_seed(10 + rank))
     kept = model(small).square().mean()
     kept.backward(retain_graph=True)
+    before = _groups_of(model)
     for _ in range(3):
         model(large).square().mean().backward()
-    try:
-        kept.backward()
-    except RuntimeError as exc:
-        return str(exc)
-    return {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+    kept.backward()
+    return {k: p.grad.full_tensor() for k, p in model.named_parameters()}, before != _groups_of(model)
 
 
-def test_a_graph_kept_across_a_replan_runs_backward_again_only_on_fixed_groups():
+def _groups_of(model):
+    """A compat root's collective groups by name (``None`` for torch's ``fully_shard``)."""
+    from fsdpfn.compat.state import state_of
+
+    st = state_of(model)
+    return None if st is None else [g.name for g in st.root.plan.groups]
+
+
+def test_a_graph_kept_across_a_replan_runs_backward_again():
     # the kept graph's forward gathered groups the replan for 64 rows replaced: its second backward
-    # names that (it raised a bare KeyError inside the re-gather before); with fixed groups it is FSDP2's
-    theirs = spmd(2, _retained_across_a_replan, "torch.distributed.fsdp", None)
-    for got in spmd(2, _retained_across_a_replan, "fsdpfn.compat", "auto"):
-        assert isinstance(got, str) and "collective group" in got and "is gone" in got and "set_min_bucket_bytes(" in got, got
-    for knob in (None, 4096):
-        for got, want in zip(spmd(2, _retained_across_a_replan, "fsdpfn.compat", knob), theirs):
-            assert not isinstance(got, str), got
-            for k in want:
-                torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+    # re-gathers and reduces those (a bare KeyError inside the re-gather before, then an error); the
+    # gradients are FSDP2's, with automatic and with fixed groups
+    for checkpointed, knobs in ((False, ("auto", None, 4096)), (True, ("auto",))):
+        # (checkpointed: the recompute swaps in the old groups' values and takes them out at their reduction)
+        theirs = spmd(2, _retained_across_a_replan, "torch.distributed.fsdp", None, checkpointed)
+        for knob in knobs:
+            ours = spmd(2, _retained_across_a_replan, "fsdpfn.compat", knob, checkpointed)
+            for (got, replanned), (want, _) in zip(ours, theirs):
+                assert replanned == (knob == "auto")  # (what makes the automatic case a test)
+                for k in want:
+                    torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
 
 
 def _shared_comm_requests(width, hidden, count):

@@ -610,6 +610,44 @@ def test_a_training_batch_larger_than_the_first_calls_plans_the_groups_again(wid
             torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-6)
 
 
+def _kept_across_a_replan(widths, first, batch):
+    """A graph on ``first`` rows kept with ``retain_graph=True`` past its first backward, three training
+    steps on ``batch`` rows (the ``"auto"`` groups are planned again for them), then its second backward:
+    both backwards' gradients and whether the groups changed in between."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _stack(widths)
+    params = fsdpfn.shard(model, fsdpfn.init_mesh(), units=[str(i) for i in range(len(widths) - 1)])
+    apply = fsdpfn.fsdp(model)
+    g = torch.Generator().manual_seed(3)
+    leaves = torch.utils._pytree.tree_map(lambda t: t.detach().requires_grad_(), params)
+    kept = apply(leaves, torch.randn(first, widths[0], generator=g)).square().mean()
+    shards = [leaves[k] for k in leaves.keys()]
+    once = torch.autograd.grad(kept, shards, retain_graph=True)
+    before = [u.name for u in params.plan.groups]
+    x = torch.randn(batch * world, widths[0], generator=g)[rank * batch : (rank + 1) * batch]
+    for _ in range(3):
+        fsdpfn.value_and_grad(lambda p: apply(p, x).square().mean())(params)
+    again = torch.autograd.grad(kept, shards)
+    return once, again, before != [u.name for u in params.plan.groups]
+
+
+@settings(max_examples=min(settings().max_examples, 2), deadline=None)
+@given(widths=st.lists(st.sampled_from([32, 40, 64]), min_size=9, max_size=21), first=st.integers(1, 4),
+       batch=st.sampled_from([16, 32]), world=st.integers(2, 3))
+@example(widths=[64] * 17, first=1, batch=16, world=2)  # planned again in between
+def test_a_graph_kept_across_a_replan_runs_backward_again_on_the_groups_it_was_planned_with(widths, first, batch, world):
+    # a replan needs no call awaiting its backward, but a graph kept with retain_graph=True may run one
+    # more: it re-gathers and reduces the groups its forward gathered (a KeyError, then an error, before)
+    results = spmd(world, _kept_across_a_replan, widths, first, batch)
+    if (widths, first, batch, world) == ([64] * 17, 1, 16, 2):
+        assert all(replanned for _, _, replanned in results)  # (what makes the example a test)
+    for once, again, _ in results:
+        for a, b in zip(once, again):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
 def _same_batch(widths, batch):
     import torch.distributed as dist
 

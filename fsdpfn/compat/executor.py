@@ -154,7 +154,13 @@ class CompatCall(Call):
         return full
 
     def _gathered_again(self, name: str, full: dict[str, torch.Tensor]) -> None:
-        self.ctx.kept.keep(self.ctx, name, full)
+        self._keep(name, full)
+
+    def _keep(self, name: str, full: dict[str, torch.Tensor]) -> None:
+        # a group planned before the plan's current groups (a kept graph's backward run again) is never
+        # gathered under its name again: nothing to keep it for
+        if self.group_of is self.plan.group_of:
+            self.ctx.kept.keep(self.ctx, name, full)
 
     def _kept_copy(self, name: str) -> dict[str, torch.Tensor] | None:
         return self.ctx.kept.get(self.ctx, name)
@@ -169,7 +175,7 @@ class CompatCall(Call):
 
     def _release(self, name: str) -> None:
         if name not in self.regathered and name in self.gathered:  # its forward's copy served the backward
-            self.ctx.kept.keep(self.ctx, name, self.gathered[name])
+            self._keep(name, self.gathered[name])
         super()._release(name)
 
     def info(self, name: str) -> CallInfo:

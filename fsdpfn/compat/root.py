@@ -193,8 +193,8 @@ class RootContext:
         """The state of unit ``name``, or of the first unit of fused group ``name`` (fused units share
         every knob, see ``UnitState.fuse_key``); ``None`` for a root without a state of its own."""
         st = self.states.get(name)
-        if st is None and FUSED in name:
-            st = self.states[self.plan.members(name)[0]]
+        if st is None and FUSED in name:  # (by its name, not the plan: a call's group may be one planned before)
+            st = self.states[name.split(FUSED)[0]]
         return st
 
     def knobs(self, name: str) -> UnitState:

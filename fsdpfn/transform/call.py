@@ -76,6 +76,11 @@ class Call:
         self.carry = carry
         self.deferred = deferred
         self.plan = params.plan
+        # the groups this call's forward gathers, as they stand now: a replan (automatic fusion, between
+        # calls) gives the plan new ones but leaves these, and the shards do not move, so a backward run
+        # again through a graph kept with retain_graph=True after one still re-gathers and reduces these
+        self.groups = self.plan.groups
+        self.group_of = self.plan.group_of
         self.scale = scale
         self.schedule = schedule
         self.reshard = schedule.any_reshard  # saved tensors of some group must be packed
@@ -121,24 +126,26 @@ class Call:
         # then never alive beside a second gathered group (one group less in backward's window).
         self._prefetch_at_release = self.plan.comm.groups.device_type != "cuda"
 
-    # --- forward ----------------------------------------------------------------------------
+    # --- the groups this call was planned with -----------------------------------------------
     def _group(self, name: str) -> UnitPlan:
-        """The plan's collective group ``name``, which this call's forward gathered: gone only when the plan's
-        groups were planned again since (``"auto"`` fusion, for a larger batch or a new kind of step) and
-        this call's graph, kept with ``retain_graph=True``, runs backward again."""
+        """The collective group ``name`` that this call's forward gathered: the plan's, or, when the plan's
+        groups were planned again since (a graph kept with ``retain_graph=True`` run backward again after
+        a larger batch), the one the call was planned with."""
         try:
             return self.plan.group(name)
         except KeyError:
-            raise RuntimeError(
-                f"backward through a graph whose collective group {name!r} is gone: the plan's groups were "
-                "planned again after this graph's forward (automatic fusion, min_bucket_bytes='auto', plans "
-                "again for a larger batch or another kind of step), and a graph kept with retain_graph=True "
-                "was run backward again. Run its later backwards before the next training forward, or fix the "
-                "groups: set_min_bucket_bytes(None or a byte count) on a compat root, "
-                "shard(..., min_bucket_bytes=None or a byte count) in the functional layer "
-                "(docs/errors.md: call-group-gone)"
-            ) from None
+            for g in self.groups:
+                if g.name == name:
+                    return g
+            raise
 
+    def members(self, group: str) -> tuple[str, ...]:
+        """The units of this call's group ``group`` (see ``_group``)."""
+        if self.group_of is self.plan.group_of:
+            return self.plan.members(group)
+        return tuple(u for u, g in self.group_of.items() if g == group)
+
+    # --- forward ----------------------------------------------------------------------------
     def _collective(self, unit: UnitPlan) -> Buckets:
         return gather_collective(self.plan, (unit,), self.scale)
 
@@ -257,7 +264,7 @@ class Call:
     def unit_done(self, group: str, unit: str) -> bool:
         """Note that unit ``unit`` of group ``group`` finished its forward; true once every unit of the
         group has (a fused group is dropped only then: its units share one gathered buffer)."""
-        return group_done(self.plan, self.members_done, group, unit)
+        return group_done(self.members(group), self.members_done, group, unit)
 
     def release(self, name: str, keep: bool = False) -> None:
         """Forget unit ``name``'s gathered copy after its forward (reshard); with ``keep``, a group this call
@@ -437,10 +444,9 @@ def without_autograd(gathered_with_grad: bool, fqns: Iterable[str], params: Shar
     return not gathered_with_grad and torch.is_grad_enabled() and any(params[f].requires_grad for f in fqns)
 
 
-def group_done(plan: Any, members_done: dict[str, set[str]], group: str, unit: str) -> bool:
-    """Record in ``members_done`` that ``unit`` of ``group`` finished its forward; true once all of the
-    group's units have (and the record is cleared for the group's next use)."""
-    members = plan.members(group)
+def group_done(members: Sequence[str], members_done: dict[str, set[str]], group: str, unit: str) -> bool:
+    """Record in ``members_done`` that ``unit`` of ``group`` (whose units are ``members``) finished its
+    forward; true once all of them have (and the record is cleared for the group's next use)."""
     if len(members) == 1:
         return True
     done = members_done.setdefault(group, set())

@@ -53,9 +53,9 @@ class BackwardSwaps:
     @eager
     def _enter(self, call: Call, unit: str, reentrant: bool, _grads: Any) -> None:
         key = (id(call), unit)
-        if key in self.active or unit not in call.plan.group_of:
+        if key in self.active or unit not in call.group_of:
             return
-        group = call.plan.group_of[unit]
+        group = call.group_of[unit]
         if not reentrant and not self._reachable(call.plan, unit) and group not in call.gathered and group not in call.regathered:
             return  # nothing but the unit's own hooks can read its values: gather again only if backward needs it
         values = self.values(call, group, unit, reentrant)
@@ -97,7 +97,7 @@ class BackwardSwaps:
         the gradients a reentrant checkpoint inside a member left on those values (its own backward
         differentiated the recompute, which read them): the group's reduction adds them to its own."""
         extra: dict[str, torch.Tensor] = {}
-        for unit in call.plan.members(group):
+        for unit in call.members(group):
             hit = self.active.pop((id(call), unit), None)
             if hit is not None:
                 for fqn, v in hit[2].items():

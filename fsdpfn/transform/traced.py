@@ -56,7 +56,7 @@ class TracedCall:
 
     def unit_done(self, group: str, unit: str) -> bool:
         """Note that ``unit`` of ``group`` finished its forward; true once all of the group's have."""
-        return group_done(self.plan, self.members_done, group, unit)
+        return group_done(self.plan.members(group), self.members_done, group, unit)
 
 
 def run_traced(apply: Apply, params: Sharded[torch.Tensor], fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -215,7 +215,7 @@ class UnitHooks:
                 if name not in call.plan.memo.setdefault(("unit_names",), {u.name for u in call.plan.units}):
                     self._unit_swaps.setdefault(name, []).append([])
                     return None
-                group = call.plan.group_of[name]
+                group = call.group_of[name]
                 full = call.for_unit(group)
                 self._unit_swaps.setdefault(name, []).append(self._swap(call.plan, full, name))
                 return cast_inputs(call.plan, args, kwargs, name)
@@ -243,7 +243,7 @@ class UnitHooks:
                 self._restore(stack.pop())
             if self._forward:
                 call = self._forward[-1].call
-                group = call.plan.group_of.get(name, name)
+                group = call.group_of.get(name, name)
                 if call.reshards(group) and group in call.gathered and self.release_after_module(name):
                     if call.unit_done(group, name):
                         call.release(group, keep=True)
@@ -285,7 +285,7 @@ class UnitHooks:
         call = self._recompute.current.get(name) or self._recompute_call(name)
         if call is None:
             return None
-        return call, self._swap(call.plan, self._recompute.values(call, call.plan.group_of[name], name), name)
+        return call, self._swap(call.plan, self._recompute.values(call, call.group_of[name], name), name)
 
     def _recompute_call(self, name: str) -> Call | None:
         """The call whose values a recompute of unit ``name`` uses when its backward has not started yet
@@ -303,7 +303,7 @@ class UnitHooks:
                     f"apply: unit {name!r} is being recomputed (activation checkpointing) while several forwards "
                     "over different parameter trees await backward; run backward before the next forward"
                 )
-        group = first.plan.group_of[name]
+        group = first.group_of[name]
         return next((c for c in calls if group in c.gathered or group in c.regathered), first)
 
 
