@@ -540,8 +540,10 @@ def test_the_last_planned_groups_stay_gathered_through_a_training_forward_and_tr
     theirs = spmd(world, _kept_steps, "torch.distributed.fsdp", width, hidden, count, batch, phase)
     with torch.device("meta"):
         model = _blocks(width, hidden, count)
+    # (a pair: the second forward begins while the first awaits its backward, which the ranks plan again for)
     choice = fsdpfn.memory.group_sizes_within(model, world, torch.zeros(batch, width), units=[str(i) for i in range(count)],
-                                              optimizer="none", reshard_after_forward=lambda u: True, keep_gathered=True)
+                                              optimizer="none", reshard_after_forward=lambda u: True, keep_gathered=True,
+                                              pending_forwards=int(phase == "pair"))
     for (losses, (kept, groups, gathers)), (ref, _) in zip(ours, theirs):
         assert kept == sorted(choice.kept_gathered) and kept == ours[0][1][0]  # the planner's, on every rank
         for g in groups:

@@ -182,7 +182,7 @@ def test_ranks_with_batches_of_different_sizes_plan_groups_that_fit_each_ranks_b
     # sequences of other lengths per rank: each rank alone would fuse differently (a hang, had they
     # followed their own choice; shard's groups, before), and the choice for the larger batch alone does
     # not fit the smaller one's budget; planned together, every rank takes groups that fit both
-    widths = [64] * 17
+    widths = [128] * 17
     alone = [_expected(widths, 2, b, "adamw") for b in (2, 4096)]
     together = _together(widths, 2, (2, 4096))
     assert alone[0].sizes != alone[1].sizes and together.sizes not in (alone[0].sizes, (1,) * 16)
@@ -266,6 +266,68 @@ def test_the_first_calls_groups_never_raise_the_peak_above_torchs_fully_shard(wi
     for ours, theirs, modelled in spmd(world, _against_fsdp2, width, hidden, norm, count, batch, frozen, mixed):
         assert ours.peak <= theirs, (ours, theirs)
         assert modelled <= 1.05 * theirs, (modelled, theirs)  # the activations' share is modelled alike for both
+
+
+class _MixerBlock(nn.Module):
+    """LayerNorm, a Linear over the sequence, LayerNorm, a GELU MLP over the features (residual each)."""
+
+    def __init__(self, seq, width, hidden):
+        super().__init__()
+        self.n1, self.tok = nn.LayerNorm(width), nn.Linear(seq, seq)
+        self.n2, self.fc1, self.fc2 = nn.LayerNorm(width), nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x):
+        x = x + self.tok(self.n1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.n2(x))))
+
+
+class _Mixer(nn.Module):
+    """A token mixer shaped like a language model: embedding and untied head in the root unit."""
+
+    def __init__(self, vocab, seq, width, hidden, count, out):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(_MixerBlock(seq, width, hidden) for _ in range(count))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, out)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _mixer_peaks(vocab, seq, width, hidden, count, out, rows):
+    """The step peaks of the mixer under fsdp's automatic groups, the compat layer's and torch's
+    ``fully_shard`` (each block a unit), on this rank's ``rows`` sequences."""
+    import torch.distributed as dist
+
+    from fsdpfn.compat import fully_shard
+    from fsdpfn.testing.memory import measured_fsdp2_step_peak, measured_step_peak
+
+    def model():
+        torch.manual_seed(0)
+        return _Mixer(vocab, seq, width, hidden, count, out)
+
+    tokens = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(dist.get_rank()))
+    units = [f"blocks.{i}" for i in range(count)]
+    ours = measured_step_peak(model(), tokens, units=units, min_bucket_bytes="auto").peak
+    compat = measured_fsdp2_step_peak(model(), tokens, units=units, fully_shard=fully_shard)
+    return ours, compat, measured_fsdp2_step_peak(model(), tokens, units=units)
+
+
+@settings(max_examples=min(settings().max_examples, 2), deadline=None)
+@given(vocab=st.integers(500, 4000), seq=st.sampled_from([8, 24]), width=st.sampled_from([64, 190]),
+       hidden=st.sampled_from([256, 570]), count=st.integers(4, 6), out=st.integers(200, 1000), rows=st.sampled_from([2, 6]),
+       world=st.integers(2, 3))
+@example(vocab=3001, seq=24, width=190, hidden=570, count=6, out=999, rows=6, world=2)  # 1.014x both layers before
+@example(vocab=3001, seq=24, width=190, hidden=570, count=6, out=999, rows=6, world=3)  # 1.024x
+def test_automatic_groups_never_raise_a_language_model_shaped_peak_above_torchs(vocab, seq, width, hidden, count, out, rows, world):
+    # the budget is fsdpfn's own unfused estimate where that is above torch's modelled peak; it overstated
+    # the last block's backward and understated backward's start, where a group kept gathered sits: each
+    # unit's moment is now compared with its own unfused moment (fsdpfn.memory.room.Room.by_unit)
+    for ours, compat, theirs in spmd(world, _mixer_peaks, vocab, seq, width, hidden, count, out, rows):
+        assert ours <= theirs and compat <= theirs, (ours, compat, theirs)
 
 
 def _against_fsdp2_per_rank(width, hidden, norm, count, rows):

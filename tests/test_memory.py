@@ -84,6 +84,40 @@ def test_the_estimate_is_within_10_percent_of_a_measured_step_on_every_rank(worl
 
 @settings(max_examples=min(settings().max_examples, 25))
 @given(data=st.data(), world=st.integers(1, 8), prefetch=st.integers(0, 2), fuse=st.sampled_from([None, 1 << 14]))
+def test_backward_moments_by_unit_cover_every_unit_and_reach_the_backward_peak(data, world, prefetch, fuse):
+    # (what the fusion planner compares plans by, moment by moment: fsdpfn.memory.room.Room)
+    recipe = data.draw(_models())
+    units = data.draw(fst.unit_plans(recipe))
+    est = fsdpfn.memory.estimate(recipe.build(), world, recipe.inputs(BATCH, 0), units=units, prefetch=prefetch, min_bucket_bytes=fuse)
+    named = {u for g in est.groups if g != "<root>" for u in g.split("+")}
+    assert set(est.backward_by_unit) == named | {""}
+    # (the largest on any rank: at least the peak rank's backward, at most the peak)
+    assert est.phases["backward"].total <= max(est.backward_by_unit.values()) <= est.peak
+
+
+def _room_probe():
+    from fsdpfn.memory.room import Room
+
+    class Est:  # the fields Room.admits reads
+        def __init__(self, peak, forward, by_unit):
+            self.peak, self.backward_by_unit = peak, by_unit
+            self.phases = {"forward": type("B", (), {"total": forward})()}
+
+    return Room, Est
+
+
+def test_a_room_over_fsdpfns_own_estimate_lets_each_units_moment_grow_only_to_torchs_model():
+    Room, Est = _room_probe()
+    room = Room(100, 90, torch=80, by_unit={"a": 70, "b": 95, "": 60})
+    assert room.admits(Est(100, 90, {"a": 80, "b": 95, "": 80}))  # a, "" up to torch's model; b as it was
+    assert not room.admits(Est(100, 90, {"a": 81, "b": 95, "": 60}))  # a past torch's model
+    assert not room.admits(Est(100, 90, {"a": 70, "b": 96, "": 60}))  # b grew past its own unfused moment
+    assert not room.admits(Est(101, 90, {"a": 70, "b": 95, "": 60}))  # the peak, as before
+    assert Room(100, 90).admits(Est(100, 90, {"a": 99}))  # a budget of torch's: the peak and forward only
+
+
+@settings(max_examples=min(settings().max_examples, 25))
+@given(data=st.data(), world=st.integers(1, 8), prefetch=st.integers(0, 2), fuse=st.sampled_from([None, 1 << 14]))
 def test_a_constant_reshard_predicate_is_estimated_as_the_flag(data, world, prefetch, fuse):
     # (a predicate is not monotone in the units it keeps: keeping an early unit can move a backward
     # prefetch, and the shard it sends, to a moment when more is gathered; the measured-step property

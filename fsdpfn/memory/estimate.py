@@ -16,7 +16,7 @@ from torch import nn
 
 import fsdpfn.trees as trees
 from fsdpfn.layout import ParamInfo, build_plan
-from fsdpfn.layout.plan import is_partition
+from fsdpfn.layout.plan import FUSED, is_partition
 from fsdpfn.layout.autobucket import FUSED_DEVICES, LinkCost
 from fsdpfn.memory.activations import forward_cost
 from fsdpfn.memory.rank import rank_phases
@@ -349,15 +349,23 @@ def _estimate_one(
     # Ranks with the same local shard sizes have the same peak: compute each distinct layout once.
     by_layout: dict[tuple[int, ...], dict[str, Any]] = {}
     per_rank = []
+    by_unit: dict[str, int] = {}  # each unit's group's largest backward moment, on any rank
+    named = [g for g in plan.groups if g.name]
     for r in range(world):
         numel = {f: math.prod(plan.specs[f].local_shape(r)) for f in plan.params}
         layout = tuple(numel[f] for f in plan.params)
         if layout not in by_layout:
+            by_group: list[int] = []
             by_layout[layout] = rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
                                              buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before,
-                                             fsdp2, forward_spans, boundary, accumulating, deferring, working, pending)
+                                             fsdp2, forward_spans, boundary, accumulating, deferring, working, pending, by_group)
             if fsdp2:  # only FSDP2's backward bound: the other phases are fsdpfn's
                 by_layout[layout] = {"backward": by_layout[layout]["fsdp2"]}
+            for g, most in zip(named, by_group):
+                for u in g.name.split(FUSED):
+                    by_unit[u] = max(by_unit.get(u, 0), most)
+            if by_group:  # backward's start and the root's reduction, under the root's name
+                by_unit[""] = max(by_unit.get("", 0), by_group[-1])
         per_rank.append(max(b.total for b in by_layout[layout].values()))
     rank = max(range(world), key=per_rank.__getitem__)
     numel = {f: math.prod(plan.specs[f].local_shape(rank)) for f in plan.params}
@@ -373,6 +381,7 @@ def _estimate_one(
         phases=phases,
         groups=tuple(g.label for g in plan.groups),
         bucket_bytes=plan.bucket_bytes,
+        backward_by_unit=by_unit,
     )
 
 

@@ -15,8 +15,9 @@ every trainable shard at once, which ``fsdpfn.optim.adamw``'s fused CPU kernel n
 none) and FSDP2's backward as the planner models it (``fsdpfn.memory.phases.fsdp2_backward``: FSDP2
 copies each group's gradients into a reduce-scatter input and keeps the last one until the next group's
 post-backward, which fsdpfn's direct exchanges do not), those two less a small margin
-(``budget_margin``) for what the models do not count. Groups stop at half the units, so one group's
-gather still overlaps another's compute.
+(``budget_margin``) for what the models do not count; where fsdpfn's unfused peak is the largest, each
+unit's backward moment is held to its unfused one or torch's modelled peak (``Room.by_unit``). Groups stop
+at half the units, so one group's gather still overlaps another's compute.
 """
 
 from __future__ import annotations

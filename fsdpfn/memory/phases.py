@@ -86,6 +86,7 @@ def phase_peaks(
     deferring: bool = False,
     running: Sequence[int] = (),
     pending: int = 0,
+    by_group: list[int] | None = None,
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
@@ -114,7 +115,10 @@ def phase_peaks(
     ``between[k]``: the gradients flowing through group ``k``'s backward (of its output, received, and of
     its input, made), beside its activations at each of its moments. ``pending``: what the graphs of
     other forwards awaiting their backward hold (their saved tensors) through this forward and backward
-    (counted with the activations; gone by the optimizer step).
+    (counted with the activations; gone by the optimizer step). ``by_group``, when given, is filled with
+    the largest backward moment of each group, in ``groups``' order, then one more: the largest of
+    backward's start and the root's moments (the fusion planner compares plans moment by moment with it:
+    ``fsdpfn.memory.room.Room``).
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -157,7 +161,9 @@ def phase_peaks(
     done = 0  # reduced gradients of the groups finished so far (accumulating and folded: not held)
     in_flight: GroupBytes | None = None  # the reduction still running when the next group's gradients exist
     order = [(k, groups[k]) for k in reversed(range(n))] + [(-1, root)]
+    largest = [0] * n + [moments[0].total]  # each group's largest backward moment, then start and root (by_group)
     for k, g in order:
+        first = len(moments)
         if k >= 0:
             kept = {j for j in range(k) if not rs[j]}  # still gathered since their forward
             ahead = [j for j in range(k) if rs[j] and groups[j].regathered][-prefetch:] if prefetch else []
@@ -196,6 +202,9 @@ def phase_peaks(
             moments.append(Breakdown(shards, state, done + cast, held + prefetched, saved, 0))
         done += 0 if folds else g.reduce_out
         in_flight = None if g.reduce_cast else g
+        largest[k] = max(largest[k] if k < 0 else 0, *(b.total for b in moments[first:]))
+    if by_group is not None:
+        by_group[:] = largest
     backward = max(moments, key=lambda b: b.total)
     optimizer = Breakdown(shards, state, accumulated or done, 0, step_batch, temporary)
     return {"forward": forward, "backward": backward, "optimizer step": optimizer}

@@ -25,14 +25,16 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
                  device_type: str, scratch: bool, prefetch: int, reshard: bool | Callable[[str], bool], buffer_bytes: int, batch_bytes: int, activations: int,
                  output_grad: int, last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int],
                  fsdp2: bool = False, forward_spans: tuple[int, ...] = (), boundary: dict[str, int] | None = None,
-                 accumulating: bool = False, deferring: bool = False, working: dict[str, int] | None = None, pending: int = 0) -> Any:
+                 accumulating: bool = False, deferring: bool = False, working: dict[str, int] | None = None, pending: int = 0,
+                 by_group: list[int] | None = None) -> Any:
     """The phase peaks (``phase_peaks``'s dict) of one rank whose local shards have ``numel`` elements
     each, or with ``fsdp2`` ``{"fsdp2": Breakdown}``, FSDP2's backward on the same groups;
     ``accumulating``: a backward after others of the same step (every trainable shard's gradient there);
     ``deferring``: backwards before the step's last one defer their reductions (gradient sync off);
     ``working``: per unit, the most bytes its forward's activations and intermediates hold at once;
     ``pending``: what other forwards' graphs awaiting their backward hold through the step's forward and
-    backward (fsdpfn's phases only: the FSDP2 model stays one graph's, see ``step_estimator``).
+    backward (fsdpfn's phases only: the FSDP2 model stays one graph's, see ``step_estimator``);
+    ``by_group``: filled with each named group's largest backward moment (``phase_peaks``).
 
     Example:
         >>> rank_phases(plan, numel, item, trainable, 2, 2, "cpu", False, 1, True, 0, 0, 0, 0, {}, frozenset(), {})  # doctest: +SKIP
@@ -148,6 +150,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         accumulated=accumulated,
         deferring=deferring,
         pending=pending,
+        by_group=by_group,
     )
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 __all__ = ["Breakdown", "MemoryEstimate", "PHASES"]
@@ -43,7 +44,9 @@ class MemoryEstimate:
 
     ``per_rank[r]`` is rank ``r``'s peak in bytes; ``peak`` the largest, reached on ``rank`` in ``phase``
     (one of ``PHASES``) with ``breakdown`` the terms at that moment; ``state`` is the rank's resident state
-    between steps (shards, optimizer state). ``str()`` is a table to print.
+    between steps (shards, optimizer state). ``backward_by_unit[u]``: the most bytes a rank holds in
+    backward while the group of unit ``u`` runs, ``""``: at backward's start and while the root's runs
+    (what the fusion planner compares plans by, moment by moment). ``str()`` is a table to print.
 
     Example:
         >>> est = fsdpfn.memory.estimate(model, 8, batch)        # doctest: +SKIP
@@ -59,6 +62,7 @@ class MemoryEstimate:
     phases: dict[str, Breakdown]
     groups: tuple[str, ...]
     bucket_bytes: int | None
+    backward_by_unit: Mapping[str, int] = field(default_factory=dict, hash=False)
 
     @property
     def peak(self) -> int:

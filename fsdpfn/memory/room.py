@@ -7,7 +7,8 @@ budget counts and why.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -24,14 +25,29 @@ class Room:
     The forward is priced group by group as it runs (what each moment holds), backward and FSDP2's model
     with some slack (each group's moments at their largest); so where the budget is fsdpfn's own unfused
     peak, met in its backward, a forward grown up to it would pass torch's real peak: the forward is held to
-    the unfused forward's peak or torch's modelled one, whichever is more."""
+    the unfused forward's peak or torch's modelled one, whichever is more.
+
+    ``by_unit`` (where the budget is fsdpfn's own unfused peak): the unfused plan's backward moments per
+    unit (``MemoryEstimate.backward_by_unit``). Its estimate is compared like with like only at the same
+    moment: where it overstates the moment of its peak (the last units' backward, every activation alive),
+    a fused group whose moment comes elsewhere could grow into that slack and pass torch's real peak
+    (an unseen token mixer: 1.014x). So each unit's moment may grow up to torch's modelled peak
+    (``torch``) or not at all where the unfused one is already above it."""
 
     total: int
     forward: int
+    torch: int = 0
+    by_unit: Mapping[str, int] | None = field(default=None, hash=False, compare=False)
 
     def admits(self, got: Any, total: int | None = None) -> bool:
-        """Whether estimate ``got`` stays within ``total`` (default: this room's) and ``forward``."""
-        return got.peak <= (self.total if total is None else total) and got.phases["forward"].total <= self.forward
+        """Whether estimate ``got`` stays within ``total`` (default: this room's) and ``forward``, and each
+        unit's backward moment within ``by_unit``'s rule."""
+        if got.peak > (self.total if total is None else total) or got.phases["forward"].total > self.forward:
+            return False
+        if self.by_unit is None:
+            return True
+        mine = got.backward_by_unit
+        return all(mine.get(u, 0) <= max(self.torch, most) for u, most in self.by_unit.items())
 
 
 def plan_room(model: nn.Module, world: int, planned: Any, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]) -> Room:
@@ -60,7 +76,10 @@ def plan_room(model: nn.Module, world: int, planned: Any, budget: int | None, to
     # fsdpfn's own unfused peak needs no margin: a plan estimated under it is compared like with like
     torch_model = max(step.total - step.temporaries + torch_scratch, planned.fsdp2_backward(world))
     torch_peak = torch_model - budget_margin(torch_model)
-    return Room(max(base.peak, torch_peak), max(base.phases["forward"].total, torch_peak))
+    forward = max(base.phases["forward"].total, torch_peak)
+    if base.peak <= torch_peak:
+        return Room(torch_peak, forward)
+    return Room(base.peak, forward, torch_peak, dict(base.backward_by_unit))
 
 
 def budget_margin(torch_peak: int) -> int:
