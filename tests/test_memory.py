@@ -108,7 +108,7 @@ def _room_probe():
 
 def test_a_room_over_fsdpfns_own_estimate_lets_each_units_moment_grow_only_to_torchs_model():
     Room, Est = _room_probe()
-    room = Room(100, 90, torch=80, by_unit={"a": 70, "b": 95, "": 60})
+    room = Room(100, 90, torch_peak=80, by_unit={"a": 70, "b": 95, "": 60})
     assert room.admits(Est(100, 90, {"a": 80, "b": 95, "": 80}))  # a, "" up to torch's model; b as it was
     assert not room.admits(Est(100, 90, {"a": 81, "b": 95, "": 60}))  # a past torch's model
     assert not room.admits(Est(100, 90, {"a": 70, "b": 96, "": 60}))  # b grew past its own unfused moment

@@ -32,11 +32,11 @@ class Room:
     moment: where it overstates the moment of its peak (the last units' backward, every activation alive),
     a fused group whose moment comes elsewhere could grow into that slack and pass torch's real peak
     (an unseen token mixer: 1.014x). So each unit's moment may grow up to torch's modelled peak
-    (``torch``) or not at all where the unfused one is already above it."""
+    (``torch_peak``) or not at all where the unfused one is already above it."""
 
     total: int
     forward: int
-    torch: int = 0
+    torch_peak: int = 0
     by_unit: Mapping[str, int] | None = field(default=None, hash=False, compare=False)
 
     def admits(self, got: Any, total: int | None = None) -> bool:
@@ -47,7 +47,7 @@ class Room:
         if self.by_unit is None:
             return True
         mine = got.backward_by_unit
-        return all(mine.get(u, 0) <= max(self.torch, most) for u, most in self.by_unit.items())
+        return all(mine.get(u, 0) <= max(self.torch_peak, most) for u, most in self.by_unit.items())
 
 
 def plan_room(model: nn.Module, world: int, planned: Any, budget: int | None, torch_foreach: bool | None, options: dict[str, Any]) -> Room:
