@@ -161,7 +161,7 @@ def phase_peaks(
     done = 0  # reduced gradients of the groups finished so far (accumulating and folded: not held)
     in_flight: GroupBytes | None = None  # the reduction still running when the next group's gradients exist
     order = [(k, groups[k]) for k in reversed(range(n))] + [(-1, root)]
-    largest = [0] * n + [moments[0].total]  # each group's largest backward moment, then start and root (by_group)
+    largest: dict[int, int] = {}  # each group's largest backward moment (k = -1: the root's), for by_group
     for k, g in order:
         first = len(moments)
         if k >= 0:
@@ -202,9 +202,9 @@ def phase_peaks(
             moments.append(Breakdown(shards, state, done + cast, held + prefetched, saved, 0))
         done += 0 if folds else g.reduce_out
         in_flight = None if g.reduce_cast else g
-        largest[k] = max(largest[k] if k < 0 else 0, *(b.total for b in moments[first:]))
+        largest[k] = max(b.total for b in moments[first:])
     if by_group is not None:
-        by_group[:] = largest
+        by_group[:] = [largest[k] for k in range(n)] + [max(moments[0].total, largest[-1])]
     backward = max(moments, key=lambda b: b.total)
     optimizer = Breakdown(shards, state, accumulated or done, 0, step_batch, temporary)
     return {"forward": forward, "backward": backward, "optimizer step": optimizer}

@@ -23,6 +23,7 @@ from fsdpfn.core import Handle
 from fsdpfn.core.guard import checking
 from fsdpfn.core.traced import Collectives
 from fsdpfn.layout import Sharded, UnitPlan
+from fsdpfn.layout.plan import FUSED
 from fsdpfn.layout.schedule import Schedule
 from fsdpfn.ops.api import check_shards, gather_collective
 from fsdpfn.ops.buckets import Buckets
@@ -140,10 +141,9 @@ class Call:
             raise
 
     def members(self, group: str) -> tuple[str, ...]:
-        """The units of this call's group ``group`` (see ``_group``)."""
-        if self.group_of is self.plan.group_of:
-            return self.plan.members(group)
-        return tuple(u for u, g in self.group_of.items() if g == group)
+        """The units of this call's group ``group``, planned before or now: its name joins theirs
+        (``ShardPlan.regroup`` maps units to groups the same way)."""
+        return tuple(group.split(FUSED))
 
     # --- forward ----------------------------------------------------------------------------
     def _collective(self, unit: UnitPlan) -> Buckets:
