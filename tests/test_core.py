@@ -239,6 +239,53 @@ def test_a_flat_gather_sends_from_its_own_result(world, exchange_min_bytes):
         assert peak == alone, (peak, alone)
 
 
+def _reduction_peak(shapes, direct):
+    """Peak bytes held while a bucket's gradients are reduced (flat: packed first, or direct: from the
+    gradients themselves), against what its input and output alone take; and whether the sum is right."""
+    import torch.distributed as dist
+
+    from fsdpfn.layout import BucketLayout, ShardSpec, shard_tensor
+    from fsdpfn.testing.memory import memory_tracker
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    specs = [ShardSpec(s, world) for s in shapes]
+    layout = BucketLayout.build([f"p{i}" for i in range(len(shapes))], specs, torch.float32)
+    grads = [(torch.arange(sp.numel, dtype=torch.float32).reshape(s) + 100 * i) * (rank + 1) for i, (s, sp) in enumerate(zip(shapes, specs))]
+    comm = Comm(fsdpfn.init_mesh())
+    comm.exchange_min_bytes = 0 if direct else 1 << 62
+    comm.exchange.pack_below = 0  # every member in a message of its own: nothing packed beside the gradients
+    tracker = memory_tracker()
+    tracker.track_external(*grads)
+    with tracker:
+        if direct:
+            h = comm.reduce_bucket(layout, grads)
+        else:
+            full = layout.pack_full(grads, device=torch.device("cpu"))
+            h = comm.reduce_scatter(full)
+        out = h.wait()
+    peak = max(d.get("Total", 0) for d in tracker.get_tracker_snapshot("peak").values())
+    grad_bytes = sum(g.untyped_storage().nbytes() for g in grads)
+    got = layout.unpack_shards(out, rank)
+    scale = world * (world + 1) / 2  # summed: rank r sent (r + 1) times the values
+    want = [shard_tensor((torch.arange(sp.numel, dtype=torch.float32).reshape(s) + 100 * i) * scale, sp, rank)
+            for i, (s, sp) in enumerate(zip(shapes, specs))]
+    return peak, grad_bytes, out.untyped_storage().nbytes(), all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_reduction_holds_its_input_and_output_and_one_segment_at_most(world, direct):
+    # FSDP2's reduce-scatter holds its packed input and its output. A flat (packed) exchange holds the same:
+    # the peers beyond the first land, in turn, in our own chunk of the input once it is summed. A direct
+    # one sends from autograd's gradients, which it must not write: the later peers land in one segment.
+    for peak, grads, out, equal in spmd(world, _reduction_peak, [(7, 3), (5,), (2, 9)], direct):
+        assert equal
+        # flat: the gradients, packed beside them (world segments), the output; direct: gradients, output,
+        # and from three ranks one segment for the later peers
+        want = grads + out + (out if world > 2 else 0) if direct else grads + world * out + out
+        assert peak == want, (peak, want)
+
+
 def _shared_gather(buckets, dtype, seed):
     """Several buckets gathered in one collective (Comm.gather_buckets) and each on its own."""
     import torch.distributed as dist

@@ -168,7 +168,7 @@ class BucketCollectives:
         self.stats._note("reduce_scatters", label, layout.numel * groups.world * layout.dtype.itemsize)
         fp = self.guard.begin("reduce_scatter", label, out, self.reduce_group)
         assert self.reduce_exchange is not None  # direct(gather=False) says so
-        fn, add, extra = self.reduce_exchange.reduce_direct(layout, fulls, out)  # type: ignore[arg-type]
+        fn, add = self.reduce_exchange.reduce_direct(layout, fulls, out, lambda work: self.guard.wait(work, fp))  # type: ignore[arg-type]
 
         def finish(result: torch.Tensor) -> torch.Tensor:
             add(result)
@@ -176,4 +176,4 @@ class BucketCollectives:
                 result.mul_(scale)
             return result
 
-        return self._launch("reduce", fn, keep=(*fulls, extra), result=out, fp=fp, finish=finish, consumed=(extra,))
+        return self._launch("reduce", fn, keep=tuple(fulls), result=out, fp=fp, finish=finish)

@@ -232,8 +232,8 @@ class Comm(BucketCollectives):
         group = self.reduce_group
         fp = self.guard.begin("reduce_scatter", label, full, group)
         if self.reduce_exchange is not None and full.device.type != "cuda":
-            fn, add, extra = self.reduce_exchange.reduce_flat(full, out)
-            return self._launch("reduce", fn, keep=(full, extra), result=out, fp=fp, finish=_then(add, finish), consumed=(full, extra))
+            fn, add = self.reduce_exchange.reduce_flat(full, out, lambda work: self.guard.wait(work, fp))
+            return self._launch("reduce", fn, keep=(full,), result=out, fp=fp, finish=_then(add, finish), consumed=(full,))
         send, recv = _as_reals(full).reshape(-1), _as_reals(out).reshape(-1)
         return self._launch(
             "reduce",

@@ -148,26 +148,32 @@ class Exchange:
 
         return fn
 
-    def reduce_flat(self, full: torch.Tensor, out: torch.Tensor) -> tuple[Callable[[bool], Works], Callable[[torch.Tensor], None], torch.Tensor]:
-        """Send chunk ``j`` of ``full`` (``(world, *shape)``) to rank ``j`` and receive the peers' chunks
-        of ours, the first straight into ``out``; ``add(out)`` then sums in our own chunk (and the
-        other peers'). Returns ``(fn, add, extra)``; ``extra`` holds the chunks of peers beyond the first."""
+    def reduce_flat(
+        self, full: torch.Tensor, out: torch.Tensor, wait: Callable[[Any], None]
+    ) -> tuple[Callable[[bool], Works], Callable[[torch.Tensor], None]]:
+        """Send chunk ``j`` of ``full`` (``(world, *shape)``, consumed) to rank ``j`` and receive the first
+        peer's chunk of ours into ``out``; ``add(out)`` then sums in our own chunk and receives each later
+        peer's chunk, in turn, into our own chunk of ``full`` (free once summed) and sums it too: nothing
+        but ``full`` and ``out`` is held (FSDP2 holds its reduce-scatter's input and output). ``wait(work)``
+        waits for each later message (the guard's timed wait). Returns ``(fn, add)``."""
         chunks = _bytes(full).view(self.world, -1)
-        extra = full.new_empty((max(0, self.world - 2), *out.shape))
-        slots = [out, *extra.unbind(0)]
         tag = self.tags()
+        first, later = self.others[0], self.others[1:]
+        sends: list[Any] = []
 
         def fn(_async: bool) -> Works:
-            works = [self._recv(_bytes(slot), j, tag) for j, slot in zip(self.others, slots)]
-            works += [self._send(chunks[j], j, tag) for j in self.others]
-            return Works(works)
+            sends[:] = [self._send(chunks[j], j, tag) for j in self.others]
+            return Works([self._recv(_bytes(out), first, tag)])
 
         def add(result: torch.Tensor) -> None:
-            for chunk in extra:  # in place, one chunk at a time: no chunk-sized sum beside them
-                result.add_(chunk)
-            result.add_(full[self.rank])
+            mine = full[self.rank]
+            result.add_(mine)
+            for j in later:
+                wait(self._recv(chunks[self.rank], j, tag))
+                result.add_(mine)
+            _wait_all(sends, wait)
 
-        return fn, add, extra
+        return fn, add
 
     # --- straight into / out of the full tensors (dim-0 members) ---------------------------------
     def gather_direct(
@@ -228,69 +234,81 @@ class Exchange:
         return fn, unpack
 
     def reduce_direct(
-        self, layout: BucketLayout, fulls: Sequence[torch.Tensor], out: torch.Tensor
-    ) -> tuple[Callable[[bool], Works], Callable[[torch.Tensor], None], torch.Tensor]:
+        self, layout: BucketLayout, fulls: Sequence[torch.Tensor], out: torch.Tensor, wait: Callable[[Any], None]
+    ) -> tuple[Callable[[bool], Works], Callable[[torch.Tensor], None]]:
         """Reduce-scatter contiguous full gradients (bucket dtype) into ``out`` (``layout.numel``, our
         padded segment; padding zeroed): rank ``j``'s rows of each gradient go to ``j`` as they are
-        (the small members' packed into one message), the peers' rows of ours land in ``out`` (first
-        peer) or ``extra``; ``add(out)`` places the packed ones and sums in our own."""
+        (the small members' packed into one message), the first peer's rows of ours land in ``out``;
+        ``add(out)`` places the packed ones, sums in our own rows, then receives each later peer's rows
+        in turn into one scratch segment (the gradients are autograd's: never written) and sums them.
+        ``wait(work)`` waits for each later message (the guard's timed wait). Returns ``(fn, add)``."""
         route = _route(layout, self.pack_below)
         rows, me, others = route.rows, self.rank, self.others
         base = self.tags(len(layout.fqns) + 1)
         packed_tag = base + len(layout.fqns)
-        extra = out.new_empty((max(0, self.world - 2), *out.shape))
-        slots = [out, *extra.unbind(0)]
         flat = [f.reshape(-1) for f in fulls]
         offsets = layout.offsets
         own = [stop - start for start, stop in (r[me] for r in rows)]  # our rows of each member, in elements
         for off, spec, n in zip(offsets, layout.specs, own):
-            if n < spec.padded_numel:
-                for slot in slots:  # the peers' padding is summed into ours: keep it zero
-                    slot[off + n : off + spec.padded_numel].zero_()
+            if n < spec.padded_numel:  # the peers' padding is summed into ours: keep it zero
+                out[off + n : off + spec.padded_numel].zero_()
         mine = [(i, own[i]) for i in route.packed]
         inbox_numel = sum(n for _, n in mine)
         inboxes = [out.new_empty(inbox_numel) for _ in others] if inbox_numel else []
+        sends: list[Any] = []
+
+        def receive(slot: torch.Tensor, j: int) -> list[Any]:
+            return [self._recv(slot[offsets[i] : offsets[i] + own[i]].view(torch.uint8), j, base + i) for i in route.alone if own[i]]
 
         def fn(_async: bool) -> Works:
-            works = []
-            for i in route.alone:
-                n, off = own[i], offsets[i]
-                if n:
-                    works += [self._recv(slot[off : off + n].view(torch.uint8), j, base + i) for j, slot in zip(others, slots)]
-            for j, box in zip(others, inboxes):
-                works.append(self._recv(box.view(torch.uint8), j, packed_tag))
+            works = receive(out, others[0])
+            works += [self._recv(box.view(torch.uint8), j, packed_tag) for j, box in zip(others, inboxes)]
             for i in route.alone:
                 f = flat[i]
                 for j in others:
                     start, stop = rows[i][j]
                     if stop > start:
-                        works.append(self._send(f[start:stop].view(torch.uint8), j, base + i))
+                        sends.append(self._send(f[start:stop].view(torch.uint8), j, base + i))
             keep = []
             if route.packed:
                 for j in others:
                     parts = [flat[i][rows[i][j][0] : rows[i][j][1]] for i in route.packed]
                     pack = torch.cat(parts) if len(parts) > 1 else parts[0]
                     if pack.numel():
-                        works.append(self._send(pack.view(torch.uint8), j, packed_tag))
+                        sends.append(self._send(pack.view(torch.uint8), j, packed_tag))
                         keep.append(pack)
             return Works(works, tuple(keep))
 
+        def place(target: torch.Tensor, box: torch.Tensor) -> None:
+            pos = 0
+            for i, n in mine:
+                if n:
+                    target[offsets[i] : offsets[i] + n].copy_(box[pos : pos + n])
+                    pos += n
+
         def add(result: torch.Tensor) -> None:
-            for k, box in enumerate(inboxes):
-                target = result if k == 0 else extra[k - 1]
-                pos = 0
-                for i, n in mine:
-                    if n:
-                        target[offsets[i] : offsets[i] + n].copy_(box[pos : pos + n])
-                        pos += n
-            for chunk in extra:  # in place, one chunk at a time: no chunk-sized sum beside them
-                result.add_(chunk)
+            if inboxes:
+                place(result, inboxes[0])
             for i, (off, f) in enumerate(zip(offsets, flat)):
                 start, stop = rows[i][me]
                 if stop > start:
                     result[off : off + stop - start].add_(f[start:stop])
+            if len(others) > 1:
+                slot = torch.zeros_like(result)  # padding stays zero; rows of members sent packed come from the inbox
+                for k, j in enumerate(others[1:], 1):
+                    _wait_all(receive(slot, j), wait)
+                    if inboxes:
+                        place(slot, inboxes[k])
+                    result.add_(slot)
+                slot.untyped_storage().resize_(0)  # now: gloo's thread may hold the finished receives a while
+            _wait_all(sends, wait)
 
-        return fn, add, extra
+        return fn, add
+
+
+def _wait_all(works: list[Any], wait: Callable[[Any], None]) -> None:
+    for w in works:
+        wait(w)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

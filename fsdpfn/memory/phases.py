@@ -34,8 +34,8 @@ class GroupBytes(NamedTuple):
     one rank, no cast); ``full_grads``: the full-size gradients autograd makes for it; ``packed``: the
     flat copy of them the reduction sends (0 where it sends the gradients themselves); ``reduce_out``:
     this rank's reduced gradients (they stay until the optimizer step); ``reduce_scratch``: what the
-    reduction holds besides its input and output while in flight (CPU: the chunks of the peers beyond the
-    first, summed into the output in place); ``regathered``: whether backward
+    reduction holds besides its input and output (CPU, direct exchanges at three ranks or more: one
+    segment the peers beyond the first land in, in turn, while it finishes); ``regathered``: whether backward
     needs its parameters (autograd saved some, or its backward runs: a unit's values are put back for
     a recompute), so a resharded group is gathered again; ``gather_input``:
     what a gather holds besides its result while a backward prefetch of the group is in flight (a CPU

@@ -15,6 +15,7 @@ from typing import Any
 from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
 from fsdpfn.core.exchange import PACK_BELOW, direct_route
 from fsdpfn.layout.autobucket import FOREACH_PARTS
+from fsdpfn.layout.plan import FUSED
 from fsdpfn.memory.phases import GroupBytes, fsdp2_backward, phase_peaks
 from fsdpfn.ops.fold import FOLD_MIN_BYTES
 
@@ -84,7 +85,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
             packed=2 * (world - 1) * sum(_small(lay) for lay in g.reduce) if direct else full,
             reduce_out=padded if all(own.values()) else shard_grads,
             reduce_cast=0 if all(own.values()) else padded,  # reduced in another dtype, then cast
-            reduce_scratch=padded * max(0, world - 2) if cpu else 0,
+            reduce_scratch=padded if direct and world > 2 else 0,  # a direct reduction's later peers land in one segment
             regathered=regathered,
             gather_input=world * gather_small,
             unreduced=unreduced,
@@ -113,8 +114,8 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
     enclosing = [[j for j, o in enumerate(others) if j < k and _encloses(o.name, g.name)] for k, g in enumerate(others)]
     # the gradients flowing into and out of each group's backward (its members run one after another)
     known = boundary or {}
-    between = [max(known.get(u, 0) for u in g.name.split("+")) for g in others]
-    running = [max((working or {}).get(u, 0) for u in g.name.split("+")) for g in others]
+    between = [max(known.get(u, 0) for u in g.name.split(FUSED)) for g in others]
+    running = [max((working or {}).get(u, 0) for u in g.name.split(FUSED)) for g in others]
     if fsdp2:
         return {"fsdp2": fsdp2_backward(
             shards=sum(shard_bytes.values()) + buffer_bytes,
@@ -180,13 +181,13 @@ def _reshards(plan: Any, group: str, rule: bool | Callable[[str], bool]) -> bool
 
 def _encloses(outer: str, inner: str) -> bool:
     """Whether a unit of (fused) group ``outer`` contains a unit of group ``inner``."""
-    return any(i.startswith(o + ".") for o in outer.split("+") for i in inner.split("+"))
+    return any(i.startswith(o + ".") for o in outer.split(FUSED) for i in inner.split(FUSED))
 
 
 def _saved_until(groups: Sequence[Any], saved_before: dict[str, int], total: int) -> list[int]:
     """Activations alive during each group's backward (what forward saved until the next group started),
     and last the root's (what was saved before the first group)."""
-    starts = [min((saved_before[u] for u in g.name.split("+") if u in saved_before), default=None) for g in groups]
+    starts = [min((saved_before[u] for u in g.name.split(FUSED) if u in saved_before), default=None) for g in groups]
     out = []
     for k in range(len(groups)):
         nxt = next((s for s in starts[k + 1 :] if s is not None), total)
