@@ -286,6 +286,42 @@ def test_a_reduction_holds_its_input_and_output_and_one_segment_at_most(world, d
         assert peak == want, (peak, want)
 
 
+def _reduction_missing_a_peer(timeout, direct):
+    import time
+
+    import torch.distributed as dist
+
+    from fsdpfn.layout import BucketLayout, ShardSpec
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    comm = Comm(fsdpfn.init_mesh())
+    comm.guard.timeout = timeout
+    comm.exchange_min_bytes = 0  # reduce_bucket's direct exchange,
+    comm.exchange.pack_below = 0  # the member in a message of its own (a packed one's inboxes are posted at launch)
+    if rank == world - 1:
+        time.sleep(timeout + 0.8)  # alive, but not taking part
+        return "slept"
+    layout = BucketLayout.build(("w",), (ShardSpec((6, 2), world),), torch.float32)
+    if direct:
+        comm.reduce_bucket(layout, [torch.ones(6, 2)]).wait()
+    else:
+        comm.reduce_scatter(torch.ones(world, 4)).wait()
+    return "finished"
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_reduction_waiting_for_a_later_peer_times_out_naming_it(direct):
+    # at world 3 the peers beyond the first are received as the reduction finishes: those waits are timed
+    # too (the last rank's chunk is the later one for ranks 0 and 1), never a hang
+    from fsdpfn.core.guard import CollectiveTimeout
+
+    with pytest.raises(CollectiveTimeout) as info:
+        spmd(3, _reduction_missing_a_peer, 2.0, direct, timeout=30)
+    errors = info.value.rank_errors
+    assert set(errors) == {0, 1}
+    assert all("did not complete within 2 s" in e and "reduce_scatter" in e for e in errors.values()), errors
+
+
 def _shared_gather(buckets, dtype, seed):
     """Several buckets gathered in one collective (Comm.gather_buckets) and each on its own."""
     import torch.distributed as dist
