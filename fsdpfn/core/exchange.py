@@ -12,7 +12,9 @@ each member of a direct exchange has its own tag. Members too small to be worth 
 bucket: on loopback gloo a message costs about 0.2 ms of CPU whatever its size, as much as ~0.35 MiB of
 payload, so a LayerNorm-MLP block's six parameters cost three messages instead of six. The functions
 here build the ``fn(async_op)`` closures ``Comm`` launches; they allocate what the result needs and
-nothing else. Messages go straight to the process group's ``send``/``recv`` (group ranks), skipping
+nothing else (but one segment, while a direct reduction over three ranks or more finishes). A reduction
+receives the first peer's part while in flight and the later peers' in turn as it finishes, so that it
+holds no more than its input and output, as FSDP2's reduce-scatter does. Messages go straight to the process group's ``send``/``recv`` (group ranks), skipping
 ``torch.distributed``'s per-call wrappers.
 """
 
