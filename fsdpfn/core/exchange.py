@@ -14,8 +14,8 @@ payload, so a LayerNorm-MLP block's six parameters cost three messages instead o
 here build the ``fn(async_op)`` closures ``Comm`` launches; they allocate what the result needs and
 nothing else (but one segment, while a direct reduction over three ranks or more finishes). A reduction
 receives the first peer's part while in flight and the later peers' in turn as it finishes, so that it
-holds no more than its input and output, as FSDP2's reduce-scatter does. Messages go straight to the process group's ``send``/``recv`` (group ranks), skipping
-``torch.distributed``'s per-call wrappers.
+holds no more than its input and output, as FSDP2's reduce-scatter does. Messages go straight to the
+process group's ``send``/``recv`` (group ranks), skipping ``torch.distributed``'s per-call wrappers.
 """
 
 from __future__ import annotations
