@@ -173,7 +173,7 @@ class Exchange:
             for j in later:
                 wait(self._recv(chunks[self.rank], j, tag))
                 result.add_(mine)
-            _wait_all(sends, wait)
+            wait(Works(sends))
 
         return fn, add
 
@@ -251,9 +251,14 @@ class Exchange:
         flat = [f.reshape(-1) for f in fulls]
         offsets = layout.offsets
         own = [stop - start for start, stop in (r[me] for r in rows)]  # our rows of each member, in elements
-        for off, spec, n in zip(offsets, layout.specs, own):
-            if n < spec.padded_numel:  # the peers' padding is summed into ours: keep it zero
-                out[off + n : off + spec.padded_numel].zero_()
+
+        def zero_padding(t: torch.Tensor) -> torch.Tensor:  # the peers' padding is summed into ours: keep it zero
+            for off, spec, n in zip(offsets, layout.specs, own):
+                if n < spec.padded_numel:
+                    t[off + n : off + spec.padded_numel].zero_()
+            return t
+
+        zero_padding(out)
         mine = [(i, own[i]) for i in route.packed]
         inbox_numel = sum(n for _, n in mine)
         inboxes = [out.new_empty(inbox_numel) for _ in others] if inbox_numel else []
@@ -296,21 +301,16 @@ class Exchange:
                 if stop > start:
                     result[off : off + stop - start].add_(f[start:stop])
             if len(others) > 1:
-                slot = torch.zeros_like(result)  # padding stays zero; rows of members sent packed come from the inbox
+                slot = zero_padding(torch.empty_like(result))  # the rest arrives: received, or placed from the inbox
                 for k, j in enumerate(others[1:], 1):
-                    _wait_all(receive(slot, j), wait)
+                    wait(Works(receive(slot, j)))
                     if inboxes:
                         place(slot, inboxes[k])
                     result.add_(slot)
                 slot.untyped_storage().resize_(0)  # now: gloo's thread may hold the finished receives a while
-            _wait_all(sends, wait)
+            wait(Works(sends))
 
         return fn, add
-
-
-def _wait_all(works: list[Any], wait: Callable[[Any], None]) -> None:
-    for w in works:
-        wait(w)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
