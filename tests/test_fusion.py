@@ -190,7 +190,7 @@ def test_ranks_with_batches_of_different_sizes_plan_groups_that_fit_each_ranks_b
         assert groups == [_runs(together.sizes)] and all(map(math.isfinite, losses))
 
 
-@settings(max_examples=min(settings().max_examples, 4), deadline=None)
+@settings(max_examples=min(settings().max_examples, 3), deadline=None)
 @given(widths=st.lists(st.sampled_from([32, 48, 64]), min_size=7, max_size=15), world=st.integers(2, 3), data=st.data())
 @example(widths=[64] * 12, world=2, data=None)
 def test_groups_follow_the_largest_batch_of_any_rank_and_compute_the_same(widths, world, data):
@@ -243,7 +243,7 @@ def _against_fsdp2(width, hidden, norm, count, batch, frozen=0, mixed=False):
     return ours, theirs, modelled
 
 
-@settings(max_examples=min(settings().max_examples, 5), deadline=None)
+@settings(max_examples=min(settings().max_examples, 3), deadline=None)
 @given(width=st.sampled_from([64, 128, 256, 384]), hidden=st.sampled_from([128, 512, 1024]), norm=st.booleans(),
        count=st.integers(4, 9), batch=st.sampled_from([2, 8, 32]), world=st.integers(2, 3),
        frozen=st.sampled_from([0, 0, 1, 2]), mixed=st.booleans())
@@ -316,7 +316,7 @@ def _mixer_peaks(vocab, seq, width, hidden, count, out, rows):
     return ours, compat, measured_fsdp2_step_peak(model(), tokens, units=units)
 
 
-@settings(max_examples=min(settings().max_examples, 2), deadline=None)
+@settings(max_examples=min(settings().max_examples, 1), deadline=None)
 @given(vocab=st.integers(500, 4000), seq=st.sampled_from([8, 24]), width=st.sampled_from([64, 190]),
        hidden=st.sampled_from([256, 570]), count=st.integers(4, 6), out=st.integers(200, 1000), rows=st.sampled_from([2, 6]),
        world=st.sampled_from([2, 3]))

@@ -244,6 +244,7 @@ class UnitHooks:
             if self._forward:
                 call = self._forward[-1].call
                 group = call.group_of.get(name, name)
+                call.note_outputs(out)
                 if call.reshards(group) and group in call.gathered and self.release_after_module(name):
                     if call.unit_done(group, name):
                         call.release(group, keep=True)

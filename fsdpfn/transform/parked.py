@@ -1,0 +1,101 @@
+"""Gathered buffers that something outside fsdpfn still holds when their group reshards.
+
+A resharded group's gathered copy is freed by dropping the references to it: saved tensors that alias it
+are packed (``Call.pack``), so autograd holds none. Some holders are out of fsdpfn's reach: a selective
+activation checkpoint whose policy saves every op keeps the views it made of the weights (``w.t()``) in its
+cache until the recompute, so each unit's whole gathered buffer stayed alive from its forward to its
+backward (1.14x torch's peak over a training step; FSDP2 frees the storage by resizing it to zero bytes
+and gathers into the same storage again before the backward reads it).
+
+The same here, for exactly those buffers: at the release, a storage that some tensor other than the group's
+own still references is *parked*: resized to zero bytes, and remembered with where each parameter lies in
+it; the group's next gather of the call (its backward's re-gather, which comes before the recompute reads
+the cache) copies the values back into it (``refill``). A group whose unit returned a view of its buffer
+is never parked: that view is read by what follows in the forward.
+
+Example:
+    >>> buf = torch.arange(6.0); full = {"w": buf.view(2, 3)}; cache = full["w"].t()
+    >>> parked = park(full); del full
+    >>> buf.untyped_storage().nbytes()
+    0
+    >>> full = refill(parked, {"w": torch.arange(6.0).view(2, 3)})
+    >>> cache.tolist()
+    [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Parked", "park", "refill", "repark"]
+
+
+class Parked(NamedTuple):
+    """A gathered buffer's storage resized to zero bytes while other tensors hold it: its size, and each
+    parameter's view of it (storage offset, shape, stride, dtype)."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+    views: dict[str, tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]]
+
+
+def _held_by_others(storage: torch.UntypedStorage, own: int) -> bool:
+    # references to the storage: one per tensor that views it, one for the Python storage object
+    return torch._C._storage_Use_Count(storage._cdata) > own + 1
+
+
+def park(full: dict[str, torch.Tensor]) -> list[Parked]:
+    """Resize to zero bytes each storage of ``full`` (a group's gathered tensors, about to be forgotten)
+    that a tensor other than these and their bases still references; what was parked.
+
+    Example:
+        >>> full = {"w": torch.zeros(4)}; park(full)   # nobody else holds it: left to the references
+        []
+    """
+    tensors: dict[int, dict[int, torch.Tensor]] = {}  # storage -> its tensors here (views and their bases)
+    storages: dict[int, torch.UntypedStorage] = {}
+    for t in full.values():
+        if not t.numel() or type(t) is not torch.Tensor:
+            continue
+        s = t.untyped_storage()
+        mine = tensors.setdefault(s.data_ptr(), {})
+        storages.setdefault(s.data_ptr(), s)
+        for x in (t, t._base):
+            if x is not None:
+                mine[id(x)] = x
+    parked = []
+    for ptr, s in storages.items():
+        if s.nbytes() == 0 or not _held_by_others(s, len(tensors[ptr])):
+            continue
+        views = {
+            f: (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+            for f, t in full.items()
+            if t.numel() and type(t) is torch.Tensor and t.untyped_storage().data_ptr() == ptr
+        }
+        parked.append(Parked(s, s.nbytes(), views))
+        s.resize_(0)
+    return parked
+
+
+def refill(parked: list[Parked], full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The group gathered again (``full``), copied into its parked storages (resized back): their
+    holders read the values again. Returns ``full`` with each parked parameter a view of its storage, in
+    the layout of the forward (packed saved tensors unpack by storage offset)."""
+    out = dict(full)
+    for p in parked:
+        if p.storage.nbytes() != p.nbytes:
+            p.storage.resize_(p.nbytes)
+        for f, (offset, shape, stride, dtype) in p.views.items():
+            view = torch.empty(0, dtype=dtype, device=p.storage.device).set_(p.storage, offset, shape, stride)
+            view.copy_(full[f])
+            out[f] = view
+    return out
+
+
+def repark(parked: list[Parked]) -> None:
+    """The group's backward is done: resize its parked storages to zero bytes again (their holders read
+    them only in a later backward of the same graph, whose re-gather refills them first)."""
+    for p in parked:
+        p.storage.resize_(0)
