@@ -151,6 +151,7 @@ def _trained(layer: str, width: int, hidden: int, count: int, rows: int, frozen:
 @given(width=st.sampled_from([32, 96]), hidden=st.sampled_from([64, 200]), count=st.integers(2, 5), rows=st.integers(2, 9),
        world=st.integers(2, 3), frozen=st.booleans())
 @example(width=128, hidden=512, count=6, rows=16, world=2, frozen=False)  # compat 1.14x torch's peak before
+@example(width=32, hidden=64, count=3, rows=4, world=3, frozen=True)  # a frozen weight: its group is not parked again after its backward
 def test_a_checkpoint_that_saves_every_op_holds_no_gathered_buffer_from_forward_to_backward(width, hidden, count, rows, world, frozen):
     torch_peaks = spmd(world, _peak, "torch", width, hidden, count, rows, frozen)
     for layer in ("compat", "functional"):
