@@ -26,9 +26,9 @@ WORLD1 = [
 FAKE = [
     "fake_gather_waits_for_inputs", "fake_result_waits_for_gather", "fake_reduce_keeps_its_input",
     "fake_bucket_pack_waits_for_shards", "fake_bucket_pack_keeps_its_shards", "fake_flat_gather_waits_for_shards",
-    "fake_span_gather_keeps_its_shards", "fake_step_memory",
+    "fake_span_gather_keeps_its_shards", "fake_step_memory", "fake_parked_memory",
 ]  # fmt: skip
-STREAMS = FAKE[:-1]  # the stream checks: each has a mutant it must catch
+STREAMS = FAKE[:-2]  # the stream checks: each has a mutant it must catch
 NO_GPU = "CUDA path: needs a GPU (run on the lent GPU machine: bench/gpu_session.sh)"
 
 

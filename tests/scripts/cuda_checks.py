@@ -611,12 +611,74 @@ def fake_step_memory() -> None:
         print(f"fake_step_memory: prefetch={prefetch} resident bytes after each step {resident}")
 
 
+def _every_op(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE
+
+
+def fake_parked_memory() -> None:
+    """A fake world of 4 on one GPU, compat, blocks under a selective checkpoint that saves every op (its
+    cache holds views of each unit's gathered weights until the recompute): after the forward the gathered
+    buffers are parked (``fsdpfn/transform/parked.py``: storage resized to zero bytes on CUDA), so the
+    forward leaves what an unchecked forward leaves, not a unit's buffer more; the backward refills them
+    (a copy on the current stream) and steps leave no growing residue."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    import fsdpfn.compat as compat
+
+    mesh = _fake(4)
+    width, count = 1024, 4
+    unit = 2 * (width * width + width) * 4  # one block's gathered bytes (two Linears, fp32)
+
+    def build(checkpointed: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width)) for _ in range(count)]
+        if checkpointed:
+            context = functools.partial(create_selective_checkpoint_contexts, _every_op)
+            blocks = [checkpoint_wrapper(b, context_fn=context) for b in blocks]
+        model = torch.nn.Sequential(*blocks).cuda()
+        for b in model:
+            compat.fully_shard(b, mesh=mesh)
+        compat.fully_shard(model, mesh=mesh)
+        model.set_min_bucket_bytes(None)  # one group per block, none kept gathered
+        return model
+
+    x = torch.randn(2, width, device="cuda")  # activations are bytes; the blocks are MiB
+    after_forward, resident = {}, {}
+    for checkpointed in (False, True):
+        model = build(checkpointed)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        steps = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            loss = model(x).square().mean()
+            torch.cuda.synchronize()
+            after_forward[checkpointed] = torch.cuda.memory_allocated() - before
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            steps.append(torch.cuda.memory_allocated())
+        assert steps[-1] == steps[1], f"checkpointed={checkpointed}: resident bytes grow step to step: {steps}"
+        resident[checkpointed] = steps[-1]
+        del model, opt
+    extra = after_forward[True] - after_forward[False]
+    assert extra < unit, f"the checkpointed forward holds {extra} bytes more than the plain one: gathered buffers not parked (a unit is {unit})"
+    print(f"fake_parked_memory: after forward {after_forward}, resident after steps {resident}")
+
+
 CHECKS = {f.__name__: f for f in (
     step_world1, mixed_precision_world1, checkpoint_world1, compat_world1, gloo_world2_step,
     nested_root_world1, compiled_blocks_world1, loss_scale_fp16_world1,
     fake_gather_waits_for_inputs, fake_result_waits_for_gather, fake_reduce_keeps_its_input,
     fake_bucket_pack_waits_for_shards, fake_bucket_pack_keeps_its_shards, fake_flat_gather_waits_for_shards,
-    fake_span_gather_keeps_its_shards, fake_step_memory,
+    fake_span_gather_keeps_its_shards, fake_step_memory, fake_parked_memory,
 )}  # fmt: skip
 
 
