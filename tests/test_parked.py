@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -29,28 +30,27 @@ from fsdpfn.transform.parked import park, refill, repark
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
 )
 def test_park_frees_exactly_the_storages_held_elsewhere_and_refill_restores_them_in_place(sizes, held, dtype):
-    # one flat buffer per parameter pair, as a group gathers into (views at offsets), some views held elsewhere
+    # parameters in flat buffers of two each, as a group gathers into (views at offsets); some viewed elsewhere
+    groups = [range(i, min(i + 2, len(sizes))) for i in range(0, len(sizes), 2)]
     full, holders, buffers = {}, {}, []
-    for i in range(0, len(sizes), 2):
-        part = sizes[i : i + 2]
-        flat = torch.arange(sum(part), dtype=dtype) + 100 * i
+    for members in groups:
+        flat = torch.arange(sum(sizes[j] for j in members), dtype=dtype) + 100 * members[0]
         buffers.append(flat.untyped_storage())
         offset = 0
-        for j, n in enumerate(part):
-            full[f"p{i + j}"] = flat[offset : offset + n]
-            offset += n
+        for j in members:
+            full[f"p{j}"] = flat[offset : offset + sizes[j]]
+            offset += sizes[j]
         del flat
-    for k, (name, t) in enumerate(full.items()):
-        if held[k]:
-            holders[name] = t.view(-1, 1).t()  # a view made of it (as ``w.t()`` in a cached op)
-    expected_held = {id(s) for s, names in zip(buffers, [list(full)[i : i + 2] for i in range(0, len(sizes), 2)]) if any(n in holders for n in names)}
+    for j in range(len(sizes)):
+        if held[j]:
+            holders[f"p{j}"] = full[f"p{j}"].view(-1, 1).t()  # a view made of it (as ``w.t()`` in a cached op)
     sizes_before = [s.nbytes() for s in buffers]
     parked = park(full)
-    assert {p.storage.data_ptr() for p in parked} <= {s.data_ptr() for s in buffers}
-    for s, before in zip(buffers, sizes_before):
-        assert s.nbytes() == (0 if id(s) in expected_held else before)
     del full
-    fresh = {name: torch.full((n,), float(k + 1), dtype=dtype) for k, (name, n) in enumerate(zip([f"p{i}" for i in range(len(sizes))], sizes))}
+    for members, s, before in zip(groups, buffers, sizes_before):
+        assert s.nbytes() == (0 if any(held[j] for j in members) else before)
+    assert len(parked) == sum(any(held[j] for j in members) for members in groups)
+    fresh = {f"p{j}": torch.full((n,), float(j + 1), dtype=dtype) for j, n in enumerate(sizes)}
     got = refill(parked, fresh)
     for name, t in got.items():
         assert torch.equal(t, fresh[name])
@@ -59,7 +59,9 @@ def test_park_frees_exactly_the_storages_held_elsewhere_and_refill_restores_them
         assert h.untyped_storage().data_ptr() == got[name].untyped_storage().data_ptr()
     repark(parked)
     assert all(p.storage.nbytes() == 0 for p in parked)
-    assert torch.equal(refill(parked, fresh)[next(iter(fresh))], fresh[next(iter(fresh))])  # again, for a second backward
+    again = refill(parked, fresh)  # a second backward of the same graph
+    for name, h in holders.items():
+        assert torch.equal(h.t().reshape(-1), fresh[name]) and torch.equal(again[name], fresh[name])
 
 
 def test_park_leaves_a_buffer_only_the_group_holds_to_the_references():
@@ -163,9 +165,9 @@ def test_a_checkpoint_that_saves_every_op_holds_no_gathered_buffer_from_forward_
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
-def _escaping(layer: str) -> list[torch.Tensor]:
-    """A unit that returns a view of its own weight, which the next unit reads: never parked, and the
-    training is that of one process."""
+def _escaping(layer: str, how: str) -> list[torch.Tensor]:
+    """A unit that hands a view of its own weight to the next unit, as an output (``how="output"``) or as
+    an attribute it sets (``"attribute"``): never parked, and the training is that of one process."""
     import torch.distributed as dist
 
     class Emits(nn.Module):
@@ -174,6 +176,9 @@ def _escaping(layer: str) -> list[torch.Tensor]:
             self.lin = nn.Linear(8, 8)
 
         def forward(self, x):
+            if how == "attribute":
+                self.wt = self.lin.weight.t()
+                return self.lin(x)
             return self.lin(x), self.lin.weight.t()
 
     class Uses(nn.Module):
@@ -183,6 +188,8 @@ def _escaping(layer: str) -> list[torch.Tensor]:
             self.second = nn.Linear(8, 8)
 
         def forward(self, x):
+            if how == "attribute":
+                return self.second(self.first(x)) @ self.first.wt
             y, wt = self.first(x)
             return self.second(y) @ wt
 
@@ -220,10 +227,11 @@ def _escaping(layer: str) -> list[torch.Tensor]:
     return [p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone() for p in model.parameters()]
 
 
-def test_a_unit_that_returns_a_view_of_its_weight_is_never_parked():
-    want = spmd(1, _escaping, "single")[0]
+@pytest.mark.parametrize("how", ["output", "attribute"])
+def test_a_unit_that_hands_on_a_view_of_its_weight_is_never_parked(how):
+    want = spmd(1, _escaping, "single", how)[0]
     for layer in ("compat", "functional"):
-        got = spmd(2, _escaping, layer)[0]
+        got = spmd(2, _escaping, layer, how)[0]
         assert len(got) == len(want)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)

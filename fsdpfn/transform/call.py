@@ -32,7 +32,7 @@ from fsdpfn.ops.fold import Fold, fold_each, fold_into
 from fsdpfn.ops.functions import CallInfo, apply_buckets
 from fsdpfn.ops.shared import launch_shared, shares_gather
 from fsdpfn.transform.eager import eager, functorch_active
-from fsdpfn.transform.parked import Parked, park, refill, repark
+from fsdpfn.transform.parked import Parked, park, refill, repark, tensors_on
 from fsdpfn.transform.saved import OuterSaved, Packed
 from fsdpfn.transform.validate import contents_moved, versions_moved
 
@@ -103,6 +103,7 @@ class Call:
         self.parked: dict[str, list[Parked]] = {}
         self.parkable: set[str] = set()
         self.escaped: set[str] = set()
+        self.module: torch.nn.Module | None = None  # the call's module: tensors set on it are never parked
         # the saved-tensor hooks around the call: what pack does not replace goes to them (autograd runs
         # only the innermost hooks, so without this the call's own would silently switch theirs off)
         self.outer_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
@@ -289,7 +290,8 @@ class Call:
                 if t.numel() and type(t) is torch.Tensor:
                     self.storages.pop(t.untyped_storage().data_ptr(), None)
             if name in self.parkable and name not in self.held and name not in self.escaped:
-                self.parked.setdefault(name, []).extend(park(full))
+                read_on = functools.partial(tensors_on, self.module) if self.module is not None else tuple
+                self.parked.setdefault(name, []).extend(park(full, read_on))
 
     def note_outputs(self, out: Any) -> None:
         """A unit's forward returned ``out``: a group whose gathered buffer some tensor of it views is read on

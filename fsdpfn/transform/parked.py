@@ -11,7 +11,9 @@ The same here, for exactly those buffers: at the release, a storage that some te
 own still references is *parked*: resized to zero bytes, and remembered with where each parameter lies in
 it; the group's next gather of the call (its backward's re-gather, which comes before the recompute reads
 the cache) copies the values back into it (``refill``). A group whose unit returned a view of its buffer
-is never parked: that view is read by what follows in the forward.
+is never parked: that view is read by what follows in the forward; nor is one that a tensor set on a module
+(``self.wt = self.weight.t()`` in a forward, read by another module) views. A view kept some other way
+(a closure, a list) and read before the backward fails, as under FSDP2.
 
 Example:
     >>> buf = torch.arange(6.0); full = {"w": buf.view(2, 3)}; cache = full["w"].t()
@@ -25,11 +27,17 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["Parked", "park", "refill", "repark"]
+# what every nn.Module keeps in its __dict__ (parameters, submodules, hooks): not tensors a forward left
+_MODULE_STATE = frozenset(vars(nn.Module()))
+
+__all__ = ["Parked", "park", "refill", "repark", "tensors_on"]
 
 
 class Parked(NamedTuple):
@@ -46,9 +54,31 @@ def _held_by_others(storage: torch.UntypedStorage, own: int) -> bool:
     return torch._C._storage_Use_Count(storage._cdata) > own + 1
 
 
-def park(full: dict[str, torch.Tensor]) -> list[Parked]:
+def tensors_on(module: nn.Module) -> Iterator[torch.Tensor]:
+    """The tensors set as plain attributes (or in a list, tuple or dict attribute) and the buffers of
+    ``module`` and its submodules: what a forward may leave for a later module to read.
+
+    Example:
+        >>> m = nn.Linear(2, 2); m.cached = m.weight.t()
+        >>> [tuple(t.shape) for t in tensors_on(m)]
+        [(2, 2)]
+    """
+    for m in module.modules():
+        attributes = [v for k, v in vars(m).items() if k not in _MODULE_STATE]
+        for value in (*attributes, *m._buffers.values()):
+            leaves = torch.utils._pytree.tree_leaves(value) if isinstance(value, (list, tuple, dict)) else (value,)
+            for t in leaves:
+                if isinstance(t, DTensor):
+                    yield t._local_tensor
+                elif isinstance(t, torch.Tensor):
+                    yield t
+
+
+def park(full: dict[str, torch.Tensor], read_on: Callable[[], Iterable[torch.Tensor]] = tuple) -> list[Parked]:
     """Resize to zero bytes each storage of ``full`` (a group's gathered tensors, about to be forgotten)
-    that a tensor other than these and their bases still references; what was parked.
+    that a tensor other than these and their bases still references, unless one of ``read_on()`` (asked
+    only then: tensors that code after the release may read, ``tensors_on(module)``) views it; what was
+    parked.
 
     Example:
         >>> full = {"w": torch.zeros(4)}; park(full)   # nobody else holds it: left to the references
@@ -65,10 +95,13 @@ def park(full: dict[str, torch.Tensor]) -> list[Parked]:
         for x in (t, t._base):
             if x is not None:
                 mine[id(x)] = x
+    held = [ptr for ptr, s in storages.items() if s.nbytes() and _held_by_others(s, len(tensors[ptr]))]
+    if held:
+        kept = {t.untyped_storage().data_ptr() for t in read_on() if type(t) is torch.Tensor and t.numel()}
+        held = [ptr for ptr in held if ptr not in kept]
     parked = []
-    for ptr, s in storages.items():
-        if s.nbytes() == 0 or not _held_by_others(s, len(tensors[ptr])):
-            continue
+    for ptr in held:
+        s = storages[ptr]
         views = {
             f: (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
             for f, t in full.items()
