@@ -271,7 +271,7 @@ class Apply(UnitHooks):
             call.serial = self._calls
             call.remat = self.reshard_after_forward is not False and functorch and _only_grad_transforms()
             call.released = self._recompute.leave
-            call.module = self.module
+            call.unit_modules = self.unit_modules
             self._install_hooks(plan)
             opened = OpenCall(call, anchor=caller_frame() if traced else None, thread=me)
         except BaseException:

@@ -103,7 +103,7 @@ class Call:
         self.parked: dict[str, list[Parked]] = {}
         self.parkable: set[str] = set()
         self.escaped: set[str] = set()
-        self.module: torch.nn.Module | None = None  # the call's module: tensors set on it are never parked
+        self.unit_modules: Callable[[str], list[torch.nn.Module]] | None = None  # (the Apply's): see _set_on_modules
         # the saved-tensor hooks around the call: what pack does not replace goes to them (autograd runs
         # only the innermost hooks, so without this the call's own would silently switch theirs off)
         self.outer_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None = None
@@ -290,8 +290,14 @@ class Call:
                 if t.numel() and type(t) is torch.Tensor:
                     self.storages.pop(t.untyped_storage().data_ptr(), None)
             if name in self.parkable and name not in self.held and name not in self.escaped:
-                read_on = functools.partial(tensors_on, self.module) if self.module is not None else tuple
-                self.parked.setdefault(name, []).extend(park(full, read_on))
+                self.parked.setdefault(name, []).extend(park(full, functools.partial(self._set_on_modules, name)))
+
+    def _set_on_modules(self, group: str) -> list[torch.Tensor]:
+        # tensors the group's forward may have left on its modules for a later module to read: its units'
+        # own modules only (its values exist only inside their forwards), so a step scans each module once
+        if self.unit_modules is None:
+            return []
+        return [t for unit in self.members(group) for m in self.unit_modules(unit) for t in tensors_on(m)]
 
     def note_outputs(self, out: Any) -> None:
         """A unit's forward returned ``out``: a group whose gathered buffer some tensor of it views is read on

@@ -11,9 +11,9 @@ The same here, for exactly those buffers: at the release, a storage that some te
 own still references is *parked*: resized to zero bytes, and remembered with where each parameter lies in
 it; the group's next gather of the call (its backward's re-gather, which comes before the recompute reads
 the cache) copies the values back into it (``refill``). A group whose unit returned a view of its buffer
-is never parked: that view is read by what follows in the forward; nor is one that a tensor set on a module
-(``self.wt = self.weight.t()`` in a forward, read by another module) views. A view kept some other way
-(a closure, a list) and read before the backward fails, as under FSDP2.
+is never parked: that view is read by what follows in the forward; nor is one that a tensor set on one of
+the unit's modules views (``self.wt = self.weight.t()`` in its forward, read by a later module). A view kept
+some other way (a closure, a list, another module) and read before the backward fails, as under FSDP2.
 
 Example:
     >>> buf = torch.arange(6.0); full = {"w": buf.view(2, 3)}; cache = full["w"].t()
@@ -77,8 +77,8 @@ def tensors_on(module: nn.Module) -> Iterator[torch.Tensor]:
 def park(full: dict[str, torch.Tensor], read_on: Callable[[], Iterable[torch.Tensor]] = tuple) -> list[Parked]:
     """Resize to zero bytes each storage of ``full`` (a group's gathered tensors, about to be forgotten)
     that a tensor other than these and their bases still references, unless one of ``read_on()`` (asked
-    only then: tensors that code after the release may read, ``tensors_on(module)``) views it; what was
-    parked.
+    only then: tensors that code after the release may read, ``tensors_on`` of the group's modules) views
+    it; what was parked.
 
     Example:
         >>> full = {"w": torch.zeros(4)}; park(full)   # nobody else holds it: left to the references
