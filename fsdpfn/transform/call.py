@@ -32,7 +32,7 @@ from fsdpfn.ops.fold import Fold, fold_each, fold_into
 from fsdpfn.ops.functions import CallInfo, apply_buckets
 from fsdpfn.ops.shared import launch_shared, shares_gather
 from fsdpfn.transform.eager import eager, functorch_active
-from fsdpfn.transform.parked import Parked, park, refill, repark, tensors_on
+from fsdpfn.transform.parked import Parking, tensors_on
 from fsdpfn.transform.saved import OuterSaved, Packed
 from fsdpfn.transform.validate import contents_moved, versions_moved
 
@@ -97,12 +97,8 @@ class Call:
         self.pending: dict[str, list[Handle]] = {}
         self.pending_back: dict[str, list[Handle]] = {}
         self.storages: dict[int, tuple[str, str]] = {}
-        # resharded groups whose gathered storage something else held at the release (transform/parked.py),
-        # those gathered into a buffer of the core's own (only those are parked: at world 1 the gathered
-        # values are the shards), and those whose unit returned a view of its buffer (read on in the forward)
-        self.parked: dict[str, list[Parked]] = {}
-        self.parkable: set[str] = set()
-        self.escaped: set[str] = set()
+        # gathered storages something else holds at their group's release (a selective checkpoint's cache)
+        self.parking = Parking()
         self.unit_modules: Callable[[str], list[torch.nn.Module]] | None = None  # (the Apply's): see _set_on_modules
         # the saved-tensor hooks around the call: what pack does not replace goes to them (autograd runs
         # only the innermost hooks, so without this the call's own would silently switch theirs off)
@@ -200,9 +196,8 @@ class Call:
             grad_fn.metadata["fsdpfn_call"] = self  # keeps the call alive exactly as long as the graph
             grad_fn.register_prehook(lambda _grads, _n=name: self._release(_n))
             self.awaiting_backward.add(name)
-        if self.reshards(name) and not b.in_place and b.extension is None and not (b.custom is not None and b.custom.gathers):
-            self.parkable.add(name)  # gathered into buffers of the core's own, which release may park
         if self.reshards(name):
+            self.parking.gathered(name, b)
             for fqn, t in full.items():
                 if t.numel() and type(t) is torch.Tensor:  # a subclass (all-gather transform) has no storage to match
                     self.storages[t.untyped_storage().data_ptr()] = (name, fqn)
@@ -289,8 +284,8 @@ class Call:
             for t in full.values():
                 if t.numel() and type(t) is torch.Tensor:
                     self.storages.pop(t.untyped_storage().data_ptr(), None)
-            if name in self.parkable and name not in self.held and name not in self.escaped:
-                self.parked.setdefault(name, []).extend(park(full, functools.partial(self._set_on_modules, name)))
+            if name not in self.held:
+                self.parking.release(name, full, functools.partial(self._set_on_modules, name))
 
     def _set_on_modules(self, group: str) -> list[torch.Tensor]:
         # tensors the group's forward may have left on its modules for a later module to read: its units'
@@ -302,14 +297,8 @@ class Call:
     def note_outputs(self, out: Any) -> None:
         """A unit's forward returned ``out``: a group whose gathered buffer some tensor of it views is read on
         by what follows in the forward, so its storage is never parked at its release."""
-        if not self.storages:
-            return
-        for t in torch.utils._pytree.tree_leaves(out):
-            local = t._local_tensor if isinstance(t, DTensor) else t
-            if type(local) is torch.Tensor and local.numel():
-                hit = self.storages.get(local.untyped_storage().data_ptr())
-                if hit is not None:
-                    self.escaped.add(hit[0])
+        if self.storages:
+            self.parking.returned(self.storages, out)
 
     def drop_kept(self) -> None:
         """Free the copies this call holds for its backward and keep no more: another forward on the plan
@@ -390,19 +379,14 @@ class Call:
                     outs = b.run_in_place([t.detach() for t in self._shards(b)])
                 else:
                     outs = b.finish(self.pending_back.pop(name, None) or self._launch(name), release=True)
-                full = self._refilled(name, dict(zip(b.fqns, outs)))
+                full = self.parking.refilled(name, dict(zip(b.fqns, outs)))
                 self._gathered_again(name, full)
-            else:
-                full = self._refilled(name, full)
+            else:  # what holds the group's parked storages reads them in this backward: the values go back in
+                full = self.parking.refilled(name, full)
             self.regathered[name] = full
             if not self._prefetch_at_release:
                 self._prefetch_backward(name)
         return full
-
-    def _refilled(self, name: str, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # what holds group name's parked storages reads it in this backward: the values go back into it
-        parked = self.parked.get(name)
-        return refill(parked, full) if parked else full
 
     def _finish_deferred_reductions(self) -> None:
         # On CPU a unit's backward starts only after the reduction still in flight is done: that frees its
@@ -446,9 +430,8 @@ class Call:
         # same graph (retain_graph) re-gathers it. Not while a copy is kept gathered from them (compat's
         # reshard_after_backward=False), and not for a group with frozen parameters: a backward node that
         # reads a frozen one gives the reduction no gradient, so it may still run after it.
-        parked = self.parked.get(name)
-        if parked and self._kept_copy(name) is None and all(self.tracks_grad.get(name, {}).values()):
-            repark(parked)
+        if name in self.parking and self._kept_copy(name) is None and all(self.tracks_grad.get(name, {}).values()):
+            self.parking.repark(name)
 
     def _swap_out(self, name: str) -> None:
         """Tell the owner that group ``name``'s reduction starts (its backward-time swaps come out); the
@@ -477,7 +460,7 @@ class Call:
 
     def values_for_recompute(self, name: str) -> dict[str, torch.Tensor]:
         """Unit values for an activation-checkpoint recompute in backward (same requires_grad as forward)."""
-        full = (None if name in self.parked else self.gathered.get(name)) or self.regather(name)
+        full = (None if name in self.parking else self.gathered.get(name)) or self.regather(name)
         grad = self.tracks_grad.get(name, {})
         return {f: t.detach().requires_grad_(grad.get(f, False)) for f, t in full.items()}
 

@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 # what every nn.Module keeps in its __dict__ (parameters, submodules, hooks): not tensors a forward left
 _MODULE_STATE = frozenset(vars(nn.Module()))
 
-__all__ = ["Parked", "park", "refill", "repark", "tensors_on"]
+__all__ = ["Parked", "Parking", "park", "refill", "repark", "tensors_on"]
 
 
 class Parked(NamedTuple):
@@ -132,3 +132,55 @@ def repark(parked: list[Parked]) -> None:
     them only in a later backward of the same graph, whose re-gather refills them first)."""
     for p in parked:
         p.storage.resize_(0)
+
+
+class Parking:
+    """One call's parked groups, and what it knows to decide: which groups were gathered into buffers of the
+    core's own (only those are parked: at world 1 the gathered values are the shards; an all-gather
+    extension or a custom all-gather owns its buffers) and which units returned a view of their buffer.
+
+    Example:
+        >>> parking = Parking(); parking.release("blocks.0", {"w": torch.zeros(4)}, tuple)   # not gathered here
+        >>> "blocks.0" in parking
+        False
+    """
+
+    def __init__(self) -> None:
+        self._parked: dict[str, list[Parked]] = {}
+        self._own: set[str] = set()  # resharded groups gathered into the core's own buffers
+        self._escaped: set[str] = set()  # groups whose unit returned a view of their buffer
+
+    def __contains__(self, group: str) -> bool:
+        return group in self._parked
+
+    def gathered(self, group: str, buckets: Any) -> None:
+        """Resharded group ``group`` was gathered by ``buckets`` (its ``Buckets``)."""
+        b = buckets
+        if not b.in_place and b.extension is None and not (b.custom is not None and b.custom.gathers):
+            self._own.add(group)
+
+    def returned(self, storages: dict[int, tuple[str, str]], out: Any) -> None:
+        """A unit's forward returned ``out``; ``storages``: the resharded groups' gathered storages (by data
+        pointer: group, parameter). A group some tensor of ``out`` views is never parked."""
+        for t in torch.utils._pytree.tree_leaves(out):
+            local = t._local_tensor if isinstance(t, DTensor) else t
+            if type(local) is torch.Tensor and local.numel():
+                hit = storages.get(local.untyped_storage().data_ptr())
+                if hit is not None:
+                    self._escaped.add(hit[0])
+
+    def release(self, group: str, full: dict[str, torch.Tensor], read_on: Callable[[], Iterable[torch.Tensor]]) -> None:
+        """Group ``group``'s gathered copy ``full`` is being forgotten: park what is held elsewhere (``park``)."""
+        if group in self._own and group not in self._escaped:
+            parked = park(full, read_on)
+            if parked:
+                self._parked.setdefault(group, []).extend(parked)
+
+    def refilled(self, group: str, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Group ``group`` gathered again (``full``): its values back into its parked storages, if any."""
+        parked = self._parked.get(group)
+        return refill(parked, full) if parked else full
+
+    def repark(self, group: str) -> None:
+        """Group ``group``'s backward is done with its parked storages (``repark``)."""
+        repark(self._parked.get(group, []))
