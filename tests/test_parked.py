@@ -154,6 +154,7 @@ def _trained(layer: str, width: int, hidden: int, count: int, rows: int, frozen:
        world=st.integers(2, 3), frozen=st.booleans())
 @example(width=128, hidden=512, count=6, rows=16, world=2, frozen=False)  # compat 1.14x torch's peak before
 @example(width=32, hidden=64, count=3, rows=4, world=3, frozen=True)  # a frozen weight: its group is not parked again after its backward
+@example(width=32, hidden=64, count=2, rows=4, world=1, frozen=False)  # world 1: nothing resharded, nothing parked (the gathered values are the shards)
 def test_a_checkpoint_that_saves_every_op_holds_no_gathered_buffer_from_forward_to_backward(width, hidden, count, rows, world, frozen):
     torch_peaks = spmd(world, _peak, "torch", width, hidden, count, rows, frozen)
     for layer in ("compat", "functional"):
