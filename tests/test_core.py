@@ -239,6 +239,33 @@ def test_a_flat_gather_sends_from_its_own_result(world, exchange_min_bytes):
         assert peak == alone, (peak, alone)
 
 
+def _two_meshes_reduce(n):
+    """Two ``Comm``s over meshes that share one process group (a 1-D mesh of the world and the shard dim of
+    a (1, world) mesh: torch reuses the default group for both), each with a reduction in flight, the
+    second launched first and finished last: what each rank keeps, and what it should keep."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    flat, hsdp = init_device_mesh("cpu", (world,)), init_device_mesh("cpu", (1, world))
+    a, b = Comm(flat), Comm(hsdp)
+    assert a.groups.shard_group is b.groups.shard_group  # (what makes the case)
+    xs = [torch.arange(world * n, dtype=torch.float32).reshape(world, n) * (rank + 1) + 1000 * k for k in range(2)]
+    hb = b.reduce_scatter(xs[1].clone())
+    ha = a.reduce_scatter(xs[0].clone())
+    got = [ha.wait(), hb.wait()]
+    scale = world * (world + 1) / 2
+    want = [torch.arange(world * n, dtype=torch.float32).reshape(world, n)[rank] * scale + 1000 * k * world for k in range(2)]
+    return all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_exchanges_of_two_meshes_on_one_process_group_never_take_each_others_messages(world):
+    # each reduction receives its later peers as it finishes: with a tag counter per Comm both used tag 0,
+    # and the first to finish took the other's message from a later peer (equal sizes: silently)
+    assert all(spmd(world, _two_meshes_reduce, 5))
+
+
 def _reduction_peak(shapes, direct):
     """Peak bytes held while a bucket's gradients are reduced (flat: packed first, or direct: from the
     gradients themselves), against what its input and output alone take; and whether the sum is right."""

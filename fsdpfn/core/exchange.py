@@ -7,7 +7,11 @@ the all-gather needs no packing of the shards and no copy out of a rank-major bu
 reduce-scatter sends slices of the gradients themselves.
 
 Every rank issues the same exchanges in the same order, so equal tag counters pair the messages up;
-each member of a direct exchange has its own tag. Members too small to be worth a message of their own
+each member of a direct exchange has its own tag. The counter belongs to the process group, not to an
+``Exchange``: two meshes whose dims span the same ranks share one group (torch's ``DeviceMesh`` reuses the
+default group for a dim over the whole world), and their exchanges must never issue the same tag, or a
+receive posted as a reduction finishes takes the other's message (world 3, blocks and experts on two
+meshes: gloo aborted on the size; messages of equal size would have been swapped silently). Members too small to be worth a message of their own
 (under ``Exchange.pack_below`` bytes per rank: biases, norms) travel together, one message per peer and
 bucket: on loopback gloo a message costs about 0.2 ms of CPU whatever its size, as much as ~0.35 MiB of
 payload, so a LayerNorm-MLP block's six parameters cost three messages instead of six. The functions
@@ -20,6 +24,7 @@ process group's ``send``/``recv`` (group ranks), skipping ``torch.distributed``'
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +36,9 @@ from fsdpfn.layout import BucketLayout
 __all__ = ["Exchange", "Works", "PACK_BELOW", "direct_route", "packed_share_ok"]
 
 _TAGS = 1 << 20
+# Each process group's next tag (a one-item list), shared by every Exchange over it. Keyed by the group
+# object, which belongs to one rank (ranks that are threads of one process have groups of their own).
+_GROUP_TAGS: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
 
 # Members of a direct exchange with fewer padded bytes per rank than this travel packed together. A
 # message costs ~0.2 ms of CPU on loopback gloo (16 KiB exchanges: 0.22 ms each) and payload ~0.55 ms
@@ -122,12 +130,13 @@ class Exchange:
         self.group, self.rank, self.world = group, rank, world
         self.others = [j for j in range(world) if j != rank]  # the peers, by group rank
         self.pack_below = PACK_BELOW  # members under this many bytes per rank share a message (tests vary it)
-        self._tag = 0
+        self._next = _GROUP_TAGS.setdefault(group, [0])  # the group's, shared with its other exchanges
 
     def tags(self, count: int = 1) -> int:
-        """The first of ``count`` fresh consecutive tags."""
-        self._tag = (self._tag + count) % _TAGS
-        return (self._tag - count) % _TAGS
+        """The first of ``count`` fresh consecutive tags of the group."""
+        first = self._next[0]
+        self._next[0] = (first + count) % _TAGS
+        return first
 
     def _send(self, t: torch.Tensor, peer: int, tag: int) -> Any:
         return self.group.send([t], peer, tag)
