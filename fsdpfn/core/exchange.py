@@ -11,10 +11,12 @@ each member of a direct exchange has its own tag. The counter belongs to the pro
 ``Exchange``: two meshes whose dims span the same ranks share one group (torch's ``DeviceMesh`` reuses the
 default group for a dim over the whole world), and their exchanges must never issue the same tag, or a
 receive posted as a reduction finishes takes the other's message (world 3, blocks and experts on two
-meshes: gloo aborted on the size; messages of equal size would have been swapped silently). Members too small to be worth a message of their own
-(under ``Exchange.pack_below`` bytes per rank: biases, norms) travel together, one message per peer and
-bucket: on loopback gloo a message costs about 0.2 ms of CPU whatever its size, as much as ~0.35 MiB of
-payload, so a LayerNorm-MLP block's six parameters cost three messages instead of six. The functions
+meshes: gloo aborted on the size; messages of equal size would have been swapped silently).
+
+Members too small to be worth a message of their own (under ``Exchange.pack_below`` bytes per rank:
+biases, norms) travel together, one message per peer and bucket: on loopback gloo a message costs about
+0.2 ms of CPU whatever its size, as much as ~0.35 MiB of payload, so a LayerNorm-MLP block's six
+parameters cost three messages instead of six. The functions
 here build the ``fn(async_op)`` closures ``Comm`` launches; they allocate what the result needs and
 nothing else (but one segment, while a direct reduction over three ranks or more finishes). A reduction
 receives the first peer's part while in flight and the later peers' in turn as it finishes, so that it
