@@ -80,6 +80,13 @@ class Buckets:
             return False  # the transforms run at any world size, as in FSDP2
         return groups.world == 1 and not self.batch_ndim and (self.kind == "gather" or groups.replicas == 1)
 
+    @property
+    def gathers_into_core_buffer(self) -> bool:
+        """A gather whose result is a buffer the core allocates: it moves something (not ``in_place``, where
+        the results are the shards) and no all-gather transform or user's all-gather owns the buffers."""
+        user_gathers = self.custom is not None and self.custom.gathers
+        return self.kind == "gather" and not self.in_place and self.extension is None and not user_gathers
+
     def run_in_place(self, tensors: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """``run`` for an ``in_place`` collective, with the same casts and scaling as the packed path:
         inputs to the bucket dtype, times ``scale``, to the output dtype (no copy when nothing changes)."""

@@ -32,8 +32,7 @@ def shares_gather(b: Buckets) -> bool:
         True
     """
     return (
-        b.kind == "gather" and not b.in_place and b.extension is None and not (b.custom is not None and b.custom.gathers)
-        and not b.batch_ndim and len(b.layouts) == 1 and b.comm.groups.world > 1
+        b.gathers_into_core_buffer and not b.batch_ndim and len(b.layouts) == 1 and b.comm.groups.world > 1
         and not b.comm.direct(b.layouts[0], gather=True)
     )  # fmt: skip
 

@@ -86,10 +86,12 @@ def park(full: dict[str, torch.Tensor], read_on: Callable[[], Iterable[torch.Ten
     """
     tensors: dict[int, dict[int, torch.Tensor]] = {}  # storage -> its tensors here (views and their bases)
     storages: dict[int, torch.UntypedStorage] = {}
-    for t in full.values():
+    where: dict[str, int] = {}  # parameter -> its storage
+    for f, t in full.items():
         if not t.numel() or type(t) is not torch.Tensor:
             continue
         s = t.untyped_storage()
+        where[f] = s.data_ptr()
         mine = tensors.setdefault(s.data_ptr(), {})
         storages.setdefault(s.data_ptr(), s)
         for x in (t, t._base):
@@ -102,11 +104,8 @@ def park(full: dict[str, torch.Tensor], read_on: Callable[[], Iterable[torch.Ten
     parked = []
     for ptr in held:
         s = storages[ptr]
-        views = {
-            f: (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            for f, t in full.items()
-            if t.numel() and type(t) is torch.Tensor and t.untyped_storage().data_ptr() == ptr
-        }
+        mine = {f: t for f, t in full.items() if where.get(f) == ptr}
+        views = {f: (t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype) for f, t in mine.items()}
         parked.append(Parked(s, s.nbytes(), views))
         s.resize_(0)
     return parked
@@ -155,8 +154,7 @@ class Parking:
 
     def gathered(self, group: str, buckets: Any) -> None:
         """Resharded group ``group`` was gathered by ``buckets`` (its ``Buckets``)."""
-        b = buckets
-        if not b.in_place and b.extension is None and not (b.custom is not None and b.custom.gathers):
+        if buckets.gathers_into_core_buffer:
             self._own.add(group)
 
     def returned(self, storages: dict[int, tuple[str, str]], out: Any) -> None:
