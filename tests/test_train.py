@@ -17,7 +17,7 @@ LOCAL_BATCH = 2
 
 def _batch(recipe, world, step, dtype):
     x = recipe.inputs(LOCAL_BATCH * world, seed=100 + step, dtype=dtype)
-    out_dim = recipe.widths[-1] if recipe.kind == "mlp" else recipe.widths[2]
+    out_dim = recipe.output_width
     shape = (LOCAL_BATCH * world, out_dim) if recipe.kind == "mlp" else (LOCAL_BATCH * world, recipe.seq, out_dim)
     y = torch.randn(shape, generator=torch.Generator().manual_seed(200 + step), dtype=torch.float64).to(dtype)
     return x, y
@@ -115,7 +115,7 @@ def _check(world, recipe, units, reshard, hp, dtype, tol, mesh_shape=None):
 
 @given(world=fst.world_sizes(), data=st.data(), reshard=st.booleans(), hp=hyper_f32)
 def test_adamw_training_matches_single_process_f32(world, data, reshard, hp):
-    recipe = data.draw(fst.model_recipes(min_width=4, min_seq=2))
+    recipe = data.draw(fst.model_recipes(("mlp", "transformer", "recurrent"), min_width=4, min_seq=2))
     units = data.draw(fst.unit_plans(recipe))
     _check(world, recipe, units, reshard, hp, torch.float32, dict(rtol=1e-5, atol=1e-6))
 

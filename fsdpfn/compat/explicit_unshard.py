@@ -28,6 +28,7 @@ from torch import nn
 from fsdpfn.compat.state import UnitState, drop_unsharded
 from fsdpfn.core import tally
 from fsdpfn.messages import user_stacklevel
+from fsdpfn.ops.slots import set_parameter
 
 if TYPE_CHECKING:
     from fsdpfn.compat.root import RootContext
@@ -60,7 +61,7 @@ class UnshardHandle:
                 value = full[fqn] if m.tp is None else m.tp.wrap(full[fqn])
                 unsharded = nn.Parameter(value, requires_grad=m.param.requires_grad)
                 for mod, attr in m.slots:
-                    mod._parameters[attr] = unsharded
+                    set_parameter(mod, attr, unsharded)
 
 
 def launch_unshard(ctx: RootContext, st: UnitState) -> UnshardHandle:

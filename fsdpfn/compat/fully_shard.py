@@ -29,6 +29,7 @@ from fsdpfn.core import default_mesh, mesh_groups
 from fsdpfn.layout import ShardSpec, contiguous_stride, shard_tensor
 from fsdpfn.ops.extension import extension_of
 from fsdpfn.ops.shard import check_initialised, ignored_ids
+from fsdpfn.ops.slots import set_parameter
 from fsdpfn.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
 
 __all__ = ["fully_shard"]
@@ -157,13 +158,13 @@ def _shard(
     hooked: dict[int, nn.Module] = {}
     for earlier, mod, attr in joins:
         earlier.slots.append((mod, attr))
-        mod._parameters[attr] = earlier.param
+        set_parameter(mod, attr, earlier.param)
     for m in managed:
         mark_sharded(m.param, m)
         m.param = _to_dtensor(m, mesh, placements, groups, device, kind, spmd)
         mark_sharded(m.param, m)
         for mod, attr in m.slots:
-            mod._parameters[attr] = m.param
+            set_parameter(mod, attr, m.param)
             if id(mod) not in hooked:
                 hooked[id(mod)] = mod
                 mod.register_load_state_dict_pre_hook(_refuse_plain_tensors)

@@ -22,6 +22,7 @@ from fsdpfn.compat.replaced_params import note_replacement
 from fsdpfn.compat.state import UnitState, drop_unsharded, state_of
 from fsdpfn.layout.plan import is_byte_count
 from fsdpfn.ops.api import is_positive_number
+from fsdpfn.ops.slots import set_parameter
 
 __all__ = ["FSDPModule", "UnshardHandle"]
 
@@ -367,7 +368,7 @@ class FSDPModule(TorchFSDPModule):
                 m.param = current
                 note_replacement()
                 for mo, at in m.slots:
-                    mo._parameters[at] = current
+                    set_parameter(mo, at, current)
         return out
 
 

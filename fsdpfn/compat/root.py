@@ -36,6 +36,7 @@ from fsdpfn.layout.plan import FUSED
 from fsdpfn.ops.api import gather_collective
 from fsdpfn.ops.buckets import Buckets
 from fsdpfn.ops.deferred import DeferredReductions
+from fsdpfn.ops.slots import set_parameter
 from fsdpfn.transform.apply import OpenCall
 from fsdpfn.transform.eager import eager
 from fsdpfn.transform.validate import explain_inplace_error
@@ -272,7 +273,7 @@ class RootContext:
                     raise unmanaged_parameter_error(fqn, current, mod, self.state.kind)
                 _check_replacement(fqn, m.param, current)
                 for mo, at in m.slots:
-                    mo._parameters[at] = current
+                    set_parameter(mo, at, current)
                 m.param = current
                 note_replacement()  # an optimizer holding the earlier one is refused at its next step
             stale = stale or m.param.dtype != self.plan.dtypes[fqn]  # model.to(dtype)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fsdpfn.core.custom import CustomComms
+from fsdpfn.ops.slots import set_parameter
 from fsdpfn.policy import MixedPrecisionPolicy, OffloadPolicy
 
 if TYPE_CHECKING:
@@ -145,4 +146,4 @@ def drop_unsharded(state: UnitState) -> None:
     state.unsharded = None
     for m in state.managed:
         for mod, attr in m.slots:
-            mod._parameters[attr] = m.param
+            set_parameter(mod, attr, m.param)

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import fsdpfn.trees as trees
+from fsdpfn.ops.slots import caches_restored
 
 __all__ = ["ForwardCost", "forward_cost"]
 
@@ -134,7 +135,7 @@ def forward_cost(
                 return out
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Uses(), live:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Uses(), live, caches_restored(module):
                 out = functional_call(module, values, tuple(args), kwargs, tie_weights=False)
         finally:
             for h in hooks:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdpfn.ops.placeholder import Placeholder
+from fsdpfn.ops.slots import set_parameter
 
 __all__ = ["donate_parameters", "donated_by", "guard", "was_donated"]
 
@@ -41,7 +42,7 @@ def donate_parameters(module: nn.Module, params: Iterable[nn.Parameter]) -> None
                 if id(p) not in new:
                     new[id(p)] = nn.Parameter(_meta_like(p), requires_grad=p.requires_grad)
                     setattr(new[id(p)], _DONATED_BY, type(module).__name__)
-                mod._parameters[attr] = new[id(p)]
+                set_parameter(mod, attr, new[id(p)])
     setattr(module, _DONATED, True)
 
 

@@ -1,4 +1,5 @@
-"""Small, seedable model recipes for property tests: MLPs and transformer-ish stacks with uneven widths.
+"""Small, seedable model recipes for property tests: MLPs, transformer-ish and recurrent stacks with uneven
+widths.
 
 A ``ModelRecipe`` is a picklable description (so it travels to ``spmd`` workers); ``build()`` makes the
 same module, with the same initial parameters, in every process.
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ModelRecipe", "ParamTree", "TanhStack", "TinyBlock", "TinyTransformer"]
+__all__ = ["ModelRecipe", "ParamTree", "RecurrentStack", "TanhStack", "TinyBlock", "TinyTransformer"]
 
 
 class TinyBlock(nn.Module):
@@ -66,6 +67,34 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(x))
 
 
+class RecurrentStack(nn.Module):
+    """torch's recurrent layers in turn (``layers.i``): an ``LSTM``, a bidirectional ``GRU``, a two-layer
+    ``LSTM``, ... of the given hidden widths, batch first, then a ``Linear`` head. Each keeps its parameters
+    in a cache of its own (``_flat_weights``) besides its parameter slots.
+
+    Example:
+        >>> RecurrentStack(4, [5, 3], 2)(torch.randn(2, 6, 4)).shape
+        torch.Size([2, 6, 2])
+    """
+
+    def __init__(self, d_in: int, hiddens: list[int], d_out: int):
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = d_in
+        for i, h in enumerate(hiddens):
+            kind = i % 3
+            rnn = nn.GRU if kind == 1 else nn.LSTM
+            layers.append(rnn(width, h, num_layers=2 if kind == 2 else 1, bidirectional=kind == 1, batch_first=True))
+            width = 2 * h if kind == 1 else h
+        self.layers = nn.ModuleList(layers)
+        self.head = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)[0]
+        return self.head(x)
+
+
 class TanhStack(nn.Module):
     """``blocks`` of ``Linear(width, width)`` and tanh (``blocks.i``, a unit each in the tests), a
     ``Linear(width, 1)`` head, and the mean square of its output as the loss: the same parameters in every
@@ -95,8 +124,9 @@ class TanhStack(nn.Module):
 
 @dataclass(frozen=True)
 class ModelRecipe:
-    """How to build a small model: ``kind`` is ``"mlp"`` (``widths`` = layer widths, first is the input)
-    or ``"transformer"`` (``widths`` = ``(d_in, dim, d_out, *hiddens)``); ``seed`` fixes its parameters.
+    """How to build a small model: ``kind`` is ``"mlp"`` (``widths`` = layer widths, first is the input),
+    ``"transformer"`` (``widths`` = ``(d_in, dim, d_out, *hiddens)``) or ``"recurrent"`` (a
+    ``RecurrentStack``, ``widths`` = ``(d_in, d_out, *hiddens)``); ``seed`` fixes its parameters.
 
     Example:
         >>> recipe = ModelRecipe("mlp", (3, 5, 2), seed=0)
@@ -123,9 +153,17 @@ class ModelRecipe:
         elif self.kind == "transformer":
             d_in, dim, d_out, *hiddens = self.widths
             model = TinyTransformer(d_in, dim, list(hiddens), d_out)
+        elif self.kind == "recurrent":
+            d_in, d_out, *hiddens = self.widths
+            model = RecurrentStack(d_in, list(hiddens), d_out)
         else:
             raise ValueError(f"ModelRecipe: unknown kind {self.kind!r}")
         return model.to(dtype)
+
+    @property
+    def output_width(self) -> int:
+        """The width of the model's output (its last dimension)."""
+        return self.widths[{"mlp": -1, "transformer": 2, "recurrent": 1}[self.kind]]
 
     def inputs(self, batch: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A deterministic input batch for the model."""
@@ -140,7 +178,7 @@ class ModelRecipe:
             return [name for name, m in model.named_children() if isinstance(m, nn.Linear)]
         names = []
         for name, m in model.named_modules():
-            if isinstance(m, (TinyBlock, nn.Linear)) and name:
+            if isinstance(m, (TinyBlock, nn.Linear, nn.RNNBase)) and name:
                 names.append(name)
         return names
 

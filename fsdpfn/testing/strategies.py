@@ -76,7 +76,8 @@ def tensors(draw: st.DrawFn, shape: tuple[int, ...], dtype: torch.dtype) -> torc
 def model_recipes(
     draw: st.DrawFn, kinds: tuple[str, ...] = ("mlp", "transformer"), min_width: int = 1, min_seq: int = 1
 ) -> ModelRecipe:
-    """A small MLP or transformer-ish stack with uneven widths (``min_width``..9), as a picklable recipe.
+    """A small MLP, transformer-ish or (in ``kinds`` only when asked) recurrent stack with uneven widths
+    (``min_width``..9), as a picklable recipe.
 
     For float32 comparisons raise ``min_width`` (very narrow layer norms are ill-conditioned) and
     ``min_seq`` (attention over one position has exactly-zero query/key gradients, which Adam amplifies
@@ -87,6 +88,10 @@ def model_recipes(
     if kind == "mlp":
         widths = draw(st.lists(w, min_size=2, max_size=5))
         return ModelRecipe("mlp", tuple(widths), seed)
+    if kind == "recurrent":
+        d_in, d_out = draw(w), draw(w)
+        hiddens = draw(st.lists(w, min_size=1, max_size=3))
+        return ModelRecipe("recurrent", (d_in, d_out, *hiddens), seed, seq=draw(st.integers(min_seq, max(min_seq, 4))))
     d_in, dim, d_out = draw(w), draw(w), draw(w)
     hiddens = draw(st.lists(w, min_size=1, max_size=3))
     return ModelRecipe("transformer", (d_in, dim, d_out, *hiddens), seed, seq=draw(st.integers(min_seq, max(min_seq, 4))))

@@ -90,6 +90,7 @@ class Apply(UnitHooks):
         self._unit_swaps: dict[str, list[Swap]] = {}
         self._recompute = BackwardSwaps(self)
         self._targets: dict[str, tuple[dict[str, Any], str]] = {}
+        self._caches: dict[str, tuple[dict[str, Any], ...]] = {}
         self._unit_hooks: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
         self._remat_depth = 0  # > 0 while remat runs a unit: the unit hooks stand aside
         self._calls = 0  # calls begun: their order, alike on every rank (Call.serial)
