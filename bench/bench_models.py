@@ -37,7 +37,7 @@ class ModelSpec:
     """Shape of one benchmark model and its per-rank batch."""
 
     name: str
-    kind: str  # "mlp", "gpt" or "cnn" (width = channels, seq = image side, vocab = classes)
+    kind: str  # "mlp", "gpt", "cnn" (width = channels, seq = image side, vocab = classes) or "rnn" (LSTMs)
     blocks: int
     width: int
     hidden: int
@@ -71,12 +71,13 @@ def spec_for(name: str, tiny: bool = False) -> ModelSpec:
     """The ``ModelSpec`` called ``name`` (its tiny version with ``tiny``), or a shape of one's own written
     ``kind:field=value,...`` (``mlp:blocks=16,width=300,hidden=1000,batch=40,norm=1``; ``gpt:...`` also
     takes ``heads``, ``seq`` and ``vocab``; ``cnn:blocks=6,width=64,seq=16,vocab=10,batch=16`` a BatchNorm
-    CNN): a model the bench has not seen, same block types and data."""
+    CNN; ``rnn:blocks=4,width=128,seq=16,batch=16`` a stack of residual LSTMs): a model the bench has not
+    seen, same block types and data."""
     if ":" not in name:
         return (TINY if tiny else MODELS)[name]
     kind, _, fields = name.partition(":")
-    if kind not in ("mlp", "gpt", "cnn"):
-        raise ValueError(f"model shape {name!r}: the kind before ':' must be 'mlp', 'gpt' or 'cnn'")
+    if kind not in ("mlp", "gpt", "cnn", "rnn"):
+        raise ValueError(f"model shape {name!r}: the kind before ':' must be 'mlp', 'gpt', 'cnn' or 'rnn'")
     known = {f for f in ModelSpec.__dataclass_fields__ if f not in ("name", "kind", "gpu_only")}
     values: dict[str, int | bool] = {}
     for item in filter(None, fields.split(",")):
@@ -89,6 +90,8 @@ def spec_for(name: str, tiny: bool = False) -> ModelSpec:
         base.update(heads=4, seq=64, vocab=4096, batch=8)
     if kind == "cnn":
         base.update(blocks=6, width=64, seq=16, vocab=10, batch=16)
+    if kind == "rnn":
+        base.update(width=128, seq=16)
     return ModelSpec(name, kind, **{**base, **values})  # type: ignore[arg-type]
 
 
@@ -190,10 +193,36 @@ class CNN(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+class LSTMBlock(nn.Module):
+    """``x + lstm(norm(x))``: a pre-norm residual LSTM of the model's width."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.lstm = nn.LayerNorm(width), nn.LSTM(width, width, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lstm(self.norm(x))[0]
+
+
+class LSTMStack(nn.Module):
+    """``blocks`` residual LSTM blocks over ``(batch, seq, width)`` and a ``Linear`` head (root unit): torch's
+    RNNs keep their parameters in a cache of their own (``_flat_weights``)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.blocks = nn.ModuleList(LSTMBlock(spec.width) for _ in range(spec.blocks))
+        self.head = nn.Linear(spec.width, spec.width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def build_model(spec: ModelSpec, seed: int) -> nn.Module:
     """The model with its initial weights, a pure function of ``seed`` (built on CPU, fp32)."""
     torch.manual_seed(seed)
-    return {"mlp": MLPStack, "gpt": GPT, "cnn": CNN}[spec.kind](spec)
+    return {"mlp": MLPStack, "gpt": GPT, "cnn": CNN, "rnn": LSTMStack}[spec.kind](spec)
 
 
 def _teacher(spec: ModelSpec, seed: int) -> torch.Tensor:
@@ -206,13 +235,14 @@ def make_batch(spec: ModelSpec, seed: int, step: int, rank: int, teacher: torch.
 
     MLP models: ``x ~ N(0, 1)`` of shape ``(batch, width)`` and the fixed target ``tanh(x @ T)`` (``T`` a
     fixed random teacher matrix). GPT: random tokens ``(batch, seq)`` and their shifted targets. CNN:
-    images ``x ~ N(0, 1)`` of shape ``(batch, 3, seq, seq)`` and random labels in ``[0, vocab)``.
+    images ``x ~ N(0, 1)`` of shape ``(batch, 3, seq, seq)`` and random labels in ``[0, vocab)``. RNN: as
+    MLP, over sequences ``(batch, seq, width)``.
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
     if spec.kind == "cnn":
         return torch.randn(spec.batch, 3, spec.seq, spec.seq, generator=g), torch.randint(0, spec.vocab, (spec.batch,), generator=g)
-    if spec.kind == "mlp":
-        x = torch.randn(spec.batch, spec.width, generator=g)
+    if spec.kind in ("mlp", "rnn"):
+        x = torch.randn(spec.batch, *((spec.seq,) if spec.kind == "rnn" else ()), spec.width, generator=g)
         t = teacher if teacher is not None else _teacher(spec, seed)
         return x, torch.tanh(x @ t)
     tokens = torch.randint(0, spec.vocab, (spec.batch, spec.seq + 1), generator=g)
@@ -221,14 +251,14 @@ def make_batch(spec: ModelSpec, seed: int, step: int, rank: int, teacher: torch.
 
 def make_batches(spec: ModelSpec, seed: int, steps: int, ranks: list[int], device: torch.device) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """``out[step][i]`` = the batch of rank ``ranks[i]`` at ``step``, moved to ``device``."""
-    teacher = _teacher(spec, seed) if spec.kind == "mlp" else None
+    teacher = _teacher(spec, seed) if spec.kind in ("mlp", "rnn") else None
     return [[tuple(t.to(device) for t in make_batch(spec, seed, s, r, teacher)) for r in ranks] for s in range(steps)]  # type: ignore[misc]
 
 
 def loss_fn(spec: ModelSpec, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """MSE (MLP models), token cross-entropy (GPT) or class cross-entropy (CNN), always computed in fp32,
-    mean over the batch."""
-    if spec.kind == "mlp":
+    """MSE (MLP and RNN models), token cross-entropy (GPT) or class cross-entropy (CNN), always computed in
+    fp32, mean over the batch."""
+    if spec.kind in ("mlp", "rnn"):
         return F.mse_loss(out.float(), target.float())
     if spec.kind == "cnn":
         return F.cross_entropy(out.float(), target)

@@ -88,8 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=_model_name, default="overhead",
                    help=f"one of {', '.join(sorted(MODELS))}, or a shape of one's own: 'mlp:blocks=16,width=300,"
-                   "hidden=1000,batch=40,norm=1', 'gpt:blocks=6,width=384,heads=6,seq=64,vocab=4096,batch=8' or "
-                   "'cnn:blocks=6,width=64,seq=16,vocab=10,batch=16' (a BatchNorm CNN)")
+                   "hidden=1000,batch=40,norm=1', 'gpt:blocks=6,width=384,heads=6,seq=64,vocab=4096,batch=8', "
+                   "'cnn:blocks=6,width=64,seq=16,vocab=10,batch=16' (a BatchNorm CNN) or "
+                   "'rnn:blocks=4,width=128,seq=16,batch=16' (residual LSTMs)")
     p.add_argument("--steps", type=int, default=20, help="measured steps per variant (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first (default 3)")
     p.add_argument("--variants", default=None, help=f"comma list of {', '.join(ALL_VARIANTS)} (default: the eager ones, "
