@@ -21,7 +21,7 @@ import torch
 SCRIPT = pathlib.Path(__file__).resolve().parent / "scripts" / "cuda_checks.py"
 WORLD1 = [
     "step_world1", "mixed_precision_world1", "checkpoint_world1", "compat_world1", "gloo_world2_step",
-    "nested_root_world1", "compiled_blocks_world1", "loss_scale_fp16_world1",
+    "nested_root_world1", "compiled_blocks_world1", "loss_scale_fp16_world1", "recurrent_world1",
 ]  # fmt: skip
 FAKE = [
     "fake_gather_waits_for_inputs", "fake_result_waits_for_gather", "fake_reduce_keeps_its_input",

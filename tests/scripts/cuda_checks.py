@@ -58,7 +58,7 @@ def step_world1() -> None:
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
     @given(data=st.data(), seed=st.integers(0, 99), prefetch=st.integers(0, 2), reshard=st.booleans())
     def prop(data, seed, prefetch, reshard):
-        recipe = data.draw(fst.model_recipes(min_width=4, min_seq=2))
+        recipe = data.draw(fst.model_recipes(("mlp", "transformer", "recurrent"), min_width=4, min_seq=2))
         units = data.draw(fst.unit_plans(recipe))
         model = recipe.build(torch.float32).to(DEVICE)
         ref = copy.deepcopy(model)
@@ -192,6 +192,39 @@ def compat_world1() -> None:
             shard_fn(model, **kw)
             runs[name] = _train_sharded(model, 32)
         _assert_same_training(runs["fsdpfn"], runs["torch"], bf16)
+
+
+def recurrent_world1() -> None:
+    """Recurrent layers as compat units (torch's LSTM and GRU; cuDNN's on a GPU, whose
+    ``flatten_parameters`` rewrites the weights it is given in place) train as the unsharded model does, and
+    between steps their parameter caches (``_flat_weights``) hold the sharded parameters, no gathered copy."""
+    from fsdpfn.compat import fully_shard
+    from fsdpfn.testing.models import ModelRecipe
+
+    mesh = _world1()
+    recipe = ModelRecipe("recurrent", (6, 3, 8, 5, 7), seed=3, seq=4)
+    ref = recipe.build().to(DEVICE)
+    model = copy.deepcopy(ref)
+    for name in recipe.unit_candidates():
+        fully_shard(model.get_submodule(name), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    for step in range(3):
+        x = recipe.inputs(4, seed=step).to(DEVICE)
+        losses = []
+        for m, opt in zip((model, ref), opts):
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+        for m in model.modules():
+            if isinstance(m, torch.nn.RNNBase):
+                for i, n in enumerate(m._flat_weights_names):
+                    assert m._flat_weights[i] is getattr(m, n), f"step {step}: {n}'s cache is not the sharded parameter"
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(model.get_parameter(n).full_tensor(), p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 
 class _MoEBlock(torch.nn.Module):
@@ -675,7 +708,7 @@ def fake_parked_memory() -> None:
 
 CHECKS = {f.__name__: f for f in (
     step_world1, mixed_precision_world1, checkpoint_world1, compat_world1, gloo_world2_step,
-    nested_root_world1, compiled_blocks_world1, loss_scale_fp16_world1,
+    nested_root_world1, compiled_blocks_world1, loss_scale_fp16_world1, recurrent_world1,
     fake_gather_waits_for_inputs, fake_result_waits_for_gather, fake_reduce_keeps_its_input,
     fake_bucket_pack_waits_for_shards, fake_bucket_pack_keeps_its_shards, fake_flat_gather_waits_for_shards,
     fake_span_gather_keeps_its_shards, fake_step_memory, fake_parked_memory,
