@@ -27,6 +27,7 @@ PEAK_SLACK = 1 << 10
 recurrent = fst.model_recipes(("recurrent",), min_width=2, min_seq=2)
 
 
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
 @settings(max_examples=20, deadline=None)
 @given(
     cls=st.sampled_from([nn.RNN, nn.LSTM, nn.GRU]),
