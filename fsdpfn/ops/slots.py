@@ -20,15 +20,27 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["PARAMETER_CACHES", "caches_restored", "set_parameter"]
+__all__ = ["PARAMETER_CACHES", "caches_restored", "parameter_cache", "set_parameter"]
 
 # the attributes in which nn.RNNBase keeps its parameters for its forward (the tensors, and weak references
 # by which its forward sees that a parameter changed)
 PARAMETER_CACHES = ("_flat_weights", "_flat_weight_refs")
+
+
+def parameter_cache(module: nn.Module) -> dict[str, Any] | None:
+    """``module``'s ``__dict__`` if it keeps its parameters in a cache (``PARAMETER_CACHES``), else ``None``.
+
+    Example:
+        >>> parameter_cache(torch.nn.GRU(2, 3)) is not None, parameter_cache(torch.nn.Linear(2, 3))
+        (True, None)
+    """
+    attributes = vars(module)
+    return attributes if all(c in attributes for c in PARAMETER_CACHES) else None
 
 
 def set_parameter(module: nn.Module, name: str, value: torch.Tensor | None) -> None:
@@ -54,7 +66,8 @@ def caches_restored(module: nn.Module) -> Iterator[None]:
         >>> lstm._flat_weights[0] is lstm.weight_ih_l0
         True
     """
-    saved = [(vars(m), {c: vars(m)[c] for c in PARAMETER_CACHES}) for m in module.modules() if all(c in vars(m) for c in PARAMETER_CACHES)]
+    caches = [c for c in map(parameter_cache, module.modules()) if c is not None]
+    saved = [(attributes, {c: attributes[c] for c in PARAMETER_CACHES}) for attributes in caches]
     try:
         yield
     finally:

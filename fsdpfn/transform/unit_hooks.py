@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.ops.placeholder import Placeholder
-from fsdpfn.ops.slots import PARAMETER_CACHES
+from fsdpfn.ops.slots import PARAMETER_CACHES, parameter_cache
 from fsdpfn.transform.casting import cast_inputs, cast_output
 from fsdpfn.transform.eager import eager, eager_frame, functorch_active, in_backward, stable_graph_choice, uncompiled_forward
 from fsdpfn.transform.traced import enter_unit, exit_unit
@@ -107,8 +107,8 @@ class UnitHooks:
         backward: 1.2x torch's peak on stacked LSTMs). The undo puts back the cache of before the swap."""
         hit = self._caches.get(fqn)
         if hit is None:
-            owner = vars(self.module.get_submodule(fqn.rpartition(".")[0]))
-            hit = self._caches[fqn] = (owner,) if all(c in owner for c in PARAMETER_CACHES) else ()
+            cache = parameter_cache(self.module.get_submodule(fqn.rpartition(".")[0]))
+            hit = self._caches[fqn] = () if cache is None else (cache,)
         return hit
 
     def _swap_placeholders(self, plan: ShardPlan) -> Swap:
