@@ -74,6 +74,13 @@ def test_step_benchmark_runs_a_batchnorm_cnn_shape(tmp_path):
     assert list(result["variants"]) == ["torch", "functional", "local", "compat"]
 
 
+def test_step_benchmark_runs_an_lstm_shape(tmp_path):
+    # an 'rnn:...' shape (nn.LSTM blocks, whose parameters also live in the module's own cache): every
+    # variant agrees with the global-batch reference
+    _, result = _run(tmp_path, "--model", "rnn:blocks=2,width=6,seq=3,batch=2", "--check", "--variants", "torch,functional,local,compat")
+    assert result["model"] == "rnn:blocks=2,width=6,seq=3,batch=2" and result["check"]["ok"]
+
+
 def test_step_benchmark_variant_subset(tmp_path):
     _, result = _run(tmp_path, "--variants", "functional,local,functional_kept,compat_kept", "--check")
     assert list(result["variants"]) == ["functional", "local", "functional_kept", "compat_kept"]
