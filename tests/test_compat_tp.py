@@ -14,13 +14,13 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdpfn.testing import fsdp2_lacks, spmd
+from fsdpfn.testing.models import NormMLPBlock
 
 TORCH, COMPAT = "torch.distributed.fsdp", "fsdpfn.compat"
 TIMEOUT = 120
@@ -41,23 +41,13 @@ class MLP(nn.Module):
         return self.head(torch.tanh(self.down(torch.tanh(self.up(x)))))
 
 
-class Block(nn.Module):
-    """A pre-norm residual MLP block: with sequence parallelism its LayerNorm runs on sequence shards."""
-
-    def __init__(self, d: int, h: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up = nn.Linear(d, h)
-        self.down = nn.Linear(h, d)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
 class Blocks(nn.Module):
+    """Two pre-norm residual MLP blocks (with sequence parallelism their LayerNorms run on sequence shards)
+    and a head."""
+
     def __init__(self, d: int, h: int):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(d, h) for _ in range(2))
+        self.blocks = nn.ModuleList(NormMLPBlock(d, h) for _ in range(2))
         self.head = nn.Linear(d, 3)
 
     def forward(self, x):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fsdpfn.testing import spmd
+from fsdpfn.testing.models import NormMLPBlock
 from fsdpfn.transform.parked import park, refill, repark
 
 # --- the pure functions -------------------------------------------------------------------------------
@@ -76,17 +77,6 @@ def test_park_leaves_a_buffer_only_the_group_holds_to_the_references():
 # --- training steps with a selective activation checkpoint that saves every op ----------------------
 
 
-class _Block(nn.Module):
-    def __init__(self, width: int, hidden: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, hidden)
-        self.down = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
 def _save_every_op(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -98,7 +88,7 @@ def _model(width: int, hidden: int, count: int, frozen: bool) -> nn.Sequential:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     torch.manual_seed(0)
-    model = nn.Sequential(*[_Block(width, hidden) for _ in range(count)])
+    model = nn.Sequential(*[NormMLPBlock(width, hidden) for _ in range(count)])
     if frozen:  # a frozen weight read by a backward node that gives the reduction nothing
         model[0].down.weight.requires_grad_(False)
     context = functools.partial(create_selective_checkpoint_contexts, _save_every_op)

@@ -12,7 +12,26 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ModelRecipe", "ParamTree", "RecurrentStack", "TanhStack", "TinyBlock", "TinyTransformer"]
+__all__ = ["ModelRecipe", "NormMLPBlock", "ParamTree", "RecurrentStack", "TanhStack", "TinyBlock", "TinyTransformer"]
+
+
+class NormMLPBlock(nn.Module):
+    """A pre-norm residual MLP block, ``x + down(gelu(up(norm(x))))``: the submodules ``norm``, ``up`` and
+    ``down`` (the names tensor-parallel plans address).
+
+    Example:
+        >>> NormMLPBlock(4, 10)(torch.randn(2, 4)).shape
+        torch.Size([2, 4])
+    """
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
 class TinyBlock(nn.Module):
