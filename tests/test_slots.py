@@ -164,8 +164,8 @@ def _reference(recipe, world):
     reshard=st.booleans(),
     data=st.data(),
 )
-@example(recipe=ModelRecipe("recurrent", (3, 2, 5, 4, 6), seed=1, seq=3), world=3, layer="compat", reshard=True, data=None)
-@example(recipe=ModelRecipe("recurrent", (3, 2, 5, 4, 6), seed=1, seq=3), world=2, layer="functional", reshard=True, data=None)
+@example(recipe=ModelRecipe("recurrent", (3, 2, 5, 4, 6), 1, 3), world=3, layer="compat", reshard=True, data=None)
+@example(recipe=ModelRecipe("recurrent", (3, 2, 5, 4, 6), 1, 3), world=2, layer="functional", reshard=True, data=None)
 def test_recurrent_stacks_train_as_one_process(recipe, world, layer, reshard, data):
     units = data.draw(fst.unit_plans(recipe)) if data is not None else recipe.unit_candidates()
     want = _reference(recipe, world)
@@ -199,4 +199,5 @@ def test_recurrent_stacks_peak_at_most_torchs(world, hiddens, seq):
     torch_peak = max(spmd(world, _peak_worker, "torch", widths, seq))
     for layer in ("functional", "compat"):
         peak = max(spmd(world, _peak_worker, layer, widths, seq))
-        assert peak <= torch_peak + PEAK_SLACK, f"{layer}: {peak / torch_peak:.4f}x torch's peak ({peak} vs {torch_peak})"
+        why = f"{layer}: {peak / torch_peak:.4f}x torch's peak ({peak} vs {torch_peak})"
+        assert peak <= torch_peak + PEAK_SLACK, why

@@ -8,6 +8,7 @@ import pickle
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -182,6 +183,26 @@ def test_tensors_come_back_detached() -> None:
         assert isinstance(res["pair"], Pair)
         assert torch.equal(res["pair"].a, torch.arange(2)) and res["pair"].b[0].item() == 3.0
         assert res["n"] == 7
+
+
+def _collective_on_rank0_alone() -> int:
+    """Rank 0 starts an all-reduce nobody joins and returns; rank 1 returns at once."""
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)
+    return dist.get_rank()
+
+
+def test_a_call_that_left_the_ranks_collectives_apart_renews_the_groups() -> None:
+    # both ranks returned, rank 0 one collective ahead: the next call's first collective would pair with
+    # that one (a 60 s gloo timeout, or another call's data); the pool sees the counts differ, says which
+    # call left them so, and starts the next call on fresh groups
+    apart = r"_collective_on_rank0_alone returned on every rank, but .* different numbers of collectives"
+    with pytest.warns(UserWarning, match=apart):
+        assert spmd(2, _collective_on_rank0_alone) == [0, 1]
+    assert spmd(2, _rank_world_sum, timeout=30) == [(0, 2, 3.0), (1, 2, 3.0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # calls in step: no warning
+        assert spmd(2, _rank_world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
 def test_a_call_that_raised_leaves_the_workers_with_fresh_groups() -> None:

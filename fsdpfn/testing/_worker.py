@@ -10,9 +10,10 @@ Protocol (every message is ``conn.send_bytes(pickle.dumps(obj))``; plain pickle)
   ``("init_error", type_name, message, traceback_text, pickled_exc_or_None)``.
 * parent -> worker: ``("call", payload)`` where ``payload = pickle.dumps((fn, args))``,
   ``("tidy",)`` (no reply: sent once every rank has answered a call; see ``_tidy_groups``),
-  ``("renew", init_method)`` (sent after a call in which ranks raised but every rank answered; see
-  ``_renew_groups``), or ``("exit",)``.
-* worker -> parent, once per call: ``("ok", result)`` or
+  ``("renew", init_method)`` (sent after a call in which ranks raised but every rank answered, or after
+  one that left the ranks' default groups apart; see ``_renew_groups``), or ``("exit",)``.
+* worker -> parent, once per call: ``("ok", result, collectives)`` (how many collectives the default
+  group has issued so far, ``_collectives_issued``) or
   ``("error", type_name, message, traceback_text, pickled_exc_or_None)``; once per renew:
   ``("renewed",)`` or ``("renew_error", ...)`` (the worker then exits).
 
@@ -95,10 +96,21 @@ def error_reply(exc: BaseException, tag: str = "error", skip: int = 0) -> tuple:
     return (tag, type_name, message, tb, blob)
 
 
+def _collectives_issued() -> int | None:
+    """How many collectives this rank's default process group has issued (gloo counts them; every rank
+    of a group issues the same ones, so ranks that disagree are out of step), or ``None``."""
+    try:
+        import torch.distributed as dist
+
+        return int(dist.group.WORLD._get_sequence_number_for_group())
+    except Exception:  # noqa: BLE001 - a torch or backend without the count: nothing to compare
+        return None
+
+
 def _run_call(payload: bytes, rank: int) -> bytes:
     try:
         fn, args = pickle.loads(payload)
-        reply: tuple = ("ok", detach_result(fn(*args)))
+        reply: tuple = ("ok", detach_result(fn(*args)), _collectives_issued())
     except BaseException as exc:  # noqa: BLE001 - report everything, incl. SystemExit
         reply = error_reply(exc, skip=1)
     try:

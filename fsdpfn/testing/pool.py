@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Callable
 
@@ -64,6 +65,8 @@ class _Pool:
         self.conns: list[Connection | None] = [None] * world_size
         self.procs: list[subprocess.Popen] = []
         self.all_answered = False  # whether every rank answered the last call (set by _call)
+        # the ranks' collective counts on the default group after the last call, when they differ (set by _call)
+        self.apart: list[int | None] | None = None
         authkey = secrets.token_bytes(32)
         self.listener = Listener(("127.0.0.1", 0), backlog=2 * MAX_WORLD_SIZE, authkey=authkey)
         host, port = self.listener.address
@@ -320,7 +323,7 @@ def spmd(
 
     pool = _get_pool(world_size)
     try:
-        return _call(pool, fn, payload, float(timeout), reraise)
+        out = _call(pool, fn, payload, float(timeout), reraise)
     except BaseException as exc:
         # The groups may be out of sync now (unreceived messages, unequal collective counts). If
         # every rank answered, fresh groups in the same workers fix that; otherwise (a hang, a
@@ -332,6 +335,19 @@ def spmd(
             if not renewed:
                 _discard(world_size)
         raise
+    if pool.apart is not None:
+        # Every rank returned, but one issued more collectives on the default group than another: the
+        # next call's first collective would pair with the wrong one and time out (or read the wrong
+        # data). Fresh groups start the next call in step; the warning names the call that left them so.
+        counts, pool.apart = pool.apart, None
+        warnings.warn(
+            f"spmd: {_describe_fn(fn)} returned on every rank, but the ranks' default process groups had "
+            f"issued different numbers of collectives ({counts}, by rank): the groups were renewed",
+            stacklevel=2,
+        )
+        if not pool.renew():
+            _discard(world_size)
+    return out
 
 
 def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, reraise: bool) -> list[Any]:
@@ -377,6 +393,8 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
         if first_fail is None and (dead or any(v[0] != "ok" for v in replies.values())):
             first_fail = time.monotonic()
     if not pending and not dead and all(v[0] == "ok" for v in replies.values()):
+        counts = [replies[r][2] if len(replies[r]) > 2 else None for r in range(world)]
+        pool.apart = counts if len(set(counts)) > 1 else None
         for conn in conns:  # every rank is done with the call's process groups: they may go
             with contextlib.suppress(OSError):  # a worker that died now is found by the next call
                 _send(conn, ("tidy",))
