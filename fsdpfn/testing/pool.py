@@ -8,8 +8,11 @@ process groups that calls created (meshes, ``new_group``) destroys those nothing
 more (idle gloo groups cost CPU); a group or mesh kept across calls stays.  Pools are stopped
 at interpreter exit (or by :func:`shutdown_pools`).  After a call in which ranks raised but
 every rank answered, the workers destroy all their process groups and join a fresh default
-group (a second, not the seconds a new pool takes to start); a call in which a rank hung or
-died discards its pool, and the next call starts a fresh one.
+group (a second, not the seconds a new pool takes to start); so do they after a call every rank
+returned from but that left the ranks' default groups with different collective counts (one rank
+started a collective the others never joined), with a warning naming the call: the next call's first
+collective would otherwise pair with the stray one. A call in which a rank hung or died discards its
+pool, and the next call starts a fresh one.
 
 ``fn`` and ``args`` are sent with plain :mod:`pickle`, so ``fn`` must be a module-level
 function (pickled by reference, imported by the workers) and ``args`` picklable.
