@@ -196,7 +196,7 @@ def test_a_call_that_left_the_ranks_collectives_apart_renews_the_groups() -> Non
     # both ranks returned, rank 0 one collective ahead: the next call's first collective would pair with
     # that one (a 60 s gloo timeout, or another call's data); the pool sees the counts differ, says which
     # call left them so, and starts the next call on fresh groups
-    apart = r"_collective_on_rank0_alone returned on every rank, but .* different numbers of collectives"
+    apart = r"_collective_on_rank0_alone returned on every rank, but .* different numbers of operations"
     with pytest.warns(UserWarning, match=apart):
         assert spmd(2, _collective_on_rank0_alone) == [0, 1]
     assert spmd(2, _rank_world_sum, timeout=30) == [(0, 2, 3.0), (1, 2, 3.0)]

@@ -12,8 +12,8 @@ Protocol (every message is ``conn.send_bytes(pickle.dumps(obj))``; plain pickle)
   ``("tidy",)`` (no reply: sent once every rank has answered a call; see ``_tidy_groups``),
   ``("renew", init_method)`` (sent after a call in which ranks raised but every rank answered, or after
   one that left the ranks' default groups apart; see ``_renew_groups``), or ``("exit",)``.
-* worker -> parent, once per call: ``("ok", result, collectives)`` (how many collectives the default
-  group has issued so far, ``_collectives_issued``) or
+* worker -> parent, once per call: ``("ok", result, operations)`` (how many operations the default
+  group has issued so far, ``_operations_issued``) or
   ``("error", type_name, message, traceback_text, pickled_exc_or_None)``; once per renew:
   ``("renewed",)`` or ``("renew_error", ...)`` (the worker then exits).
 
@@ -96,9 +96,9 @@ def error_reply(exc: BaseException, tag: str = "error", skip: int = 0) -> tuple:
     return (tag, type_name, message, tb, blob)
 
 
-def _collectives_issued() -> int | None:
-    """How many collectives this rank's default process group has issued (gloo counts them; every rank
-    of a group issues the same ones, so ranks that disagree are out of step), or ``None``."""
+def _operations_issued() -> int | None:
+    """How many operations this rank's default process group has issued (gloo's sequence number: its
+    collectives, which every rank issues alike, and its sends and receives, which may differ), or ``None``."""
     try:
         import torch.distributed as dist
 
@@ -110,7 +110,7 @@ def _collectives_issued() -> int | None:
 def _run_call(payload: bytes, rank: int) -> bytes:
     try:
         fn, args = pickle.loads(payload)
-        reply: tuple = ("ok", detach_result(fn(*args)), _collectives_issued())
+        reply: tuple = ("ok", detach_result(fn(*args)), _operations_issued())
     except BaseException as exc:  # noqa: BLE001 - report everything, incl. SystemExit
         reply = error_reply(exc, skip=1)
     try:

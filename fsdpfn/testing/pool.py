@@ -9,9 +9,10 @@ more (idle gloo groups cost CPU); a group or mesh kept across calls stays.  Pool
 at interpreter exit (or by :func:`shutdown_pools`).  After a call in which ranks raised but
 every rank answered, the workers destroy all their process groups and join a fresh default
 group (a second, not the seconds a new pool takes to start); so do they after a call every rank
-returned from but that left the ranks' default groups with different collective counts (one rank
-started a collective the others never joined), with a warning naming the call: the next call's first
-collective would otherwise pair with the stray one. A call in which a rank hung or died discards its
+returned from but that left the ranks' default groups with different operation counts (one rank
+started a collective the others never joined; gloo counts sends and receives too, which may differ
+legitimately), with a warning naming the call: the next call's first collective would otherwise pair
+with a stray one. A call in which a rank hung or died discards its
 pool, and the next call starts a fresh one.
 
 ``fn`` and ``args`` are sent with plain :mod:`pickle`, so ``fn`` must be a module-level
@@ -339,13 +340,16 @@ def spmd(
                 _discard(world_size)
         raise
     if pool.apart is not None:
-        # Every rank returned, but one issued more collectives on the default group than another: the
-        # next call's first collective would pair with the wrong one and time out (or read the wrong
-        # data). Fresh groups start the next call in step; the warning names the call that left them so.
+        # Every rank returned, but their default groups counted different numbers of operations. gloo
+        # counts sends and receives too, which may differ legitimately (no message for a peer's empty
+        # chunk); a collective one rank started and the others never joined would make the next call's
+        # first collective pair with it and time out (or read the wrong data). Fresh groups start the
+        # next call in step either way (a second); the warning names the call.
         counts, pool.apart = pool.apart, None
         warnings.warn(
             f"spmd: {_describe_fn(fn)} returned on every rank, but the ranks' default process groups had "
-            f"issued different numbers of collectives ({counts}, by rank): the groups were renewed",
+            f"counted different numbers of operations ({counts}, by rank; collectives, sends and receives): "
+            "the groups were renewed",
             stacklevel=2,
         )
         if not pool.renew():
