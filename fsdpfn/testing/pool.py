@@ -12,8 +12,8 @@ group (a second, not the seconds a new pool takes to start); so do they after a 
 returned from but that left the ranks' default groups with different operation counts (one rank
 started a collective the others never joined; gloo counts sends and receives too, which may differ
 legitimately), with a warning naming the call: the next call's first collective would otherwise pair
-with a stray one. A call in which a rank hung or died discards its
-pool, and the next call starts a fresh one.
+with a stray one. A call in which a rank hung or died discards its pool, and the next call starts a
+fresh one.
 
 ``fn`` and ``args`` are sent with plain :mod:`pickle`, so ``fn`` must be a module-level
 function (pickled by reference, imported by the workers) and ``args`` picklable.
@@ -69,7 +69,7 @@ class _Pool:
         self.conns: list[Connection | None] = [None] * world_size
         self.procs: list[subprocess.Popen] = []
         self.all_answered = False  # whether every rank answered the last call (set by _call)
-        # the ranks' collective counts on the default group after the last call, when they differ (set by _call)
+        # the ranks' operation counts on the default group after the last call, when they differ (set by _call)
         self.apart: list[int | None] | None = None
         authkey = secrets.token_bytes(32)
         self.listener = Listener(("127.0.0.1", 0), backlog=2 * MAX_WORLD_SIZE, authkey=authkey)
