@@ -197,7 +197,7 @@ class Call:
             grad_fn.register_prehook(lambda _grads, _n=name: self._release(_n))
             self.awaiting_backward.add(name)
         if self.reshards(name):
-            self.parking.gathered(name, b)
+            self.parking.gathered(name, b, taken=ready is not None)
             for fqn, t in full.items():
                 if t.numel() and type(t) is torch.Tensor:  # a subclass (all-gather transform) has no storage to match
                     self.storages[t.untyped_storage().data_ptr()] = (name, fqn)

@@ -152,10 +152,15 @@ class Parking:
     def __contains__(self, group: str) -> bool:
         return group in self._parked
 
-    def gathered(self, group: str, buckets: Any) -> None:
-        """Resharded group ``group`` was gathered by ``buckets`` (its ``Buckets``)."""
-        if buckets.gathers_into_core_buffer:
+    def gathered(self, group: str, buckets: Any, *, taken: bool = False) -> None:
+        """Resharded group ``group`` was gathered by ``buckets`` (its ``Buckets``); ``taken``: its values are
+        a copy kept gathered outside this call (compat's ``reshard_after_backward=False``) and handed to it,
+        which is never parked here: the call that gathered it may still read it in a backward of its own
+        (a pipeline schedule's weight-gradient pass runs after the next microbatch's forward)."""
+        if buckets.gathers_into_core_buffer and not taken:
             self._own.add(group)
+        else:
+            self._own.discard(group)
 
     def returned(self, storages: dict[int, tuple[str, str]], out: Any) -> None:
         """A unit's forward returned ``out``; ``storages``: the resharded groups' gathered storages (by data
