@@ -31,15 +31,13 @@ import pickle
 import signal
 import sys
 import traceback
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Client
 from typing import Any
+
+from fsdpfn.testing._wire import send, without_delay
 
 AUTHKEY_ENV = "FSDPFN_SPMD_AUTHKEY"
 PG_TIMEOUT_ENV = "FSDPFN_SPMD_PG_TIMEOUT"
-
-
-def _send(conn: Connection, obj: Any) -> None:
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def detach_result(obj: Any) -> Any:
@@ -253,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
 
     host, port = ns.parent.rsplit(":", 1)
     authkey = bytes.fromhex(os.environ.pop(AUTHKEY_ENV))
-    conn = Client((host, int(port)), authkey=authkey)
-    _send(conn, ("hello", ns.rank, os.getpid()))
+    conn = without_delay(Client((host, int(port)), authkey=authkey))
+    send(conn, ("hello", ns.rank, os.getpid()))
 
     try:
         import torch
@@ -263,13 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
         _init_default_group(ns.rank, ns.world_size, ns.init_method)
     except BaseException as exc:  # noqa: BLE001
-        _send(conn, error_reply(exc, tag="init_error"))
+        send(conn, error_reply(exc, tag="init_error"))
         return 2
     from torch.distributed import distributed_c10d as c10d
 
     keep = set(c10d._world.pg_map)  # the pool's own group(s); everything later is a call's
     held = 0  # call-made groups the last tidy found in use
-    _send(conn, ("ready",))
+    send(conn, ("ready",))
 
     while True:
         try:
@@ -285,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 _renew_groups(ns.rank, ns.world_size, msg[1])
             except BaseException as exc:  # noqa: BLE001 - the parent discards the pool
-                _send(conn, error_reply(exc, tag="renew_error"))
+                send(conn, error_reply(exc, tag="renew_error"))
                 return 3
             keep, held = set(c10d._world.pg_map), 0
-            _send(conn, ("renewed",))
+            send(conn, ("renewed",))
             continue
         if msg[0] == "call":
             try:

@@ -43,6 +43,7 @@ import warnings
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Callable
 
+from fsdpfn.testing._wire import receive, send, without_delay
 from fsdpfn.testing.failure import SpmdError, SpmdTimeout, failure
 
 __all__ = ["SpmdError", "SpmdTimeout", "spmd", "shutdown_pools", "MAX_WORLD_SIZE"]
@@ -103,14 +104,14 @@ class _Pool:
                 waitables.append(sock)
             for obj in wait(waitables, timeout=0.1):
                 if obj is sock:
-                    conn = self.listener.accept()
-                    _tag, rank, _pid = _recv(conn)
+                    conn = without_delay(self.listener.accept())
+                    _tag, rank, _pid = receive(conn)
                     self.conns[rank] = conn
                     accepted += 1
                     continue
                 rank = self.conns.index(obj)
                 try:
-                    msg = _recv(obj)
+                    msg = receive(obj)
                 except (EOFError, OSError):
                     return f"rank {rank} exited during start-up"
                 if msg[0] != "ready":
@@ -127,7 +128,7 @@ class _Pool:
         conns = [c for c in self.conns if c is not None]
         try:
             for conn in conns:
-                _send(conn, ("renew", init_method))
+                send(conn, ("renew", init_method))
         except OSError:
             return False
         deadline = time.monotonic() + _RENEW_S
@@ -137,7 +138,7 @@ class _Pool:
                 return False
             for conn in wait(list(pending), timeout=0.1):
                 try:
-                    msg = _recv(conn)  # type: ignore[arg-type]
+                    msg = receive(conn)  # type: ignore[arg-type]
                 except (EOFError, OSError):
                     return False
                 if msg[0] != "renewed":
@@ -150,7 +151,7 @@ class _Pool:
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 if conn is not None:
-                    _send(conn, ("exit",))
+                    send(conn, ("exit",))
 
     def close(self, graceful: bool) -> None:
         """Stop the workers (asking them first if ``graceful``) and free resources."""
@@ -184,14 +185,6 @@ class _Pool:
             time.sleep(0.05)
         time.sleep(0.1)  # let a dump that is being written finish
         return {r: _read(self.logs[r]) or "(no stack dump was written)" for r in ranks}
-
-
-def _send(conn: Connection, obj: Any) -> None:
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _recv(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
 
 
 def _read(path: str) -> str:
@@ -366,7 +359,7 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
     pending = set(range(world))
     for r, conn in enumerate(conns):
         try:
-            _send(conn, ("call", payload))
+            send(conn, ("call", payload))
         except OSError:
             dead[r] = pool.procs[r].poll()
             pending.discard(r)
@@ -404,7 +397,7 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
         pool.apart = counts if len(set(counts)) > 1 else None
         for conn in conns:  # every rank is done with the call's process groups: they may go
             with contextlib.suppress(OSError):  # a worker that died now is found by the next call
-                _send(conn, ("tidy",))
+                send(conn, ("tidy",))
         return [replies[r][1] for r in range(world)]
 
     # --- failure: build the report --------------------------------------------------------
