@@ -136,7 +136,8 @@ def repark(parked: list[Parked]) -> None:
 class Parking:
     """One call's parked groups, and what it knows to decide: which groups were gathered into buffers of the
     core's own (only those are parked: at world 1 the gathered values are the shards; an all-gather
-    extension or a custom all-gather owns its buffers) and which units returned a view of their buffer.
+    extension or a custom all-gather owns its buffers; a copy kept gathered outside the call is not the call's
+    own either) and which units returned a view of their buffer.
 
     Example:
         >>> parking = Parking(); parking.release("blocks.0", {"w": torch.zeros(4)}, tuple)   # not gathered here
