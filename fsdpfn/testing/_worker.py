@@ -34,7 +34,7 @@ import traceback
 from multiprocessing.connection import Client
 from typing import Any
 
-from fsdpfn.testing._wire import send, without_delay
+from fsdpfn.testing._wire import receive, send, without_delay
 
 AUTHKEY_ENV = "FSDPFN_SPMD_AUTHKEY"
 PG_TIMEOUT_ENV = "FSDPFN_SPMD_PG_TIMEOUT"
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
     while True:
         try:
-            msg = pickle.loads(conn.recv_bytes())
+            msg = receive(conn)
         except (EOFError, OSError):  # the parent went away
             break
         if msg[0] == "exit":
