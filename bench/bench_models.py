@@ -37,7 +37,7 @@ class ModelSpec:
     """Shape of one benchmark model and its per-rank batch."""
 
     name: str
-    kind: str  # "mlp", "gpt", "cnn" (width = channels, seq = image side, vocab = classes) or "rnn" (LSTMs)
+    kind: str  # "mlp", "gpt", "cnn" (width = channels, seq = image side, vocab = classes), "rnn" (LSTMs) or "unet" (1-D convs)
     blocks: int
     width: int
     hidden: int
@@ -71,13 +71,14 @@ def spec_for(name: str, tiny: bool = False) -> ModelSpec:
     """The ``ModelSpec`` called ``name`` (its tiny version with ``tiny``), or a shape of one's own written
     ``kind:field=value,...`` (``mlp:blocks=16,width=300,hidden=1000,batch=40,norm=1``; ``gpt:...`` also
     takes ``heads``, ``seq`` and ``vocab``; ``cnn:blocks=6,width=64,seq=16,vocab=10,batch=16`` a BatchNorm
-    CNN; ``rnn:blocks=4,width=128,seq=16,batch=16`` a stack of residual LSTMs): a model the bench has not
+    CNN; ``rnn:blocks=4,width=128,seq=16,batch=16`` a stack of residual LSTMs;
+    ``unet:blocks=3,width=32,seq=256,batch=8`` a 1-D U-Net of ``blocks`` levels): a model the bench has not
     seen, same block types and data."""
     if ":" not in name:
         return (TINY if tiny else MODELS)[name]
     kind, _, fields = name.partition(":")
-    if kind not in ("mlp", "gpt", "cnn", "rnn"):
-        raise ValueError(f"model shape {name!r}: the kind before ':' must be 'mlp', 'gpt', 'cnn' or 'rnn'")
+    if kind not in ("mlp", "gpt", "cnn", "rnn", "unet"):
+        raise ValueError(f"model shape {name!r}: the kind before ':' must be 'mlp', 'gpt', 'cnn', 'rnn' or 'unet'")
     known = {f for f in ModelSpec.__dataclass_fields__ if f not in ("name", "kind", "gpu_only")}
     values: dict[str, int | bool] = {}
     for item in filter(None, fields.split(",")):
@@ -92,6 +93,8 @@ def spec_for(name: str, tiny: bool = False) -> ModelSpec:
         base.update(blocks=6, width=64, seq=16, vocab=10, batch=16)
     if kind == "rnn":
         base.update(width=128, seq=16)
+    if kind == "unet":
+        base.update(blocks=3, width=32, seq=256, batch=8)
     return ModelSpec(name, kind, **{**base, **values})  # type: ignore[arg-type]
 
 
@@ -219,10 +222,46 @@ class LSTMStack(nn.Module):
         return self.head(x)
 
 
+UNET_CHANNELS = 4  # the U-Net's input and output channels
+
+
+class UNet1d(nn.Module):
+    """A 1-D U-Net: ``blocks`` down levels (stride-2 conv, GroupNorm, SiLU; channels doubling from ``width``)
+    then as many up levels, each upsampling (nearest) and reading the down level's output beside it (a skip
+    connection: held from its forward until the up level's); ``self.blocks`` holds the down levels, then
+    the up levels (the units, in the order they run); the input and output convs are the root's."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        c, depth = spec.width, spec.blocks
+        self.depth = depth
+        self.inp = nn.Conv1d(UNET_CHANNELS, c, 3, padding=1)
+        down = [self._level(c << i, c << (i + 1), stride=2) for i in range(depth)]
+        up = [self._level((c << (i + 1)) + (c << i), c << i, stride=1) for i in reversed(range(depth))]
+        self.blocks = nn.ModuleList(down + up)
+        self.out = nn.Conv1d(c, UNET_CHANNELS, 1)
+
+    @staticmethod
+    def _level(cin: int, cout: int, stride: int) -> nn.Module:
+        return nn.Sequential(nn.Conv1d(cin, cout, 3, padding=1, stride=stride), nn.GroupNorm(min(4, cout), cout), nn.SiLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        skips = [h]
+        for level in self.blocks[: self.depth]:
+            h = level(h)
+            skips.append(h)
+        skips.pop()
+        for level in self.blocks[self.depth :]:
+            skip = skips.pop()
+            h = level(torch.cat([F.interpolate(h, size=skip.shape[-1]), skip], 1))
+        return self.out(h)
+
+
 def build_model(spec: ModelSpec, seed: int) -> nn.Module:
     """The model with its initial weights, a pure function of ``seed`` (built on CPU, fp32)."""
     torch.manual_seed(seed)
-    return {"mlp": MLPStack, "gpt": GPT, "cnn": CNN, "rnn": LSTMStack}[spec.kind](spec)
+    return {"mlp": MLPStack, "gpt": GPT, "cnn": CNN, "rnn": LSTMStack, "unet": UNet1d}[spec.kind](spec)
 
 
 def _teacher(spec: ModelSpec, seed: int) -> torch.Tensor:
@@ -236,9 +275,13 @@ def make_batch(spec: ModelSpec, seed: int, step: int, rank: int, teacher: torch.
     MLP models: ``x ~ N(0, 1)`` of shape ``(batch, width)`` and the fixed target ``tanh(x @ T)`` (``T`` a
     fixed random teacher matrix). GPT: random tokens ``(batch, seq)`` and their shifted targets. CNN:
     images ``x ~ N(0, 1)`` of shape ``(batch, 3, seq, seq)`` and random labels in ``[0, vocab)``. RNN: as
-    MLP, over sequences ``(batch, seq, width)``.
+    MLP, over sequences ``(batch, seq, width)``. U-Net: ``x ~ N(0, 1)`` of shape ``(batch, 4, seq)`` and
+    the target ``tanh(x)`` reversed along the sequence.
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    if spec.kind == "unet":
+        x = torch.randn(spec.batch, UNET_CHANNELS, spec.seq, generator=g)
+        return x, torch.tanh(x).flip(-1)
     if spec.kind == "cnn":
         return torch.randn(spec.batch, 3, spec.seq, spec.seq, generator=g), torch.randint(0, spec.vocab, (spec.batch,), generator=g)
     if spec.kind in ("mlp", "rnn"):
@@ -256,9 +299,9 @@ def make_batches(spec: ModelSpec, seed: int, steps: int, ranks: list[int], devic
 
 
 def loss_fn(spec: ModelSpec, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """MSE (MLP and RNN models), token cross-entropy (GPT) or class cross-entropy (CNN), always computed in
-    fp32, mean over the batch."""
-    if spec.kind in ("mlp", "rnn"):
+    """MSE (MLP, RNN and U-Net models), token cross-entropy (GPT) or class cross-entropy (CNN), always
+    computed in fp32, mean over the batch."""
+    if spec.kind in ("mlp", "rnn", "unet"):
         return F.mse_loss(out.float(), target.float())
     if spec.kind == "cnn":
         return F.cross_entropy(out.float(), target)

@@ -81,6 +81,13 @@ def test_step_benchmark_runs_an_lstm_shape(tmp_path):
     assert result["model"] == "rnn:blocks=2,width=6,seq=3,batch=2" and result["check"]["ok"]
 
 
+def test_step_benchmark_runs_a_unet_shape(tmp_path):
+    # a 'unet:...' shape (1-D convs and GroupNorm; skip connections hold each down level's output until its
+    # up level runs, and the units are the levels): every variant agrees with the global-batch reference
+    _, result = _run(tmp_path, "--model", "unet:blocks=2,width=2,seq=8,batch=2", "--check", "--variants", "torch,functional,local,compat")
+    assert result["model"] == "unet:blocks=2,width=2,seq=8,batch=2" and result["check"]["ok"]
+
+
 def test_step_benchmark_variant_subset(tmp_path):
     _, result = _run(tmp_path, "--variants", "functional,local,functional_kept,compat_kept", "--check")
     assert list(result["variants"]) == ["functional", "local", "functional_kept", "compat_kept"]
