@@ -70,8 +70,6 @@ class _Pool:
         self.conns: list[Connection | None] = [None] * world_size
         self.procs: list[subprocess.Popen] = []
         self.all_answered = False  # whether every rank answered the last call (set by _call)
-        # the ranks' operation counts on the default group after the last call, when they differ (set by _call)
-        self.apart: list[int | None] | None = None
         authkey = secrets.token_bytes(32)
         self.listener = Listener(("127.0.0.1", 0), backlog=2 * MAX_WORLD_SIZE, authkey=authkey)
         host, port = self.listener.address
@@ -320,7 +318,7 @@ def spmd(
 
     pool = _get_pool(world_size)
     try:
-        out = _call(pool, fn, payload, float(timeout), reraise)
+        out, counts = _call(pool, fn, payload, float(timeout), reraise)
     except BaseException as exc:
         # The groups may be out of sync now (unreceived messages, unequal collective counts). If
         # every rank answered, fresh groups in the same workers fix that; otherwise (a hang, a
@@ -332,13 +330,12 @@ def spmd(
             if not renewed:
                 _discard(world_size)
         raise
-    if pool.apart is not None:
+    if len(set(counts)) > 1:
         # Every rank returned, but their default groups counted different numbers of operations. gloo
         # counts sends and receives too, which may differ legitimately (no message for a peer's empty
         # chunk); a collective one rank started and the others never joined would make the next call's
         # first collective pair with it and time out (or read the wrong data). Fresh groups start the
         # next call in step either way (a second); the warning names the call.
-        counts, pool.apart = pool.apart, None
         warnings.warn(
             f"spmd: {_describe_fn(fn)} returned on every rank, but the ranks' default process groups had "
             f"counted different numbers of operations ({counts}, by rank; collectives, sends and receives): "
@@ -350,7 +347,9 @@ def spmd(
     return out
 
 
-def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, reraise: bool) -> list[Any]:
+def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, reraise: bool) -> tuple[list[Any], list[int | None]]:
+    """Each rank's result of ``fn``, and each rank's count of operations on its default group after it
+    (``_worker._operations_issued``); raises the call's failure."""
     world = pool.world_size
     pool.all_answered = False
     conns: list[Connection] = [c for c in pool.conns if c is not None]
@@ -393,12 +392,10 @@ def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, r
         if first_fail is None and (dead or any(v[0] != "ok" for v in replies.values())):
             first_fail = time.monotonic()
     if not pending and not dead and all(v[0] == "ok" for v in replies.values()):
-        counts = [replies[r][2] if len(replies[r]) > 2 else None for r in range(world)]
-        pool.apart = counts if len(set(counts)) > 1 else None
         for conn in conns:  # every rank is done with the call's process groups: they may go
             with contextlib.suppress(OSError):  # a worker that died now is found by the next call
                 send(conn, ("tidy",))
-        return [replies[r][1] for r in range(world)]
+        return [replies[r][1] for r in range(world)], [replies[r][2] for r in range(world)]
 
     # --- failure: build the report --------------------------------------------------------
     hung = sorted(pending)
