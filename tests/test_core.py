@@ -14,6 +14,10 @@ from fsdpfn.core import Comm
 from fsdpfn.testing import spmd
 from fsdpfn.testing.memory import settled_live_bytes
 
+# a direct exchange sends no message for a peer's empty chunk: the ranks' operation counts (gloo counts sends and
+# receives beside collectives) may differ after a call that passed; the pool renews its groups and says so
+OPERATIONS_APART = pytest.mark.filterwarnings("ignore:spmd.*counted different numbers of operations")
+
 
 def _collectives():
     import torch.distributed as dist
@@ -110,9 +114,7 @@ def _bucket_both_ways(shapes, dtype, seed, pack_below):
     return out, [f.to(torch.float64) for f in fulls], world
 
 
-# a direct exchange sends no message for a peer's empty chunk: the ranks' operation counts (gloo counts sends and
-# receives beside collectives) may differ after a call that passed; the pool renews its groups and says so
-@pytest.mark.filterwarnings("ignore:spmd.*counted different numbers of operations")
+@OPERATIONS_APART
 @given(
     shapes=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple), min_size=1, max_size=4),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
@@ -302,9 +304,7 @@ def _reduction_peak(shapes, direct):
     return peak, grad_bytes, out.untyped_storage().nbytes(), all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-# a direct exchange sends no message for a peer's empty chunk: the ranks' operation counts (gloo counts sends and
-# receives beside collectives) may differ after a call that passed; the pool renews its groups and says so
-@pytest.mark.filterwarnings("ignore:spmd.*counted different numbers of operations")
+@OPERATIONS_APART
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_a_reduction_holds_its_input_and_output_and_one_segment_at_most(world, direct):
