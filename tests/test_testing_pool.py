@@ -206,6 +206,33 @@ def test_a_call_that_left_the_ranks_collectives_apart_renews_the_groups() -> Non
         assert spmd(2, _rank_world_sum) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
+def _exchange_tags_on_rank0_alone() -> int:
+    """Rank 0 draws two exchange tags of the default group that the others never draw."""
+    from fsdpfn.core.exchange import Exchange
+
+    if dist.get_rank() == 0:
+        Exchange(dist.group.WORLD, 0, dist.get_world_size()).tags(2)
+    return dist.get_rank()
+
+
+def _exchange_tags_drawn() -> int:
+    from fsdpfn.core.exchange import Exchange
+
+    return Exchange(dist.group.WORLD, dist.get_rank(), dist.get_world_size()).tags()
+
+
+def test_a_call_that_left_the_ranks_exchange_tags_apart_renews_the_groups() -> None:
+    # gloo counts no operation for a tag drawn and not sent, so only fsdpfn's own counter shows it: the
+    # next exchange would pair rank 0's tag 2 with the others' tag 0 and wait for a message never sent
+    apart = r"_exchange_tags_on_rank0_alone returned on every rank, but .* exchange tags on group '\w+' \[2, 0, 0\]"
+    with pytest.warns(UserWarning, match=apart):
+        assert spmd(3, _exchange_tags_on_rank0_alone) == [0, 1, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # renewed: every rank draws from tag 0 again, in step
+        assert spmd(3, _exchange_tags_drawn) == [0, 0, 0]
+        assert spmd(3, _exchange_tags_drawn) == [1, 1, 1]
+
+
 def _sends_at_once(conn) -> bool:
     with socket.socket(fileno=os.dup(conn.fileno())) as s:
         return bool(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))

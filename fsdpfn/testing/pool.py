@@ -9,9 +9,10 @@ more (idle gloo groups cost CPU); a group or mesh kept across calls stays.  Pool
 at interpreter exit (or by :func:`shutdown_pools`).  After a call in which ranks raised but
 every rank answered, the workers destroy all their process groups and join a fresh default
 group (a second, not the seconds a new pool takes to start); so do they after a call every rank
-returned from but that left the ranks' default groups with different operation counts (one rank
-started a collective the others never joined; gloo counts sends and receives too, which may differ
-legitimately), with a warning naming the call: the next call's first collective would otherwise pair
+returned from but that left a group's counters different between its ranks: its operation count (one
+rank started a collective the others never joined; gloo counts sends and receives too, which may differ
+legitimately), the tag fsdpfn's exchanges over it draw next, or the number of groups each rank created;
+with a warning naming the call and the counters: the next call's first operation would otherwise pair
 with a stray one. A call in which a rank hung or died discards its pool, and the next call starts a
 fresh one.
 
@@ -257,6 +258,21 @@ def shutdown_pools() -> None:
 atexit.register(shutdown_pools)
 
 
+def _groups_apart(states: list[dict[str, int]]) -> str:
+    """The counters (``_worker._groups_state``) on which the ranks that report them differ, with each
+    rank's value (``-`` where a rank has no such group), or ``""`` when they agree."""
+    apart = []
+    for key in sorted({k for state in states for k in state}):
+        values = [state.get(key) for state in states]
+        if len({v for v in values if v is not None}) > 1:
+            shown = ", ".join("-" if v is None else str(v) for v in values)
+            what = f"{key} [{shown}], by rank"
+            if key.startswith("operations"):
+                what += "; collectives, sends and receives: counted different numbers of operations"
+            apart.append(what)
+    return "; ".join(apart)
+
+
 def _describe_fn(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -318,7 +334,7 @@ def spmd(
 
     pool = _get_pool(world_size)
     try:
-        out, counts = _call(pool, fn, payload, float(timeout), reraise)
+        out, states = _call(pool, fn, payload, float(timeout), reraise)
     except BaseException as exc:
         # The groups may be out of sync now (unreceived messages, unequal collective counts). If
         # every rank answered, fresh groups in the same workers fix that; otherwise (a hang, a
@@ -330,16 +346,16 @@ def spmd(
             if not renewed:
                 _discard(world_size)
         raise
-    if len(set(counts)) > 1:
-        # Every rank returned, but their default groups counted different numbers of operations. gloo
-        # counts sends and receives too, which may differ legitimately (no message for a peer's empty
-        # chunk); a collective one rank started and the others never joined would make the next call's
-        # first collective pair with it and time out (or read the wrong data). Fresh groups start the
-        # next call in step either way (a second); the warning names the call.
+    apart = _groups_apart(states)
+    if apart:
+        # Every rank returned, but a group's counters differ between its members. gloo counts sends and
+        # receives too, which may differ legitimately (no message for a peer's empty chunk); a collective
+        # one rank started and the others never joined, or exchange tags one rank drew alone, would make
+        # the next call's first operation on that group pair wrongly and time out (or read the wrong
+        # data). Fresh groups start the next call in step either way (a second); the warning names the call.
         warnings.warn(
-            f"spmd: {_describe_fn(fn)} returned on every rank, but the ranks' default process groups had "
-            f"counted different numbers of operations ({counts}, by rank; collectives, sends and receives): "
-            "the groups were renewed",
+            f"spmd: {_describe_fn(fn)} returned on every rank, but left the ranks' process groups apart "
+            f"({apart}): the groups were renewed",
             stacklevel=2,
         )
         if not pool.renew():
@@ -347,9 +363,11 @@ def spmd(
     return out
 
 
-def _call(pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, reraise: bool) -> tuple[list[Any], list[int | None]]:
-    """Each rank's result of ``fn``, and each rank's count of operations on its default group after it
-    (``_worker._operations_issued``); raises the call's failure."""
+def _call(
+    pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, reraise: bool
+) -> tuple[list[Any], list[dict[str, int]]]:
+    """Each rank's result of ``fn``, and each rank's group counters after it (``_worker._groups_state``);
+    raises the call's failure."""
     world = pool.world_size
     pool.all_answered = False
     conns: list[Connection] = [c for c in pool.conns if c is not None]
