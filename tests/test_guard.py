@@ -86,6 +86,33 @@ def test_a_wait_times_out_with_the_unit_and_the_last_completed_collective():
     assert "last completed collective: none yet" in errors[0]
 
 
+def _stalls_on_a_group_with_a_short_timeout(seconds):
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=seconds))
+    model = Skippy(set())
+    params = fsdpfn.shard(model, DeviceMesh.from_group(group, "cpu"), units=[f"blocks.{i}" for i in range(4)])
+    assert params.plan.comm.guard.timeout == 600  # FSDPFN_TIMEOUT's default: gloo's timeout fires first
+    apply = fsdpfn.fsdp(model)
+    if dist.get_rank() == 1:
+        time.sleep(seconds + 1.5)
+        return "slept"
+    fsdpfn.value_and_grad(lambda p: apply(p, torch.ones(2, 4)).sum())(params)
+    return "finished"
+
+
+def test_a_wait_the_process_groups_own_timeout_ends_says_how_long_it_waited():
+    # the message said "within 600 s" (the guard's timeout) when gloo had given up after the group's timeout
+    with pytest.raises(CollectiveTimeout) as info:
+        spmd(2, _stalls_on_a_group_with_a_short_timeout, 1.0, timeout=30)
+    errors = info.value.rank_errors
+    assert set(errors) == {0}
+    assert "collective #1 " in errors[0] and "did not complete within 1 s (the process group's timeout)" in errors[0]
+
+
 def test_a_peer_missing_from_the_first_calls_fusion_agreement_times_out():
     # min_bucket_bytes="auto": the first call exchanges the ranks' batch sizes and settles its fusion before any gather
     start = time.monotonic()

@@ -232,14 +232,18 @@ class Guard:
 
     def wait(self, work: Any, fp: Fingerprint) -> None:
         """Wait for ``work`` with the timeout; failures become errors that say what and where."""
+        start = time.monotonic()
         try:
             _wait(work, self.timeout)
         except RuntimeError as e:
             last = self.last_done.describe() if self.last_done else "none yet"
             where = f"{fp.describe()} on rank {self.rank} (after {self.steps} completed passes; last completed collective: {last})"
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                # the process group's own timeout may fire first: say how long it was waited for
+                waited = time.monotonic() - start
+                within = f"{self.timeout:g} s" if waited >= self.timeout * 0.99 else f"{waited:.0f} s (the process group's timeout)"
                 raise CollectiveTimeout(
-                    f"collective {where} did not complete within {self.timeout:g} s: another rank is not running "
+                    f"collective {where} did not complete within {within}: another rank is not running "
                     "it (it diverged, hangs or died). A sharded model's forward and backward, and fsdpfn.save, "
                     "load and full_state_dict, are collective: every rank runs each of them (an evaluation or a "
                     "save under `if rank == 0:` is a usual cause: call them on every rank; full_state_dict keeps "
