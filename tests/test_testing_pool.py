@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import re
 import signal
 import socket
 import threading
@@ -224,9 +225,11 @@ def _exchange_tags_drawn() -> int:
 def test_a_call_that_left_the_ranks_exchange_tags_apart_renews_the_groups() -> None:
     # gloo counts no operation for a tag drawn and not sent, so only fsdpfn's own counter shows it: the
     # next exchange would pair rank 0's tag 2 with the others' tag 0 and wait for a message never sent
-    apart = r"_exchange_tags_on_rank0_alone returned on every rank, but .* exchange tags on group '\w+' \[2, 0, 0\]"
-    with pytest.warns(UserWarning, match=apart):
+    apart = r"_exchange_tags_on_rank0_alone returned on every rank, but .* exchange tags on group '\w+' \[(\d+), (\d+), (\d+)\]"
+    with pytest.warns(UserWarning, match=apart) as caught:
         assert spmd(3, _exchange_tags_on_rank0_alone) == [0, 1, 2]
+    drawn = [int(n) for n in re.search(apart, str(caught[0].message)).groups()]  # (earlier calls drew some alike)
+    assert drawn[0] == drawn[1] + 2 == drawn[2] + 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # renewed: every rank draws from tag 0 again, in step
         assert spmd(3, _exchange_tags_drawn) == [0, 0, 0]
