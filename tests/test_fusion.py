@@ -185,7 +185,8 @@ def test_ranks_with_batches_of_different_sizes_plan_groups_that_fit_each_ranks_b
     widths = [128] * 17
     alone = [_expected(widths, 2, b, "adamw") for b in (2, 4096)]
     together = _together(widths, 2, (2, 4096))
-    assert alone[0].sizes != alone[1].sizes and together.sizes not in (alone[0].sizes, (1,) * 16)
+    choice = lambda c: (c.sizes, c.forward_spans, c.kept_gathered)  # noqa: E731
+    assert choice(alone[0]) != choice(alone[1]) and choice(together) not in map(choice, alone) and together.sizes != (1,) * 16
     for groups, losses, _ in spmd(2, _uneven, widths, [(2, 4096)]):
         assert groups == [_runs(together.sizes)] and all(map(math.isfinite, losses))
 
@@ -492,10 +493,11 @@ def _wide_peaks(width, hidden, count, batch):
 @pytest.mark.parametrize("width, hidden, count, batch, spanned", [(16, 1024, 12, 64, True), (16, 8192, 8, 512, False)])
 def test_forward_spans_stay_under_torchs_peak_beside_large_forward_temporaries(width, hidden, count, batch, spanned):
     # a temporary the blocks make and drop sits beside the gathered spans in forward (in torch's step beside
-    # its own window); the planner counts it (ForwardCost.working): 2 MiB leaves room for spans, 16 MiB (in a
-    # model of 0.5 MiB blocks) none, as the forward is held to the unfused one's peak or torch's modelled one
+    # its own window); the planner counts it (ForwardCost.working): 2 MiB leaves room for spans; of 16 MiB (in
+    # a model of 0.5 MiB blocks) the backward makes one too (mean's gradient, expanded), in torch's step as in
+    # ours, so the planner may span a little there (it spans 2 groups: 0.985x torch's measured peak)
     for ours, theirs, spans in spmd(2, _wide_peaks, width, hidden, count, batch):
-        assert any(s > 1 for s in spans) == spanned, spans
+        assert any(s > 1 for s in spans) or not spanned, spans
         assert ours <= theirs, (ours, theirs, spans)
 
 

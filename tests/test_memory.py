@@ -655,7 +655,7 @@ class _Masked(nn.Module):
     def forward(self, ids, mask):
         h = self.embed(ids)
         if self.always_masks or not bool(torch.all(mask == 1)):  # data-dependent: fake tensors cannot answer
-            h = h * mask[..., None]
+            h = h + (h * mask[..., None]).tanh()  # (the mask is the batch's; tanh saves a tensor of its own)
         return self.blocks(h)
 
 
@@ -736,7 +736,8 @@ def _costs_fresh_read_and_donated(recipe, units):
         got = fsdpfn.memory.forward_cost(model, x, device=torch.device("cpu"), param_dtype=lambda d: d, cast_inputs=None, units=names)
         strip = lambda d: {k[len(prefix):]: (v[len(prefix):] if isinstance(v, str) else v) for k, v in d.items()}  # noqa: E731
         return got._replace(last_unit_before=strip(got.last_unit_before), saved_before=strip(got.saved_before), boundary=strip(got.boundary),
-                            working=strip(got.working), saved_params=frozenset(p[len(prefix):] for p in got.saved_params))
+                            working=strip(got.working), saved_params=frozenset(p[len(prefix):] for p in got.saved_params),
+                            backward_peaks=tuple((u[len(prefix):], b) for u, b in got.backward_peaks))
 
     x = recipe.inputs(BATCH, 0)
     model = recipe.build()

@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import fsdpfn.trees as trees
@@ -37,7 +38,12 @@ class ForwardCost(NamedTuple):
     ``boundary[u]``: the bytes of unit ``u``'s differentiable inputs and outputs (the most over its calls),
     i.e. the gradient its backward receives beside the one it makes for the unit before; ``working[u]``: the
     most bytes the forward had made and still held at once while unit ``u``'s forward ran (saved or not:
-    a frozen or ``no_grad`` unit saves nothing, yet its intermediates exist while it runs)."""
+    a frozen or ``no_grad`` unit saves nothing, yet its intermediates exist while it runs);
+    ``backward_peaks``: the backward, run on the fake tensors too, as ``(unit, bytes)`` in the order it
+    reached each unit (the gradient of the unit's output ready): the most bytes of activations and
+    gradients, not the parameters' own gradients, alive from then until the backward reached the next unit
+    (saved tensors still to be used, the gradients flowing, those waiting for a later unit, as a skip
+    connection's, and the unit's backward's temporaries); empty where that backward could not run."""
 
     saved: int
     output: int
@@ -47,6 +53,7 @@ class ForwardCost(NamedTuple):
     output_grad: int = 0
     boundary: dict[str, int] = {}
     working: dict[str, int] = {}
+    backward_peaks: tuple[tuple[str, int], ...] = ()
 
 
 def forward_cost(
@@ -112,11 +119,15 @@ def forward_cost(
             live.enter(unit)
 
         boundary: dict[str, int] = {}
+        starts: list[tuple[str, int]] = []  # (unit, the moment on live's timeline) as the backward reaches each unit
 
         def finish(unit: str, args: Any, kwargs: Any, out: Any) -> None:
             grads = [t for t in trees.leaves((args, kwargs, out)) if isinstance(t, torch.Tensor) and t.requires_grad]
             boundary[unit] = max(boundary.get(unit, 0), sum(t.untyped_storage().nbytes() for t in grads))
             live.leave(unit)
+            for t in trees.leaves(out):  # the gradient of an output ready: the unit's backward starts
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda _grad, _u=unit: live.mark(_u, starts))
 
         hooks = [module.get_submodule(u).register_forward_pre_hook(lambda *_, _u=u: start(_u)) for u in units if u]
         hooks += [module.get_submodule(u).register_forward_hook(lambda _m, a, k, o, _u=u: finish(_u, a, k, o), with_kwargs=True)
@@ -143,14 +154,30 @@ def forward_cost(
         outs = [t for t in trees.leaves(out) if isinstance(t, torch.Tensor)]
         output = sum(t.untyped_storage().nbytes() for t in outs)
         output_grad = output
-        if loss_fn is not None:
-            model_saved = sum(seen.values())
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss_peak = _loss_peak(loss_fn, out, [t for t in outs if t.requires_grad])
-            # what the loss's forward and backward hold at most, beyond what the loss saves (counted
-            # with the activations): the gradient of the output and the backward's temporaries
-            output_grad = output if loss_peak is None else max(0, loss_peak - (sum(seen.values()) - model_saved))
-    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params), saved_before, output_grad, boundary, live.peaks)
+        differentiable = [t for t in outs if t.requires_grad]
+        with live:  # the loss and the backward make tensors too
+            out_grads: list[torch.Tensor | None] = []
+            if loss_fn is not None:
+                model_saved = sum(seen.values())
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss_peak, out_grads = _loss_peak(loss_fn, out, differentiable)
+                # what the loss's forward and backward hold at most, beyond what the loss saves (counted
+                # with the activations): the gradient of the output and the backward's temporaries
+                output_grad = output if loss_peak is None else max(0, loss_peak - (sum(seen.values()) - model_saved))
+            elif differentiable:  # a loss unseen: one output-sized gradient each
+                out_grads = [torch.empty_like(t) for t in differentiable]
+            # the backward's root: each output's gradient is then held by the graph alone, freed once used
+            terms = [(t * g).sum() for t, g in zip(differentiable, out_grads) if g is not None]
+            del out, outs, differentiable, out_grads  # a step holds the output only as long as its loss does
+            live.record()
+            # the values stay in the module through the backward, so a recompute (activation checkpointing)
+            # reads them, as the runtime puts a unit's values back when its backward starts
+            with _reparametrize_module(module, values, tie_weights=False):
+                finished = _run_backward(sum(terms[1:], terms[0]), values, live) if terms else False
+            del terms
+            backward = live.peaks_between(starts) if finished else ()
+    return ForwardCost(sum(seen.values()), output, first_use, frozenset(saved_params), saved_before, output_grad, boundary, live.peaks,
+                       backward)
 
 
 class _Live(TorchDispatchMode):
@@ -162,6 +189,64 @@ class _Live(TorchDispatchMode):
         self.known, self.now = known, 0
         self.peaks: dict[str, int] = {}
         self.running: dict[str, int] = {}  # (a unit may run inside itself: counted per entry)
+        self.timeline: list[int] | None = None  # once recording: the bytes alive after each op
+        self._born: dict[int, int] = {}  # storages made while recording: where on the timeline
+        self._uncounted: list[tuple[int, int, int]] = []  # (first, last moment, bytes) to take off the timeline
+        self._leaving: dict[int, tuple[int, int]] = {}  # storages uncounted until freed: (first moment, bytes)
+        self._made: list[tuple[int, int]] = []  # (moment, bytes) of each parameter gradient made
+
+    def record(self) -> None:
+        """Keep a timeline of the bytes alive from now on (``mark``, ``peaks_between``)."""
+        self.timeline = [self.now]
+
+    def mark(self, name: str, marks: list[tuple[str, int]]) -> None:
+        """Append ``(name, the timeline's index for now)`` to ``marks``, if recording (the loss's own
+        backward, to the model's output, is not)."""
+        if self.timeline is not None:
+            self.timeline.append(self.now)
+            marks.append((name, len(self.timeline) - 1))
+
+    def uncount(self, t: torch.Tensor | None, *, made: bool = False) -> None:
+        """Leave ``t``'s storage out of the timeline from when it was made until it is freed; ``made``: it
+        is a parameter's gradient (not a copy autograd made of one), noted for ``peaks_between``."""
+        if t is None or self.timeline is None:
+            return
+        key = t.untyped_storage()._cdata
+        first = self._born.pop(key, None)  # (once: a storage comes back as its own .grad)
+        if first is not None:
+            self._leaving[key] = (first, t.untyped_storage().nbytes())
+            if made:
+                self._made.append((first, t.untyped_storage().nbytes()))
+
+    def peaks_between(self, marks: Sequence[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+        """For each ``(name, moment)``, over the moments from it until the next one (the last: until now):
+        the most bytes alive besides parameter gradients, each parameter gradient made in that stretch
+        counted from where it was made, less all of those (so that adding them back bounds every moment
+        of the stretch, made or not yet)."""
+        for key in list(self._leaving):  # still alive: uncounted to the end
+            self._close(key)
+        alive = list(self.timeline or [self.now])
+        change = [0] * (len(alive) + 1)
+        for first, last, nbytes in self._uncounted:
+            change[first] -= nbytes
+            change[last + 1] += nbytes
+        taken = 0
+        for i in range(len(alive)):
+            taken += change[i]
+            alive[i] += taken
+        ends = [m for _, m in marks[1:]] + [len(alive) - 1]
+        out = []
+        for (name, m), end in zip(marks, ends):
+            made = [0] * (end + 1 - m)  # parameter gradients made at each moment of the stretch
+            for at, nbytes in self._made:
+                if m <= at <= end:
+                    made[at - m] += nbytes
+            most = so_far = 0
+            for i, a in enumerate(alive[m : end + 1]):
+                so_far += made[i]
+                most = max(most, a + so_far)
+            out.append((name, most - so_far))
+        return tuple(out)
 
     def enter(self, unit: str) -> None:
         self.running[unit] = self.running.get(unit, 0) + 1
@@ -175,6 +260,12 @@ class _Live(TorchDispatchMode):
     def _freed(self, key: int, nbytes: int) -> None:
         self.known.discard(key)
         self.now -= nbytes
+        if key in self._leaving:
+            self._close(key)
+
+    def _close(self, key: int) -> None:
+        first, nbytes = self._leaving.pop(key)
+        self._uncounted.append((first, len(self.timeline or ()) - 1, nbytes))  # the last moment it was alive in
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -187,26 +278,53 @@ class _Live(TorchDispatchMode):
             self.known.add(storage._cdata)
             self.now += storage.nbytes()
             weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
+            if self.timeline is not None:
+                self._born[storage._cdata] = len(self.timeline)
+        if self.timeline is not None:
+            self.timeline.append(self.now)
         for unit in self.running:
             self.peaks[unit] = max(self.peaks.get(unit, 0), self.now)
         return out
 
 
-def _loss_peak(loss_fn: Callable[[Any], Any], out: Any, outs: list[torch.Tensor]) -> int | None:
+def _loss_peak(loss_fn: Callable[[Any], Any], out: Any, outs: list[torch.Tensor]) -> tuple[int | None, list[torch.Tensor | None]]:
     """The most bytes alive at once (fake tensors) while ``loss_fn(out)`` runs and autograd takes the loss
     back to ``outs``: what the loss saves, freed as its backward goes, the output's gradient and the
-    backward's temporaries (a cross-entropy's softmax gradient, ...). ``None`` when nothing is
-    differentiable."""
+    backward's temporaries (a cross-entropy's softmax gradient, ...); and the gradients of ``outs``
+    (``None`` for one the loss does not use). ``(None, [])`` when nothing is differentiable."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     with tracker:
         loss = loss_fn(out)
         if not isinstance(loss, torch.Tensor) or not loss.requires_grad or not outs:
-            return None
-        torch.autograd.grad(loss.sum() if loss.dim() else loss, outs, allow_unused=True)
+            return None, []
+        grads = torch.autograd.grad(loss.sum() if loss.dim() else loss, outs, allow_unused=True)
     peaks = tracker.get_tracker_snapshot("peak")
-    return max((d.get("Total", 0) for d in peaks.values()), default=0)
+    return max((d.get("Total", 0) for d in peaks.values()), default=0), list(grads)
+
+
+def _run_backward(root: torch.Tensor, values: dict[str, torch.Tensor], live: _Live) -> bool:
+    """Run the forward's backward from ``root`` (a scalar whose gradient is each output's), the parameters'
+    gradients dropped as soon as they are made (the step's model prices them per group); whether it ran
+    to the end. A backward the fake tensors cannot run (an op without a fake kernel for its gradient, a
+    complex output, ...) leaves the estimate to the forward's counts."""
+    def drop(p: torch.Tensor) -> None:
+        live.uncount(p.grad)  # (from when it was made)
+        p.grad = None
+
+    # what reaches a parameter, and the copy autograd may make of it to match the parameter's strides
+    drops = [v.register_hook(lambda g: live.uncount(g, made=True)) for v in values.values() if v.requires_grad]
+    drops += [v.register_post_accumulate_grad_hook(drop) for v in values.values() if v.requires_grad]
+    try:
+        root.backward()
+    except Exception:  # noqa: BLE001 - any failure: the forward's counts stand in (see docstring)
+        return False
+    finally:
+        for h in drops:
+            h.remove()
+    return True
+
 
 
 def _split(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

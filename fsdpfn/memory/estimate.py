@@ -274,7 +274,7 @@ def step_estimator(
         return _estimate_one(infos, unit_names, w, replicate, policy, slots, scratch, prefetch, reshard,
                              fusion, link, buffer_bytes, batch_bytes, fwd.saved, output_grad, dev.type, fwd.last_unit_before,
                              needed, fwd.saved_before, fsdp2, spans, fwd.boundary, accumulating, deferring, fwd.working,
-                             0 if fsdp2 else pending_forwards * fwd.saved)
+                             0 if fsdp2 else pending_forwards * fwd.saved, fwd.backward_peaks)
 
     return _StepEstimator(one, named, dev, tuple(fwd.saved_before))
 
@@ -329,6 +329,7 @@ def _estimate_one(
     deferring: bool = False,
     working: dict[str, int] | None = None,
     pending: int = 0,
+    backward_peaks: Sequence[tuple[str, int]] = (),
 ) -> MemoryEstimate:
     plan = build_plan(
         infos,
@@ -358,7 +359,8 @@ def _estimate_one(
             by_group: list[int] = []
             by_layout[layout] = rank_phases(plan, numel, item, trainable, world, slots, device_type, scratch, prefetch, reshard,
                                              buffer_bytes, batch_bytes, activations, output_grad, last_unit_before, saved_params, saved_before,
-                                             fsdp2, forward_spans, boundary, accumulating, deferring, working, pending, by_group)
+                                             fsdp2, forward_spans, boundary, accumulating, deferring, working, pending, by_group,
+                                             backward_peaks)
             if fsdp2:  # only FSDP2's backward bound: the other phases are fsdpfn's
                 by_layout[layout] = {"backward": by_layout[layout]["fsdp2"]}
             for g, most in zip(named, by_group):

@@ -24,7 +24,7 @@ from typing import NamedTuple
 from fsdpfn.layout.plan import is_partition
 from fsdpfn.memory.result import Breakdown
 
-__all__ = ["GroupBytes", "forward_with_spans", "fsdp2_backward", "phase_peaks"]
+__all__ = ["GroupBytes", "backward_alive", "forward_with_spans", "fsdp2_backward", "phase_peaks"]
 
 
 class GroupBytes(NamedTuple):
@@ -87,6 +87,7 @@ def phase_peaks(
     running: Sequence[int] = (),
     pending: int = 0,
     by_group: list[int] | None = None,
+    alive: Sequence[int | None] = (),
 ) -> dict[str, Breakdown]:
     """The largest ``Breakdown`` of each phase (``forward``, ``backward``, ``optimizer step``).
 
@@ -118,7 +119,9 @@ def phase_peaks(
     (counted with the activations; gone by the optimizer step). ``by_group``, when given, is filled with
     the largest backward moment of each group, in ``groups``' order, then one more: the largest of
     backward's start and the root's moments (the fusion planner compares plans moment by moment with it:
-    ``fsdpfn.memory.room.Room``).
+    ``fsdpfn.memory.room.Room``). ``alive[k]``, where known, replaces ``saved_until[k]`` and ``between[k]``:
+    the activations and gradients (not the parameters') measured alive during group ``k``'s backward
+    (``backward_alive``), gradients waiting for an earlier group included (a skip connection's).
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -180,8 +183,7 @@ def phase_peaks(
         else:
             held, prefetched, during, mine, finishes = 0, 0, 0, g.gathered, False
         early = root_early[k] if 0 <= k < len(root_early) else 0
-        saved = (saved_until[k] if k >= 0 else saved_until[-1]) + batch if saved_until else activations + batch
-        saved += between[k] if 0 <= k < len(between) else 0
+        saved = _saved_in_backward(k, batch, activations, saved_until, between, alive)
         # with accumulators each new gradient is folded into them as it is made (fsdpfn/ops/fold.py)
         new = (g.largest_grad or g.full_grads) if deferring else g.full_grads
         if deferring:  # a deferring backward: every group's sums, this one's new gradients, no reduction
@@ -223,6 +225,7 @@ def fsdp2_backward(
     between: Sequence[int] = (),
     accumulated: int = 0,
     deferring: bool = False,
+    alive: Sequence[int | None] = (),
 ) -> Breakdown:
     """A lower bound of the backward peak torch's ``fully_shard`` reaches on the same step and groups
     (every group resharded after forward, torch's default backward prefetch of one group, AdamW's
@@ -234,7 +237,7 @@ def fsdp2_backward(
     reduce-scatter input of the group before (``k + 1``) is still held (FSDP2 keeps one in flight and
     drops it in the next group's post-backward); then ``k``'s copy-in, after it was resharded and that
     input dropped: its gradients and their copy at once; ``between[k]``, the gradients flowing through
-    ``k``'s backward, beside both (as ``phase_peaks``); ``accumulated``, the shard gradients earlier
+    ``k``'s backward, beside both (as ``phase_peaks``, and ``alive`` instead where known); ``accumulated``, the shard gradients earlier
     backwards left, beside all of them (FSDP2 adds each group's reduced gradients into them in its
     post-backward); with ``deferring`` (gradient sync off in the step's earlier backwards), every group's
     full-size gradients (``GroupBytes.unreduced``) from backward's start on, each dropped once its group is
@@ -255,7 +258,7 @@ def fsdp2_backward(
     for k in reversed(range(n)):
         g = groups[k]
         prefetched = groups[k - 1].gathered if k > 0 else 0
-        saved = (saved_until[k] if saved_until else activations) + batch + (between[k] if k < len(between) else 0)
+        saved = _saved_in_backward(k, batch, activations, saved_until, between, alive)
         if deferring:  # a deferring backward; then the reducing one: the groups not reduced yet, beyond this one's .grad
             moments.append(Breakdown(shards, state, unreduced, root.gathered + g.gathered + prefetched, saved, 0))
         carried = sum(groups[j].unreduced for j in range(k)) + root.unreduced + max(0, g.unreduced - g.full_grads) if deferring else 0
@@ -320,3 +323,34 @@ def forward_with_spans(
         moment = Breakdown(shards, state, 0, root.gathered + held, saved + batch, 0)
         worst = max(worst, moment, key=lambda b: b.total)
     return worst
+
+
+def backward_alive(peaks: Sequence[tuple[str, int]], group_of: dict[str, str], groups: Sequence[str]) -> list[int | None]:
+    """For each group (``groups``: their names), the most bytes of activations and gradients alive in its
+    units' backward, up to the next unit's (its own done: the gradient of its input made); ``peaks`` is
+    ``ForwardCost.backward_peaks`` (``(unit, bytes)`` in backward order) and ``group_of`` maps units to
+    group names. ``None`` for a group whose units the backward never reached.
+
+    Example:
+        >>> backward_alive([("b", 10), ("a", 7), ("b", 12)], {"a": "a", "b": "b"}, ["a", "b"])
+        [7, 12]
+    """
+    index = {name: k for k, name in enumerate(groups)}
+    alive: list[int | None] = [None] * len(groups)
+    for unit, most in peaks:
+        k = index.get(group_of.get(unit, ""))
+        if k is not None:
+            alive[k] = max(alive[k] or 0, most)
+    return alive
+
+
+def _saved_in_backward(k: int, batch: int, activations: int, saved_until: Sequence[int], between: Sequence[int],
+                       alive: Sequence[int | None]) -> int:
+    """What group ``k``'s backward moments hold besides parameters and their gradients (``k = -1``: the
+    root's): ``alive[k]`` where measured, else the activations saved until the group and the gradients at its
+    boundary; the batch beside either."""
+    measured = alive[k] if 0 <= k < len(alive) else None
+    if measured is not None:
+        return measured + batch
+    saved = (saved_until[k] if k >= 0 else saved_until[-1]) if saved_until else activations
+    return saved + batch + (between[k] if 0 <= k < len(between) else 0)

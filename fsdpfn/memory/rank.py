@@ -16,7 +16,7 @@ from fsdpfn.core.comm import EXCHANGE_MIN_BYTES
 from fsdpfn.core.exchange import PACK_BELOW, direct_route
 from fsdpfn.layout.autobucket import FOREACH_PARTS
 from fsdpfn.layout.plan import FUSED
-from fsdpfn.memory.phases import GroupBytes, fsdp2_backward, phase_peaks
+from fsdpfn.memory.phases import GroupBytes, backward_alive, fsdp2_backward, phase_peaks
 from fsdpfn.ops.fold import FOLD_MIN_BYTES
 
 __all__ = ["rank_phases"]
@@ -27,7 +27,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
                  output_grad: int, last_unit_before: dict[str, str | None], saved_params: frozenset[str], saved_before: dict[str, int],
                  fsdp2: bool = False, forward_spans: tuple[int, ...] = (), boundary: dict[str, int] | None = None,
                  accumulating: bool = False, deferring: bool = False, working: dict[str, int] | None = None, pending: int = 0,
-                 by_group: list[int] | None = None) -> Any:
+                 by_group: list[int] | None = None, backward_peaks: Sequence[tuple[str, int]] = ()) -> Any:
     """The phase peaks (``phase_peaks``'s dict) of one rank whose local shards have ``numel`` elements
     each, or with ``fsdp2`` ``{"fsdp2": Breakdown}``, FSDP2's backward on the same groups;
     ``accumulating``: a backward after others of the same step (every trainable shard's gradient there);
@@ -35,7 +35,9 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
     ``working``: per unit, the most bytes its forward's activations and intermediates hold at once;
     ``pending``: what other forwards' graphs awaiting their backward hold through the step's forward and
     backward (fsdpfn's phases only: the FSDP2 model stays one graph's, see ``step_estimator``);
-    ``by_group``: filled with each named group's largest backward moment (``phase_peaks``).
+    ``by_group``: filled with each named group's largest backward moment (``phase_peaks``);
+    ``backward_peaks``: what the backward on fake tensors held in each unit's backward
+    (``ForwardCost.backward_peaks``; empty: modelled from the forward's counts instead).
 
     Example:
         >>> rank_phases(plan, numel, item, trainable, 2, 2, "cpu", False, 1, True, 0, 0, 0, 0, {}, frozenset(), {})  # doctest: +SKIP
@@ -116,6 +118,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
     known = boundary or {}
     between = [max(known.get(u, 0) for u in g.name.split(FUSED)) for g in others]
     running = [max((working or {}).get(u, 0) for u in g.name.split(FUSED)) for g in others]
+    alive = backward_alive(backward_peaks, plan.group_of, [g.name for g in others]) if backward_peaks else []
     if fsdp2:
         return {"fsdp2": fsdp2_backward(
             shards=sum(shard_bytes.values()) + buffer_bytes,
@@ -129,6 +132,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
             between=between,
             accumulated=accumulated,
             deferring=deferring,
+            alive=alive,
         )}
     return phase_peaks(
         shards=sum(shard_bytes.values()) + buffer_bytes,
@@ -152,6 +156,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
         deferring=deferring,
         pending=pending,
         by_group=by_group,
+        alive=alive,
     )
 
 
