@@ -1,7 +1,7 @@
 """Memory planning: a training step's per-rank peak under fsdpfn, predicted before launch.
 
 ``estimate(model, world, batch, ...)`` builds the plan ``shard`` would build, counts the activations of
-one forward on fake tensors and walks the step's phases (forward, backward, optimizer step) to predict
+one forward and its backward on fake tensors and walks the step's phases (forward, backward, optimizer step) to predict
 each rank's peak with a breakdown, without allocating the model or communicating; ``keep_gathered``
 uses it to choose the units ``fsdp`` may keep gathered after their forward without raising that peak,
 ``fuse_within`` the largest even fusion of units (``min_bucket_bytes``) within torch's ``fully_shard``
