@@ -170,7 +170,10 @@ def forward_cost(
             elif differentiable:  # a loss unseen: one output-sized gradient each
                 out_grads = [torch.empty_like(t) for t in differentiable]
             # the backward's root: each output's gradient is then held by the graph alone, freed once used
-            terms = [(t * g).sum() for t, g in zip(differentiable, out_grads) if g is not None]
+            # (what it saves kept from any saved-tensor hooks around the call: a user's checkpoint region
+            # the first call plans in would count it as its own)
+            with torch.autograd.graph.saved_tensors_hooks(_detached, _detached):
+                terms = [(t * g).sum() for t, g in zip(differentiable, out_grads) if g is not None]
             del out, outs, differentiable, out_grads  # a step holds the output only as long as its loss does
             live.record()
             # the values stay in the module through the backward, so a recompute (activation checkpointing)
@@ -220,6 +223,10 @@ def _run_backward(root: torch.Tensor, values: dict[str, torch.Tensor], live: Liv
         for h in drops:
             h.remove()
     return True
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
 
 
 def _split(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
