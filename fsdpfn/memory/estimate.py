@@ -2,7 +2,7 @@
 
 Nothing here communicates or allocates the model: the plan is the one ``shard`` would build (same units,
 buckets, fusion), the sizes come from ``ShardSpec`` arithmetic for every rank, and the activations from
-one forward on fake tensors (``fsdpfn.memory.activations``). See docs/memory.md.
+one forward and its backward on fake tensors (``fsdpfn.memory.activations``). See docs/memory.md.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ request rides the next pass check's all-reduce (``fsdpfn.core.pass_check``), so 
 and the next call plans, each rank for its largest batch so far, once no call on the plan has a backward
 still to run (a regroup under one would change the groups its backward gathers). The groups so follow each
 rank's largest training batch, whose step is that rank's peak: a batch whose size varies plans again at each
-new largest one (a fake forward and a few small all-reduces each; a few times over a run, as new maxima of
+new largest one (a fake forward and backward and a few small all-reduces each; a few times over a run, as new maxima of
 random sizes grow rare).
 
 The first call prices one forward and one backward per optimizer step. Gradient accumulation holds more:
@@ -177,7 +177,7 @@ def plan_fusion(
     """On the first call on ``plan`` (an ``"auto"`` plan that ``first_call_fuses``), regroup its units as
     ``group_sizes_within`` chooses for this batch (``args``/``kwargs``, what ``module``'s forward takes). A
     collective on every rank; ``eligible=False`` (a call under ``torch.func`` or ``torch.compile``, where no
-    fake forward can run) keeps the plan as it is. The planner runs ``module``'s forward on fake tensors
+    fake forward can run) keeps the plan as it is. The planner runs ``module``'s forward (and its backward) on fake tensors
     inside ``planning()`` (compat: with its FSDP dispatch turned off); units whose ``fuse_key`` differ
     never share a group (compat: units with different ``FSDPModule`` settings); ``keep_gathered`` is
     ``group_sizes_within``'s (compat: on where every unit reshards after forward); ``regrouped()`` runs when
