@@ -110,3 +110,17 @@ def test_each_group_takes_the_most_of_its_units_moments():
     peaks = [("b", 10), ("a", 7), ("c", 3), ("b", 12)]  # b ran twice (a looped block), c is in no group
     assert backward_alive(peaks, {"a": "a+b", "b": "a+b"}, ["a+b"]) == [12]
     assert backward_alive(peaks, {"a": "a", "b": "b", "d": "d"}, ["a", "b", "d"]) == [7, 12, None]
+
+
+def test_the_planners_backward_calls_no_backward_hook_of_the_users():
+    # a hook logging gradients would have been handed the fake backward's gradients (fake tensors)
+    model = SkipNet(2, 8)
+    seen = []
+    model.levels[1].register_full_backward_hook(lambda m, gin, gout: seen.append(gout))
+    model.levels[2].register_full_backward_pre_hook(lambda m, gout: seen.append(gout))
+    cost = forward_cost(model, torch.zeros(4, 8), device=torch.device("cpu"), param_dtype=lambda d: d, cast_inputs=None,
+                        units=["", *_units(2)])
+    assert seen == [] and len(cost.backward_peaks) == 4
+    assert model.levels[1]._backward_hooks and model.levels[2]._backward_pre_hooks  # still the user's
+    model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    assert len(seen) == 2 and all(isinstance(g[0], torch.Tensor) and not g[0].is_meta for g in seen)

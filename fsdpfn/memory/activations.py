@@ -10,7 +10,9 @@ reaches each unit (``fsdpfn.memory.live.LiveBytes``) prices the step's backward 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -149,7 +151,8 @@ def forward_cost(
                 return out
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Uses(), live, caches_restored(module):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Uses(), live, caches_restored(module), \
+                    _without_backward_hooks(module):
                 out = functional_call(module, values, tuple(args), kwargs, tie_weights=False)
         finally:
             for h in hooks:
@@ -223,6 +226,22 @@ def _run_backward(root: torch.Tensor, values: dict[str, torch.Tensor], live: Liv
         for h in drops:
             h.remove()
     return True
+
+
+@contextlib.contextmanager
+def _without_backward_hooks(module: nn.Module) -> Iterator[None]:
+    """The modules' backward hooks (the user's: logging gradient norms, ...) left out of the fake graph,
+    whose backward would hand them fake gradients; the forward sets them up, so they are off while it
+    runs. (torch's global module hooks stay: other threads, ranks of a threaded group, may be running.)"""
+    mods = list(module.modules())
+    saved = [(m._backward_hooks, m._backward_pre_hooks) for m in mods]
+    try:
+        for m in mods:
+            m._backward_hooks, m._backward_pre_hooks = OrderedDict(), OrderedDict()
+        yield
+    finally:
+        for m, (post, pre) in zip(mods, saved):
+            m._backward_hooks, m._backward_pre_hooks = post, pre
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
