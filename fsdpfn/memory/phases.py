@@ -120,8 +120,9 @@ def phase_peaks(
     the largest backward moment of each group, in ``groups``' order, then one more: the largest of
     backward's start and the root's moments (the fusion planner compares plans moment by moment with it:
     ``fsdpfn.memory.room.Room``). ``alive[k]``, where known, replaces ``saved_until[k]`` and ``between[k]``:
-    the activations and gradients (not the parameters') measured alive during group ``k``'s backward
-    (``backward_alive``), gradients waiting for an earlier group included (a skip connection's).
+    the activations and gradients measured alive during group ``k``'s backward (``backward_alive``),
+    gradients waiting for an earlier group included (a skip connection's), the parameters' own gradients
+    taken off (each moment adds the group's).
 
     Example:
         >>> g = GroupBytes(gathered=8, full_grads=8, packed=8, reduce_out=4)
@@ -237,9 +238,9 @@ def fsdp2_backward(
     reduce-scatter input of the group before (``k + 1``) is still held (FSDP2 keeps one in flight and
     drops it in the next group's post-backward); then ``k``'s copy-in, after it was resharded and that
     input dropped: its gradients and their copy at once; ``between[k]``, the gradients flowing through
-    ``k``'s backward, beside both (as ``phase_peaks``, and ``alive`` instead where known); ``accumulated``, the shard gradients earlier
-    backwards left, beside all of them (FSDP2 adds each group's reduced gradients into them in its
-    post-backward); with ``deferring`` (gradient sync off in the step's earlier backwards), every group's
+    ``k``'s backward, beside both (as ``phase_peaks``, and ``alive`` instead where known); ``accumulated``,
+    the shard gradients earlier backwards left, beside all of them (FSDP2 adds each group's reduced
+    gradients into them in its post-backward); with ``deferring`` (gradient sync off in the step's earlier backwards), every group's
     full-size gradients (``GroupBytes.unreduced``) from backward's start on, each dropped once its group is
     reduced (FSDP2 accumulates them in the unsharded parameters' ``.grad``, in place), and a deferring
     backward's moments too (those gradients beside the gathered groups). Whatever else FSDP2 allocates (padding, its
