@@ -236,6 +236,24 @@ def test_a_call_that_left_the_ranks_exchange_tags_apart_renews_the_groups() -> N
         assert spmd(3, _exchange_tags_drawn) == [1, 1, 1]
 
 
+def _raises_after_a_collective_on_rank0_alone(alone: bool) -> None:
+    if alone and dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)
+    raise ValueError(f"rank {dist.get_rank()} fails")
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_failed_calls_report_says_whether_the_ranks_had_diverged(alone: bool) -> None:
+    # a hang or timeout inside one collective is a divergence or a transport fault: the report tells them apart
+    with pytest.raises(ValueError) as info:
+        spmd(3, _raises_after_a_collective_on_rank0_alone, alone)
+    apart = "the ranks' process groups were apart (operations on group "
+    assert (apart in str(info.value)) == alone, str(info.value)
+    if alone:
+        assert re.search(r"operations on group '\w+' \[(\d+), (\d+), \2\]", str(info.value))
+    assert spmd(3, _rank_world_sum) == [(r, 3, 6.0) for r in range(3)]  # renewed: in step again
+
+
 def _sends_at_once(conn) -> bool:
     with socket.socket(fileno=os.dup(conn.fileno())) as s:
         return bool(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))

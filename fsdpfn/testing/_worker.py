@@ -13,7 +13,7 @@ Protocol (every message is ``conn.send_bytes(pickle.dumps(obj))``; plain pickle)
   ``("renew", init_method)`` (sent after a call in which ranks raised but every rank answered, or after
   one that left the ranks' groups apart; see ``_renew_groups``), or ``("exit",)``.
 * worker -> parent, once per call: ``("ok", result, state)`` (the counters of its process groups that
-  must agree between ranks, ``_groups_state``) or
+  must agree between ranks, ``fsdpfn.testing._groups.groups_state``) or
   ``("error", type_name, message, traceback_text, pickled_exc_or_None)``; once per renew:
   ``("renewed",)`` or ``("renew_error", ...)`` (the worker then exits).
 
@@ -24,7 +24,6 @@ stack dumps requested with ``SIGUSR1`` to the per-worker ``--log`` file.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import faulthandler
 import os
@@ -35,6 +34,7 @@ import traceback
 from multiprocessing.connection import Client
 from typing import Any
 
+from fsdpfn.testing._groups import groups_state
 from fsdpfn.testing._wire import receive, send, without_delay
 
 AUTHKEY_ENV = "FSDPFN_SPMD_AUTHKEY"
@@ -95,37 +95,12 @@ def error_reply(exc: BaseException, tag: str = "error", skip: int = 0) -> tuple:
     return (tag, type_name, message, tb, blob)
 
 
-def _groups_state() -> dict[str, int]:
-    """What must be equal on every rank of a group for its next operation to pair up, by what it is:
-    each live group's operation count (gloo's sequence number: its collectives, which every member
-    issues alike, and its sends and receives, which may differ), the tag fsdpfn's exchanges over it
-    draw next (``fsdpfn.core.exchange``; drawn alike on every rank, sent or not), and how many
-    groups this process has created (a later group's name and rendezvous keys). Nothing the
-    installed torch does not expose."""
-    state: dict[str, int] = {}
-    try:
-        from torch.distributed import distributed_c10d as c10d
-
-        world = c10d._world
-        names = dict(world.pg_names)
-        state["groups created"] = int(world.group_count)
-    except Exception:  # noqa: BLE001 - a torch that keeps its groups elsewhere: nothing to compare
-        return state
-    exchange = sys.modules.get("fsdpfn.core.exchange")
-    tags = getattr(exchange, "_GROUP_TAGS", {})
-    for group, name in names.items():
-        with contextlib.suppress(Exception):  # a backend without the count
-            state[f"operations on group {name!r}"] = int(group._get_sequence_number_for_group())
-        state[f"fsdpfn exchange tags on group {name!r}"] = tags.get(group, [0])[0]  # none drawn yet: 0
-    return state
-
-
 def _run_call(payload: bytes, rank: int) -> bytes:
     try:
         fn, args = pickle.loads(payload)
-        reply: tuple = ("ok", detach_result(fn(*args)), _groups_state())
+        reply: tuple = ("ok", detach_result(fn(*args)), groups_state())
     except BaseException as exc:  # noqa: BLE001 - report everything, incl. SystemExit
-        reply = error_reply(exc, skip=1)
+        reply = (*error_reply(exc, skip=1), groups_state())  # (the pool's report compares them)
     try:
         return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException as exc:  # noqa: BLE001

@@ -54,13 +54,16 @@ def failure(
     waited: float,
     timed_out: bool,
     reraise: bool,
+    apart: str = "",
 ) -> tuple[BaseException, BaseException | None]:
     """The exception a failed call of ``fn`` (its name) raises, and its cause.
 
     ``replies`` are the ranks' answers (``("ok", result)`` or the worker's error tuples), ``dead`` the
     exit codes of ranks that died (``dead_logs`` their log files), ``hung`` the ranks that did not
     answer within ``waited`` seconds (``dumps`` their stacks; ``timed_out``: the call's timeout ran
-    out rather than the grace period after the first failure).
+    out rather than the grace period after the first failure); ``apart``: the counters of the process
+    groups on which the answering ranks differed (``fsdpfn.testing._groups.groups_apart``): they had
+    diverged, a collective or exchange one rank ran without the others.
 
     Example:
         >>> exc, cause = failure("m.f", 2, {0: ("ok", 1)}, {}, {}, [1], {1: "<stack>"}, 3.0, True, True)
@@ -85,6 +88,8 @@ def failure(
         summary.append("rank(s) " + ", ".join(f"{r} ({v[1]})" for r, v in raised.items()) + " raised")
     if hung:
         summary.append(f"rank(s) {', '.join(map(str, hung))} did not answer within {waited:.1f} s {why}")
+    if apart:
+        summary.append(f"when they answered, the ranks' process groups were apart ({apart})")
     header = f"spmd({fn}, world_size={world}): " + "; ".join(summary)
     message = f"{header}\n\n{sections}"
 

@@ -13,7 +13,8 @@ returned from but that left a group's counters different between its ranks: its 
 rank started a collective the others never joined; gloo counts sends and receives too, which may differ
 legitimately), the tag fsdpfn's exchanges over it draw next, or the number of groups each rank created;
 with a warning naming the call and the counters: the next call's first operation would otherwise pair
-with a stray one. A call in which a rank hung or died discards its pool, and the next call starts a
+with a stray one. A failed call's report names the counters the answering ranks differed on, if any: they
+had diverged (a timeout inside one collective with the counters equal is a fault of the transport). A call in which a rank hung or died discards its pool, and the next call starts a
 fresh one.
 
 ``fn`` and ``args`` are sent with plain :mod:`pickle`, so ``fn`` must be a module-level
@@ -44,6 +45,7 @@ import warnings
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Callable
 
+from fsdpfn.testing._groups import groups_apart
 from fsdpfn.testing._wire import receive, send, without_delay
 from fsdpfn.testing.failure import SpmdError, SpmdTimeout, failure
 
@@ -258,21 +260,6 @@ def shutdown_pools() -> None:
 atexit.register(shutdown_pools)
 
 
-def _groups_apart(states: list[dict[str, int]]) -> str:
-    """The counters (``_worker._groups_state``) on which the ranks that report them differ, with each
-    rank's value (``-`` where a rank has no such group), or ``""`` when they agree."""
-    apart = []
-    for key in sorted({k for state in states for k in state}):
-        values = [state.get(key) for state in states]
-        if len({v for v in values if v is not None}) > 1:
-            shown = ", ".join("-" if v is None else str(v) for v in values)
-            what = f"{key} [{shown}], by rank"
-            if key.startswith("operations"):
-                what += "; collectives, sends and receives: counted different numbers of operations"
-            apart.append(what)
-    return "; ".join(apart)
-
-
 def _describe_fn(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -346,7 +333,7 @@ def spmd(
             if not renewed:
                 _discard(world_size)
         raise
-    apart = _groups_apart(states)
+    apart = groups_apart(states)
     if apart:
         # Every rank returned, but a group's counters differ between its members. gloo counts sends and
         # receives too, which may differ legitimately (no message for a peer's empty chunk); a collective
@@ -366,7 +353,7 @@ def spmd(
 def _call(
     pool: _Pool, fn: Callable[..., Any], payload: bytes, timeout: float, reraise: bool
 ) -> tuple[list[Any], list[dict[str, int]]]:
-    """Each rank's result of ``fn``, and each rank's group counters after it (``_worker._groups_state``);
+    """Each rank's result of ``fn``, and each rank's group counters after it (``fsdpfn.testing._groups.groups_state``);
     raises the call's failure."""
     world = pool.world_size
     pool.all_answered = False
@@ -421,5 +408,9 @@ def _call(
     waited = time.monotonic() - (start if first_fail is None else first_fail)
     dumps = pool.stack_dumps(hung) if hung else {}
     dead_logs = {r: _read(pool.logs[r]) for r in dead}
-    exc, cause = failure(_describe_fn(fn), world, replies, dead, dead_logs, hung, dumps, waited, first_fail is None, reraise)
+    # each answering rank's group counters (a worker's error reply ends with them): apart, the ranks diverged
+    states = [replies[r][2 if replies[r][0] == "ok" else 5] if len(replies.get(r, ())) > 5 or r in replies and replies[r][0] == "ok"
+              else {} for r in range(world)]  # ({}: no answer, shown as "-")
+    apart = groups_apart(states)
+    exc, cause = failure(_describe_fn(fn), world, replies, dead, dead_logs, hung, dumps, waited, first_fail is None, reraise, apart)
     raise exc from cause
