@@ -88,7 +88,7 @@ def forward_cost(
 
     args, kwargs = _split(batch)
     # compiled blocks run eagerly here: compiling them for fake inputs would fill (and evict) their caches
-    with torch.compiler.set_stance("force_eager"), FakeTensorMode(allow_non_fake_inputs=True) as mode, _RealWhereReal():
+    with torch.compiler.set_stance("force_eager"), FakeTensorMode(allow_non_fake_inputs=True) as mode, _RealWhereReal() as real:
         values: dict[str, torch.Tensor] = {}
         params: dict[int, str] = {}
         for fqn, p in module.named_parameters(remove_duplicate=False):
@@ -179,6 +179,7 @@ def forward_cost(
                 terms = [(t * g).sum() for t, g in zip(differentiable, out_grads) if g is not None]
             del out, outs, differentiable, out_grads  # a step holds the output only as long as its loss does
             live.record()
+            real.on = False  # the backward's ops all touch fake tensors: no per-op walk over their arguments
             # the values stay in the module through the backward, so a recompute (activation checkpointing)
             # reads them, as the runtime puts a unit's values back when its backward starts
             with _reparametrize_module(module, values, tie_weights=False):
@@ -266,8 +267,12 @@ class _RealWhereReal(TorchDispatchMode):
     ``torch.all(attention_mask == 1)``: a fake mask cannot answer, and the whole plan fell back); any op
     touching a fake tensor, and every factory (``torch.zeros(...)``), stays fake."""
 
+    on = True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if not self.on:
+            return func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if tensors and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors):
             with _disable_current_modes():
