@@ -14,8 +14,8 @@ rank started a collective the others never joined; gloo counts sends and receive
 legitimately), the tag fsdpfn's exchanges over it draw next, or the number of groups each rank created;
 with a warning naming the call and the counters: the next call's first operation would otherwise pair
 with a stray one. A failed call's report names the counters the answering ranks differed on, if any: they
-had diverged (a timeout inside one collective with the counters equal is a fault of the transport). A call in which a rank hung or died discards its pool, and the next call starts a
-fresh one.
+had diverged (a timeout inside one collective with the counters equal is a fault of the transport). A
+call in which a rank hung or died discards its pool, and the next call starts a fresh one.
 
 ``fn`` and ``args`` are sent with plain :mod:`pickle`, so ``fn`` must be a module-level
 function (pickled by reference, imported by the workers) and ``args`` picklable.
@@ -260,6 +260,15 @@ def shutdown_pools() -> None:
 atexit.register(shutdown_pools)
 
 
+def _counters(reply: tuple | None) -> dict[str, int]:
+    """The group counters a worker's reply ends with (``ok`` and ``error`` replies alike); ``{}`` for a
+    rank that did not answer or an answer without them (shown as ``-``)."""
+    if not reply:
+        return {}
+    state = reply[2] if reply[0] == "ok" else reply[5] if len(reply) > 5 else {}
+    return state if isinstance(state, dict) else {}
+
+
 def _describe_fn(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -408,9 +417,6 @@ def _call(
     waited = time.monotonic() - (start if first_fail is None else first_fail)
     dumps = pool.stack_dumps(hung) if hung else {}
     dead_logs = {r: _read(pool.logs[r]) for r in dead}
-    # each answering rank's group counters (a worker's error reply ends with them): apart, the ranks diverged
-    states = [replies[r][2 if replies[r][0] == "ok" else 5] if len(replies.get(r, ())) > 5 or r in replies and replies[r][0] == "ok"
-              else {} for r in range(world)]  # ({}: no answer, shown as "-")
-    apart = groups_apart(states)
+    apart = groups_apart([_counters(replies.get(r)) for r in range(world)])  # apart: the ranks had diverged
     exc, cause = failure(_describe_fn(fn), world, replies, dead, dead_logs, hung, dumps, waited, first_fail is None, reraise, apart)
     raise exc from cause
