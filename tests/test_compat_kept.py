@@ -81,6 +81,7 @@ def _run(impl: str, phases: list[list[str]], reshard, seed: int, world_batches: 
 @example(world=2, phases=[["dpo"]], reshard=True, seed=0)
 @example(world=2, phases=[["train", "eval"], ["train"]], reshard=None, seed=0)  # FSDP2's stale root: 17, compat 18
 @example(world=3, phases=[["train", "dpo"]], reshard=None, seed=39)  # a gradient of 1.3e-8 (see _run's eps)
+@example(world=3, phases=[["train"]], reshard=None, seed=71)  # 6.2e-6 from the one-process run, as torch's
 def test_kept_copies_train_as_one_process_and_gather_no_more_than_fsdp2(world, phases, reshard, seed):
     if not any(p in ("train", "dpo") for step in phases for p in step):
         phases = [*phases[:-1], [*phases[-1], "train"]]  # every run trains
@@ -96,9 +97,14 @@ def test_kept_copies_train_as_one_process_and_gather_no_more_than_fsdp2(world, p
     # (stale weights: docs/compat.md), where compat gathers each again from the stepped shards
     left = 1 + (len(TanhStack().blocks) if reshard is False else 0)
     slack += left * sum(step[-1] in ("eval", "grad_eval") for step in phases[:-1])
-    for rank, ((got, evals, gathers), (_, _, torch_gathers)) in enumerate(zip(compat, fsdp2)):
+    for rank, ((got, evals, gathers), (theirs, _, torch_gathers)) in enumerate(zip(compat, fsdp2)):
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {k}: {m}")
+            if not torch.isclose(got[k], want[k], rtol=1e-5, atol=1e-6).all():
+                # AdamW makes a step of up to its lr from a gradient near zero, so the rounding of a sharded
+                # reduction can move a weight by ~1e-5 (world 3, seed 71: 6.2e-6, torch's fully_shard too):
+                # then as torch's, within its rounding, and near the one-process run
+                torch.testing.assert_close(got[k], theirs[k], rtol=1e-6, atol=1e-7, msg=lambda m: f"rank {rank} {k} vs FSDP2: {m}")
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank} {k}: {m}")
         torch.testing.assert_close(evals, want_evals, rtol=1e-5, atol=1e-6)
         assert gathers <= torch_gathers + slack, (rank, gathers, torch_gathers, slack)
 
