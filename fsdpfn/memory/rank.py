@@ -118,7 +118,7 @@ def rank_phases(plan: Any, numel: dict[str, int], item: dict[str, int], trainabl
     known = boundary or {}
     between = [max(known.get(u, 0) for u in g.name.split(FUSED)) for g in others]
     running = [max((working or {}).get(u, 0) for u in g.name.split(FUSED)) for g in others]
-    alive = backward_alive(backward_peaks, plan.group_of, [g.name for g in others]) if backward_peaks else []
+    alive = backward_alive(backward_peaks, plan.group_of, [g.name for g in others])  # (None where not measured)
     if fsdp2:
         return {"fsdp2": fsdp2_backward(
             shards=sum(shard_bytes.values()) + buffer_bytes,
