@@ -251,6 +251,10 @@ def test_a_failed_calls_report_says_whether_the_ranks_had_diverged(alone: bool) 
     assert (apart in str(info.value)) == alone, str(info.value)
     if alone:
         assert re.search(r"operations on group '\w+' \[(\d+), (\d+), \2\]", str(info.value))
+        # and each rank's last operations say which collective rank 0 ran alone, and where
+        lone = r"gloop?:?all_?reduce\(\[1\] Float\) \w+ at test_testing_pool\.py:\d+ \(_raises_after_a_collective_on_rank0_alone\)"
+        sections = str(info.value).split("rank 1")
+        assert re.search(lone, sections[0]) and not re.search(lone, "rank 1".join(sections[1:])), str(info.value)
     assert spmd(3, _rank_world_sum) == [(r, 3, 6.0) for r in range(3)]  # renewed: in step again
 
 

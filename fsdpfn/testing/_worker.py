@@ -34,7 +34,7 @@ import traceback
 from multiprocessing.connection import Client
 from typing import Any
 
-from fsdpfn.testing._groups import groups_state
+from fsdpfn.testing._groups import FLIGHT_RECORDER_ENV, groups_state, last_operations
 from fsdpfn.testing._wire import receive, send, without_delay
 
 AUTHKEY_ENV = "FSDPFN_SPMD_AUTHKEY"
@@ -100,7 +100,11 @@ def _run_call(payload: bytes, rank: int) -> bytes:
         fn, args = pickle.loads(payload)
         reply: tuple = ("ok", detach_result(fn(*args)), groups_state())
     except BaseException as exc:  # noqa: BLE001 - report everything, incl. SystemExit
-        reply = (*error_reply(exc, skip=1), groups_state())  # (the pool's report compares them)
+        tag, kind, message, tb, blob = error_reply(exc, skip=1)
+        recent = last_operations()
+        if recent:  # which collectives this rank ran last: where diverged ranks parted
+            tb += f"\nthis rank's last operations (torch's flight recorder), oldest first:\n{recent}"
+        reply = (tag, kind, message, tb, blob, groups_state())  # (the pool's report compares the counters)
     try:
         return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException as exc:  # noqa: BLE001
@@ -249,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        os.environ.setdefault(FLIGHT_RECORDER_ENV, "64")  # a failed call's report lists the rank's last operations
         _init_default_group(ns.rank, ns.world_size, ns.init_method)
     except BaseException as exc:  # noqa: BLE001
         send(conn, error_reply(exc, tag="init_error"))
