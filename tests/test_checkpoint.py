@@ -102,7 +102,7 @@ def _load_trained(path, recipe, units):
     return _shards(got["params"], got["opt"]), got["step"]
 
 
-@settings(max_examples=int(os.environ.get("FSDPFN_CKPT_EXAMPLES", "10")))
+@settings(max_examples=int(os.environ.get("FSDPFN_CKPT_EXAMPLES", "6")))
 @given(recipe=fst.model_recipes(), data=st.data())
 def test_save_at_two_load_at_one_three_four(tmp_path_factory, recipe, data):
     path = str(tmp_path_factory.mktemp("ckpt") / "run")

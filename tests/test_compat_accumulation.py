@@ -95,7 +95,7 @@ def _accumulated(impl, width, hidden, count, rows, micro, pattern, planned=False
     return peak, {k: v.full_tensor() for k, v in model.state_dict().items()}, groups
 
 
-@settings(max_examples=min(settings().max_examples, 3), deadline=None)
+@settings(max_examples=min(settings().max_examples, 1), deadline=None)  # ~5 s a draw; the examples below are the cases that failed
 @given(width=st.sampled_from([64, 128]), hidden=st.sampled_from([256, 512]), count=st.integers(4, 8), rows=st.sampled_from([4, 16]),
        micro=st.integers(2, 4), world=st.integers(2, 3), pattern=st.sampled_from(["each", "forwards_first"]), planned=st.booleans())
 @example(width=128, hidden=512, count=8, rows=16, micro=4, world=2, pattern="each", planned=False)  # 1.077x torch's before
@@ -132,7 +132,7 @@ def test_gradients_accumulated_over_backwards_hold_no_more_than_fsdp2_and_match_
             assert 0.9 * one[rank] <= peak <= 1.1 * every[rank], (rank, one[rank], every[rank], peak, sizes, spans)
 
 
-@settings(max_examples=min(settings().max_examples, 2), deadline=None)
+@settings(max_examples=min(settings().max_examples, 1), deadline=None)  # ~7 s a draw; the examples below are the cases that failed
 @given(width=st.sampled_from([64, 128]), hidden=st.sampled_from([256, 512]), count=st.integers(4, 8), rows=st.sampled_from([4, 16]),
        micro=st.integers(2, 4), world=st.integers(2, 3))
 @example(width=128, hidden=512, count=8, rows=16, micro=4, world=2)  # 1.10x torch's, groups planned for backwards that reduce

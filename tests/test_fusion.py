@@ -846,7 +846,7 @@ def _lm_against_fsdp2(dim, vocab, blocks, batch, seed):
     return ours.peak, theirs, list(ours.kept)
 
 
-@settings(max_examples=min(settings().max_examples, 4), deadline=None)
+@settings(max_examples=min(settings().max_examples, 2), deadline=None)  # ~3 s a draw
 @given(dim=st.sampled_from([32, 64]), vocab=st.sampled_from([256, 512, 2048, 4096]), blocks=st.integers(4, 6),
        batch=st.sampled_from([2, 4]), world=st.integers(2, 3), seed=st.integers(0, 9))
 # heads whose loss backward is the step's peak: priced as one output-sized gradient, the planner kept the
