@@ -12,8 +12,7 @@ copy is dropped as soon as its gradient reduction starts.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +20,6 @@ from torch.distributed.tensor import DTensor
 
 from fsdpfn.core import Handle
 from fsdpfn.core.guard import checking
-from fsdpfn.core.traced import Collectives
 from fsdpfn.layout import Sharded, UnitPlan
 from fsdpfn.layout.plan import FUSED
 from fsdpfn.layout.schedule import Schedule
@@ -33,28 +31,11 @@ from fsdpfn.ops.functions import CallInfo, apply_buckets
 from fsdpfn.ops.shared import launch_shared, shares_gather
 from fsdpfn.transform.eager import eager, functorch_active
 from fsdpfn.transform.parked import Parking, tensors_on
-from fsdpfn.transform.saved import OuterSaved, Packed
+from fsdpfn.transform.group_copies import group_done, without_autograd
+from fsdpfn.transform.saved import OuterSaved, Packed, packed_reference
 from fsdpfn.transform.validate import contents_moved, versions_moved
 
-__all__ = ["Call", "GradMode", "group_done", "without_autograd"]
-
-
-@dataclass(frozen=True)
-class GradMode:
-    """How ``value_and_grad`` wants the gradients of one tree reduced.
-
-    ``scale`` overrides the ``fsdp`` reduction (``None`` keeps it); a ``sink`` defers the reduction: the
-    full per-rank gradients are added into it instead of being reduce-scattered; a ``carry`` holds full
-    gradients deferred earlier, which each unit's backward adds to its own and reduces with them.
-    ``scales``: the reductions' factors the calls used (for what a carry still holds afterwards)."""
-
-    scale: float | None = None
-    sink: dict[str, torch.Tensor] | None = None
-    carry: dict[str, torch.Tensor] | None = None
-    scales: list[float] = field(default_factory=list)
-    deferred: DeferredReductions | None = None  # reductions value_and_grad waits for and adds after autograd.grad
-    traced: bool = False  # the whole step is being traced into one graph (fsdpfn.compile_step)
-    collectives: Collectives = "native"  # how the traced step writes its collectives
+__all__ = ["Call"]
 
 
 class Call:
@@ -341,17 +322,10 @@ class Call:
         return t.detach()
 
     def _pack_own(self, t: torch.Tensor) -> Packed | None:
-        if not self.storages or not isinstance(t, torch.Tensor) or t.numel() == 0:
-            return None
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        if type(local) is not torch.Tensor or local.layout != torch.strided or local.numel() == 0:
-            return None  # gathered buffers are plain tensors; other subclasses (collective results) have no storage to match
-        hit = self.storages.get(local.untyped_storage().data_ptr())
-        if hit is None:
-            return None
-        self.packed_units.add(hit[0])
-        spec = t._spec if local is not t else None
-        return Packed(hit[0], hit[1], local.storage_offset(), tuple(local.shape), tuple(local.stride()), spec)
+        got = packed_reference(self.storages, t) if self.storages else None
+        if got is not None:
+            self.packed_units.add(got.unit)
+        return got
 
     @eager
     def unpack(self, x: Any) -> torch.Tensor:
@@ -463,26 +437,3 @@ class Call:
         full = (None if name in self.parking else self.gathered.get(name)) or self.regather(name)
         grad = self.tracks_grad.get(name, {})
         return {f: t.detach().requires_grad_(grad.get(f, False)) for f, t in full.items()}
-
-
-def without_autograd(gathered_with_grad: bool, fqns: Iterable[str], params: Sharded[torch.Tensor]) -> bool:
-    """Whether a group's gathered copy was made without autograd (its unit ran under ``torch.no_grad()``:
-    a teacher or a target network inside the forward) while the unit about to use it runs with autograd
-    and trains some of its parameters. Kept gathered (``reshard_after_forward=False``, world 1, or a fused
-    group whose other unit comes next), that copy would give the unit values no gradient leads back from
-    through the gather (at world 1 they are views of the shards, outside it): the shards would silently
-    get none. The caller gathers again, differentiably."""
-    return not gathered_with_grad and torch.is_grad_enabled() and any(params[f].requires_grad for f in fqns)
-
-
-def group_done(members: Sequence[str], members_done: dict[str, set[str]], group: str, unit: str) -> bool:
-    """Record in ``members_done`` that ``unit`` of ``group`` (whose units are ``members``) finished its
-    forward; true once all of them have (and the record is cleared for the group's next use)."""
-    if len(members) == 1:
-        return True
-    done = members_done.setdefault(group, set())
-    done.add(unit)
-    if len(done) < len(members):
-        return False
-    del members_done[group]
-    return True

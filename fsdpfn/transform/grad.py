@@ -19,7 +19,7 @@ from fsdpfn.ops.api import check_shards, gather_collective, is_positive_number, 
 from fsdpfn.ops.deferred import DeferredReductions
 from fsdpfn.ops.held import reduce_held
 from fsdpfn.ops.span import agreement_comm
-from fsdpfn.transform.call import GradMode
+from fsdpfn.transform.grad_mode import GradMode
 from fsdpfn.transform.fusion import note_accumulation
 from fsdpfn.transform.reentrant import has_reentrant_checkpoint, reentrant_error
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-__all__ = ["OuterSaved", "Packed", "checkpoint_region", "outer_saved_hooks"]
+__all__ = ["OuterSaved", "Packed", "checkpoint_region", "outer_saved_hooks", "packed_reference"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,28 @@ class Packed:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     spec: Any = None  # a saved DTensor's spec (its local tensor is what aliases the unit's buffer)
+
+
+def packed_reference(storages: dict[int, tuple[str, str]], t: Any) -> Packed | None:
+    """Where ``t`` lives in a gathered group, if it aliases one of ``storages`` (storage pointer ->
+    ``(unit, fqn)``): a ``DTensor`` by its local tensor, as tensor-parallel modules save it. ``None`` for
+    anything else, which the call does not replace.
+
+    Example:
+        >>> w = torch.zeros(4, 3)
+        >>> packed_reference({w.untyped_storage().data_ptr(): ("0", "0.weight")}, w[1:]).offset
+        3
+    """
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return None
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if type(local) is not torch.Tensor or local.layout != torch.strided or local.numel() == 0:
+        return None  # gathered buffers are plain tensors; other subclasses (collective results) have no storage to match
+    hit = storages.get(local.untyped_storage().data_ptr())
+    if hit is None:
+        return None
+    spec = t._spec if local is not t else None
+    return Packed(hit[0], hit[1], local.storage_offset(), tuple(local.shape), tuple(local.stride()), spec)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from torch.torch_version import TorchVersion
 from fsdpfn.core.traced import Collectives
 from fsdpfn.layout import Sharded, ShardPlan
 from fsdpfn.ops.traced import warm
-from fsdpfn.transform.call import GradMode
+from fsdpfn.transform.grad_mode import GradMode
 from fsdpfn.transform.grad import _scale, finish, grad_inputs, shard_grads, split_value, value_and_grad
 
 __all__ = ["compile_step"]

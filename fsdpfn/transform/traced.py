@@ -19,7 +19,7 @@ from fsdpfn.layout import Sharded
 from fsdpfn.layout.schedule import Schedule
 from fsdpfn.ops.api import check_shards, gather_collective
 from fsdpfn.ops.traced import traced_gather, warm
-from fsdpfn.transform.call import group_done, without_autograd
+from fsdpfn.transform.group_copies import group_done, without_autograd
 from fsdpfn.transform.open_call import OpenCall
 from fsdpfn.transform.casting import cast_inputs, cast_output
 
