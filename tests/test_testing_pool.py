@@ -391,7 +391,21 @@ def test_bad_world_size() -> None:
             spmd(w, _pid)  # type: ignore[arg-type]
 
 
-def test_shutdown_pools_then_restart() -> None:
+@pytest.fixture
+def own_pools():
+    """Pools of the test's own: those earlier tests started are set aside and come back after it, so
+    a test that shuts every pool down does not make later tests start theirs again (a world-8 pool is
+    eight interpreters importing torch on two cores: ~15 s)."""
+    kept = dict(pool_mod._POOLS)
+    pool_mod._POOLS.clear()
+    try:
+        yield
+    finally:
+        shutdown_pools()
+        pool_mod._POOLS.update(kept)
+
+
+def test_shutdown_pools_then_restart(own_pools) -> None:
     pids = spmd(1, _pid)
     shutdown_pools()
     assert pool_mod._POOLS == {}
