@@ -13,8 +13,8 @@ import sys
 
 __all__ = ["FLIGHT_RECORDER_ENV", "groups_apart", "groups_state", "last_operations"]
 
-# Read by torch when a process group records its first operation; the workers set it before joining
-# theirs. Recording costs nothing measurable next to a gloo collective (~0.7 ms on these machines).
+# How many operations torch's flight recorder keeps (read once, before it records the first); the workers
+# set it before joining their group. Recording cost nothing measurable next to a gloo collective here.
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
 
 
