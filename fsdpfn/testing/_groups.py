@@ -2,8 +2,8 @@
 operation to pair up (not a public API): each worker reports them with every answer
 (``groups_state``), and the pool compares them (``groups_apart``) after every call, to renew groups a call
 left apart, and in a failed call's report, to say whether the ranks had diverged. A rank that raised
-also reports its last operations (``last_operations``, from torch's flight recorder, which the workers
-switch on: ``FLIGHT_RECORDER_ENV``), so the report shows which collective a diverged rank ran alone.
+also reports its last operations (``last_operations``, from torch's flight recorder, which the pool
+switches on in its workers' environment: ``FLIGHT_RECORDER_ENV``), so the report shows which collective a diverged rank ran alone.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 
 __all__ = ["FLIGHT_RECORDER_ENV", "groups_apart", "groups_state", "last_operations"]
 
-# How many operations torch's flight recorder keeps (read once, before it records the first); the workers
-# set it before joining their group. Recording cost nothing measurable next to a gloo collective here.
+# How many operations torch's flight recorder keeps (read once, before it records the first); the pool
+# sets it in the environment it starts its workers with. Recording cost nothing measurable next to a gloo collective here.
 FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
 
 
@@ -96,7 +96,7 @@ _RELAYS = ("/torch/distributed/distributed_c10d.py", "/torch/distributed/c10d_lo
 
 def _issued_at(frames: list) -> str:
     for f in frames:  # innermost first
-        name = str(f.get("filename", ""))
-        if not any(r in name.replace("\\", "/") for r in _RELAYS):
-            return f" at {name.rsplit('/', 1)[-1]}:{f.get('line')} ({f.get('name')})"
+        path = str(f.get("filename", "")).replace("\\", "/")
+        if not any(r in path for r in _RELAYS):
+            return f" at {path.rsplit('/', 1)[-1]}:{f.get('line')} ({f.get('name')})"
     return ""

@@ -17,6 +17,7 @@ import time
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
+from fsdpfn.testing._groups import FLIGHT_RECORDER_ENV
 from fsdpfn.testing._wire import receive, send, without_delay
 
 __all__ = ["MAX_WORLD_SIZE", "WorkerPool", "read_log"]
@@ -49,6 +50,7 @@ class WorkerPool:
         env["OMP_NUM_THREADS"] = "1"
         env["MKL_NUM_THREADS"] = "1"
         env[_AUTHKEY_ENV] = authkey.hex()
+        env.setdefault(FLIGHT_RECORDER_ENV, "64")  # a failed call's report lists each rank's last operations
         if sys.platform.startswith("linux"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         init_method = f"tcp://127.0.0.1:{_free_port()}"

@@ -34,7 +34,7 @@ import traceback
 from multiprocessing.connection import Client
 from typing import Any
 
-from fsdpfn.testing._groups import FLIGHT_RECORDER_ENV, groups_state, last_operations
+from fsdpfn.testing._groups import groups_state, last_operations
 from fsdpfn.testing._wire import receive, send, without_delay
 
 AUTHKEY_ENV = "FSDPFN_SPMD_AUTHKEY"
@@ -253,7 +253,6 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        os.environ.setdefault(FLIGHT_RECORDER_ENV, "64")  # a failed call's report lists the rank's last operations
         _init_default_group(ns.rank, ns.world_size, ns.init_method)
     except BaseException as exc:  # noqa: BLE001
         send(conn, error_reply(exc, tag="init_error"))
